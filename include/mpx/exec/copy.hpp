@@ -1,0 +1,58 @@
+// Copies between tensors in any pair of memory spaces, and the two conveniences
+// to_host and to_device. Host-to-host copies run on the host_executor; anything that
+// touches device memory runs on a cuda_executor's stream.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+
+#include <cstring>
+#include <type_traits>
+
+namespace mpx {
+
+//! Copies src into dst (same shape, same element type). On a cuda_executor the copy is
+//! enqueued on its stream; a copy from pageable host memory returns once the data is
+//! staged, so src may be reused at once.
+template <executor Exec, tensor_like Src, tensor_like Dst>
+void copy([[maybe_unused]] Exec const& exec, Src&& src, Dst&& dst) {
+  auto s = mpx::view(src);
+  auto d = mpx::view(dst);
+  static_assert(std::is_same_v<value_t<Src>, value_t<Dst>>,
+                "mpx::copy copies elements of one type; convert with mpx::cast(exec, src, dst)");
+  static_assert(!std::is_const_v<typename decltype(d)::element_type>, "mpx::copy: the destination is const");
+  detail::require_same_shape("copy", s.shape(), d.shape());
+  if (s.empty()) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    detail::require_access<Exec, space_t<Src>, space_t<Dst>>();
+    std::memmove(d.data(), s.data(), s.size_bytes());
+  } else {
+#if MPX_HAS_CUDA_RUNTIME
+    MPX_CUDA_CHECK(cudaMemcpyAsync(d.data(), s.data(), s.size_bytes(), cudaMemcpyDefault, exec.stream()));
+#endif
+  }
+}
+
+//! A host copy of x. On a cuda_executor this synchronises the stream.
+template <executor Exec, tensor_like X>
+tensor<value_t<X>, host_space> to_host(Exec const& exec, X&& x) {
+  auto v = mpx::view(x);
+  tensor<value_t<X>, host_space> out(v.shape());
+  copy(exec, v, out);
+  exec.synchronize();
+  return out;
+}
+
+#if MPX_HAS_CUDA_RUNTIME
+//! A device copy of x, enqueued on the executor's stream.
+template <tensor_like X>
+tensor<value_t<X>, device_space> to_device(cuda_executor const& exec, X&& x) {
+  auto v = mpx::view(x);
+  tensor<value_t<X>, device_space> out(exec, v.shape());
+  copy(exec, v, out);
+  return out;
+}
+#endif
+
+}  // namespace mpx

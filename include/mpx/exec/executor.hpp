@@ -1,0 +1,82 @@
+// Executors decide where an algorithm runs: host_executor (plain C++, the reference)
+// or cuda_executor{stream} (kernels on a stream). They are cheap values; traits say
+// which memory space each one reaches, and reaching the wrong one is a compile error.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/memory_space.hpp>
+
+#include <string_view>
+#include <type_traits>
+
+namespace mpx {
+
+//! Runs algorithms on the calling thread over host memory. Always available.
+struct host_executor {
+  using memory_space = host_space;
+  static constexpr std::string_view name = "host";
+  void synchronize() const noexcept {}  //!< Host work is done when the call returns.
+};
+
+#if MPX_HAS_CUDA_RUNTIME
+//! Enqueues algorithms on a CUDA stream (the legacy default stream if none is given).
+//! Algorithms return once their work is enqueued, except those that return a value to
+//! the host (all_finite, stats): those synchronise the stream, and say so.
+//! Launching kernels needs nvcc; holding one and copying memory does not.
+class cuda_executor {
+ public:
+  using memory_space = device_space;
+  static constexpr std::string_view name = "cuda";
+
+  cuda_executor() = default;
+  explicit cuda_executor(cudaStream_t stream) noexcept : stream_(stream) {}
+
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  //! The same executor on another stream.
+  [[nodiscard]] cuda_executor on(cudaStream_t stream) const noexcept { return cuda_executor(stream); }
+  //! Waits for everything enqueued on the stream; throws mpx::cuda_error if it failed.
+  void synchronize() const { MPX_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+#endif
+
+template <class E>
+inline constexpr bool is_host_executor_v = std::is_same_v<std::remove_cvref_t<E>, host_executor>;
+
+#if MPX_HAS_CUDA_RUNTIME
+template <class E>
+inline constexpr bool is_cuda_executor_v = std::is_same_v<std::remove_cvref_t<E>, cuda_executor>;
+#else
+template <class E>
+inline constexpr bool is_cuda_executor_v = false;
+#endif
+
+template <class E>
+concept executor = is_host_executor_v<E> || is_cuda_executor_v<E>;
+
+//! The memory space an executor's algorithms read and write.
+template <executor E>
+using memory_space_t = typename std::remove_cvref_t<E>::memory_space;
+
+//! Whether executor E's algorithms can read and write memory in Space.
+template <class E, class Space>
+inline constexpr bool can_access_v = executor<E> && std::is_same_v<memory_space_t<E>, Space>;
+
+namespace detail {
+template <class>
+inline constexpr bool always_false_v = false;
+
+//! The one place the space check lives, so every algorithm refuses the same way.
+template <class Exec, class... Spaces>
+constexpr void require_access() {
+  static_assert(executor<Exec>, "mpx: expected an executor (mpx::host_executor or mpx::cuda_executor)");
+  static_assert((can_access_v<Exec, Spaces> && ...),
+                "mpx: the executor cannot reach this tensor's memory: a device_space tensor was "
+                "given to the host_executor, or a host_space tensor to the cuda_executor. Copy it "
+                "with mpx::copy / mpx::to_host / mpx::to_device, or use the matching executor");
+}
+}  // namespace detail
+
+}  // namespace mpx

@@ -1,0 +1,77 @@
+// Launch helpers shared by mpx's kernels: aligned vectors for 16-byte loads, a grid
+// sized to the device, and the split of a range into an unaligned head, a vectorised
+// body and a tail. CUDA-only by nature (the aligned_vector type is usable anywhere).
+#pragma once
+
+#include <mpx/core/config.hpp>
+#include <mpx/core/error.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace mpx::detail {
+
+//! N consecutive elements of T loaded or stored as one instruction (N * sizeof(T) <= 16).
+template <class T, int N>
+struct alignas(sizeof(T) * N) aligned_vector {
+  T v[N];
+};
+
+//! Elements per 16-byte access for a kernel that reads or writes all of Ts: the widest
+//! type sets the count, so no access exceeds 16 bytes.
+template <class... Ts>
+inline constexpr int vector_width = static_cast<int>(16 / std::max({sizeof(Ts)...}));
+
+//! How a range of n elements splits for vectorised access: `head` scalar elements until
+//! every pointer is aligned, `vectors` groups of `width`, and `tail` scalar elements.
+struct vector_split {
+  std::size_t head = 0;
+  std::size_t vectors = 0;
+  std::size_t tail = 0;
+};
+
+//! The split for pointers `ps`, or nullopt-like {0, 0, n} with `aligned == false` when
+//! their misalignments differ (then only a scalar pass can serve them all).
+template <int Width, class First, class... Rest>
+bool split_for_vectors(std::size_t n, vector_split& split, First const* first, Rest const*... rest) {
+  constexpr std::size_t first_bytes = Width * sizeof(First);
+  std::size_t const misaligned = (reinterpret_cast<std::uintptr_t>(first) % first_bytes) / sizeof(First);
+  std::size_t const head = std::min(n, misaligned ? Width - misaligned : std::size_t{0});
+  bool const aligned =
+      ((reinterpret_cast<std::uintptr_t>(rest + head) % (Width * sizeof(Rest)) == 0) && ... && true);
+  if (!aligned) return false;
+  split.head = head;
+  split.vectors = (n - head) / Width;
+  split.tail = n - head - split.vectors * Width;
+  return true;
+}
+
+inline constexpr int block_size = 256;
+
+#if MPX_HAS_CUDA_RUNTIME
+//! Multiprocessors of the current device, asked once per device.
+inline int sm_count() {
+  static std::atomic<int> cache[64] = {};
+  int device = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 64) {
+    if (int known = cache[device].load(std::memory_order_relaxed)) return known;
+  }
+  int count = 0;
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) cache[device].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+//! Blocks for a grid-stride loop over `items` work items: enough to fill every SM
+//! `blocks_per_sm` times, no more than the work needs, at least one.
+inline unsigned grid_for(std::size_t items, int blocks_per_sm = 8) {
+  std::size_t const needed = (items + block_size - 1) / block_size;
+  std::size_t const cap = static_cast<std::size_t>(sm_count()) * static_cast<std::size_t>(blocks_per_sm);
+  return static_cast<unsigned>(std::max<std::size_t>(1, std::min(needed, cap)));
+}
+#endif
+
+}  // namespace mpx::detail

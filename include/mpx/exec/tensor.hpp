@@ -1,0 +1,186 @@
+// Tensors: mpx::tensor<T, Space> owns shaped, contiguous (row-major) memory in a space
+// and is move-only; mpx::tensor_view<T, Space> is the non-owning (pointer, shape) pair
+// that algorithms and kernels take. mpx::view(x) gives the view of either.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/memory_space.hpp>
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace mpx {
+
+//! A non-owning view of contiguous elements of T in Space, with a shape. Cheap to copy.
+template <class T, memory_space Space = host_space>
+class tensor_view {
+ public:
+  using value_type = std::remove_const_t<T>;
+  using element_type = T;
+  using space_type = Space;
+
+  constexpr tensor_view() = default;
+  tensor_view(T* data, mpx::shape shape) noexcept : data_(data), shape_(shape) {}
+  //! A view of mutable elements is also a view of const ones.
+  operator tensor_view<T const, Space>() const noexcept
+    requires(!std::is_const_v<T>)
+  {
+    return {data_, shape_};
+  }
+
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  [[nodiscard]] mpx::shape const& shape() const noexcept { return shape_; }
+  [[nodiscard]] std::size_t size() const noexcept { return shape_.size(); }
+  [[nodiscard]] std::size_t size_bytes() const noexcept { return size() * sizeof(T); }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+
+  //! Elements [offset, offset + count) as a rank-1 view; throws mpx::invalid_argument
+  //! when the range leaves the view.
+  [[nodiscard]] tensor_view flat(std::size_t offset, std::size_t count) const {
+    if (offset > size() || count > size() - offset)
+      detail::fail<invalid_argument>("tensor_view::flat", "elements [" + std::to_string(offset) + ", " +
+                                                              std::to_string(offset + count) + ") of a view of shape " +
+                                                              shape_.to_string() + " are out of range");
+    return {data_ + offset, mpx::shape{static_cast<std::int64_t>(count)}};
+  }
+  //! The same elements under another shape of the same size; throws mpx::shape_error.
+  [[nodiscard]] tensor_view reshape(mpx::shape const& s) const {
+    if (s.size() != size())
+      detail::fail<shape_error>("tensor_view::reshape", "cannot view " + shape_.to_string() + " (" +
+                                                            std::to_string(size()) + " elements) as " + s.to_string());
+    return {data_, s};
+  }
+
+  //! Element access, host memory only (a device element needs a copy).
+  T& operator[](std::size_t i) const noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data_[i];
+  }
+  T* begin() const noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data_;
+  }
+  T* end() const noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data_ + size();
+  }
+
+ private:
+  T* data_ = nullptr;
+  mpx::shape shape_{0};
+};
+
+//! Owns a shaped block of T in Space. Move-only: copying a tensor is a decision (an
+//! allocation, maybe a transfer), made with mpx::copy, to_host or to_device.
+template <class T, memory_space Space = host_space>
+class tensor {
+ public:
+  using value_type = T;
+  using space_type = Space;
+
+  tensor() = default;
+  //! An uninitialised host tensor.
+  explicit tensor(mpx::shape shape)
+    requires std::is_same_v<Space, host_space>
+      : buffer_(shape.size()), shape_(shape) {}
+  //! An uninitialised tensor in the executor's space (on its stream, for the GPU).
+  template <executor Exec>
+  tensor(Exec const& exec, mpx::shape shape) : buffer_(make_buffer(exec, shape.size())), shape_(shape) {
+    detail::require_access<Exec, Space>();
+  }
+
+  tensor(tensor&&) noexcept = default;
+  tensor& operator=(tensor&&) noexcept = default;
+  tensor(tensor const&) = delete;
+  tensor& operator=(tensor const&) = delete;
+
+  [[nodiscard]] T* data() const noexcept { return buffer_.data(); }
+  [[nodiscard]] mpx::shape const& shape() const noexcept { return shape_; }
+  [[nodiscard]] std::size_t size() const noexcept { return shape_.size(); }
+  [[nodiscard]] std::size_t size_bytes() const noexcept { return size() * sizeof(T); }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+
+  [[nodiscard]] tensor_view<T, Space> view() noexcept { return {data(), shape_}; }
+  [[nodiscard]] tensor_view<T const, Space> view() const noexcept { return {data(), shape_}; }
+  operator tensor_view<T, Space>() noexcept { return view(); }
+  operator tensor_view<T const, Space>() const noexcept { return view(); }
+
+  T& operator[](std::size_t i) noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data()[i];
+  }
+  T const& operator[](std::size_t i) const noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data()[i];
+  }
+  T* begin() noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data();
+  }
+  T* end() noexcept
+    requires std::is_same_v<Space, host_space>
+  {
+    return data() + size();
+  }
+
+ private:
+  template <class Exec>
+  static detail::buffer<T, Space> make_buffer([[maybe_unused]] Exec const& exec, std::size_t n) {
+    if constexpr (std::is_same_v<Space, host_space>) {
+      return detail::buffer<T, Space>(n);
+    } else {
+      return detail::buffer<T, Space>(n, exec.stream());
+    }
+  }
+
+  detail::buffer<T, Space> buffer_;
+  mpx::shape shape_{0};
+};
+
+//! An uninitialised tensor of T in the executor's memory space.
+template <class T, executor Exec>
+tensor<T, memory_space_t<Exec>> make_tensor(Exec const& exec, mpx::shape shape) {
+  return tensor<T, memory_space_t<Exec>>(exec, shape);
+}
+
+//! The view of a tensor or a view: what algorithms accept, so users pass either.
+template <class T, class Space>
+tensor_view<T, Space> view(tensor<T, Space>& t) noexcept {
+  return t.view();
+}
+template <class T, class Space>
+tensor_view<T const, Space> view(tensor<T, Space> const& t) noexcept {
+  return t.view();
+}
+template <class T, class Space>
+tensor_view<T, Space> view(tensor_view<T, Space> v) noexcept {
+  return v;
+}
+
+//! A tensor or a view of one.
+template <class X>
+concept tensor_like = requires(X& x) { mpx::view(x); };
+
+//! The view type of X (tensor_view<T const, S> for a const tensor).
+template <tensor_like X>
+using view_t = decltype(mpx::view(std::declval<X&>()));
+
+//! The element type of X, without const.
+template <tensor_like X>
+using value_t = typename view_t<X>::value_type;
+
+//! The memory space of X.
+template <tensor_like X>
+using space_t = typename view_t<X>::space_type;
+
+}  // namespace mpx

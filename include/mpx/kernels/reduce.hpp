@@ -1,0 +1,116 @@
+// mpx::transform_reduce: map every element to an accumulator and combine them, on any
+// executor, deterministically. The CUDA path is one pass over the data (16-byte loads,
+// per-thread accumulation, a CUB block reduction to one partial per block) and a CUB
+// device reduction over the partials; the grid depends only on the size and the device,
+// so the result is the same run after run.
+#pragma once
+
+#include <mpx/core/config.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/launch.hpp>
+#include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/tensor.hpp>
+
+#include <cstddef>
+#include <type_traits>
+
+#if MPX_HAS_CUDA
+#include <cub/block/block_reduce.cuh>
+#include <cub/device/device_reduce.cuh>
+#endif
+
+namespace mpx {
+
+namespace detail {
+
+// Host: combine fixed-size chunks, then the chunks, so a float sum of n values carries
+// the rounding of about n / 1024 + 1024 additions rather than n.
+template <class T, class Acc, class Map, class Combine>
+Acc host_transform_reduce(T const* x, std::size_t n, Acc identity, Map const& map, Combine const& combine) {
+  constexpr std::size_t chunk = 1024;
+  Acc total = identity;
+  for (std::size_t begin = 0; begin < n; begin += chunk) {
+    std::size_t const end = begin + chunk < n ? begin + chunk : n;
+    Acc part = identity;
+    for (std::size_t i = begin; i < end; ++i) part = combine(part, map(x[i]));
+    total = combine(total, part);
+  }
+  return total;
+}
+
+#if MPX_HAS_CUDA
+template <int Width, class T, class Acc, class Map, class Combine>
+__global__ void __launch_bounds__(block_size)
+    reduce_to_partials_kernel(T const* __restrict__ x, vector_split split, Acc identity, Map map, Combine combine,
+                              Acc* __restrict__ partials) {
+  std::size_t const tid = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  Acc acc = identity;
+  if (tid < split.head) acc = combine(acc, map(x[tid]));
+  for (std::size_t v = tid; v < split.vectors; v += stride) {
+    auto const vec = *reinterpret_cast<aligned_vector<T, Width> const*>(x + split.head + v * Width);
+#pragma unroll
+    for (int k = 0; k < Width; ++k) acc = combine(acc, map(vec.v[k]));
+  }
+  if (tid < split.tail) acc = combine(acc, map(x[split.head + split.vectors * Width + tid]));
+
+  using block_reduce = cub::BlockReduce<Acc, block_size>;
+  __shared__ typename block_reduce::TempStorage temp;
+  Acc const block_total = block_reduce(temp).Reduce(acc, combine);
+  if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
+}
+
+template <class T, class Acc, class Map, class Combine>
+Acc cuda_transform_reduce(cudaStream_t stream, T const* x, std::size_t n, Acc identity, Map const& map,
+                          Combine const& combine) {
+  constexpr int width = vector_width<T>;
+  vector_split split;
+  split_for_vectors<width>(n, split, x);  // one pointer: always splits
+  unsigned const grid = grid_for(std::max({split.vectors, split.head, split.tail}), 4);
+
+  // One stream-ordered scratch allocation: the partials, the result, CUB's temp storage.
+  std::size_t cub_bytes = 0;
+  MPX_CUDA_CHECK(cub::DeviceReduce::Reduce(nullptr, cub_bytes, static_cast<Acc*>(nullptr), static_cast<Acc*>(nullptr),
+                                           static_cast<int>(grid), combine, identity, stream));
+  std::size_t const partial_bytes = (grid + 1) * sizeof(Acc);
+  std::size_t const cub_offset = (partial_bytes + 255) / 256 * 256;
+  buffer<std::byte, device_space> scratch(cub_offset + cub_bytes, stream);
+  Acc* partials = reinterpret_cast<Acc*>(scratch.data());
+  Acc* result = partials + grid;
+
+  reduce_to_partials_kernel<width><<<grid, block_size, 0, stream>>>(x, split, identity, map, combine, partials);
+  MPX_CUDA_CHECK_LAUNCH("mpx::reduce_to_partials_kernel");
+  MPX_CUDA_CHECK(cub::DeviceReduce::Reduce(scratch.data() + cub_offset, cub_bytes, partials, result,
+                                           static_cast<int>(grid), combine, identity, stream));
+  Acc host_result;
+  MPX_CUDA_CHECK(cudaMemcpyAsync(&host_result, result, sizeof(Acc), cudaMemcpyDeviceToHost, stream));
+  MPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host_result;
+}
+#endif
+
+}  // namespace detail
+
+//! combine(... combine(identity, map(x[0])) ..., map(x[n-1])) in an unspecified but fixed
+//! order: `combine` must be associative and commutative up to rounding, and `identity`
+//! its neutral element. Both are MPX_HD functors. On a cuda_executor this returns a host
+//! value, so it synchronises the stream.
+template <executor Exec, tensor_like X, class Acc, class Map, class Combine>
+Acc transform_reduce([[maybe_unused]] Exec const& exec, X&& x, Acc identity, Map map, Combine combine) {
+  auto v = mpx::view(x);
+  detail::require_access<Exec, space_t<X>>();
+  if (v.empty()) return identity;
+  if constexpr (is_host_executor_v<Exec>) {
+    return detail::host_transform_reduce(v.data(), v.size(), identity, map, combine);
+  } else {
+#if MPX_HAS_CUDA
+    return detail::cuda_transform_reduce(exec.stream(), v.data(), v.size(), identity, map, combine);
+#else
+    static_assert(detail::always_false_v<Exec>,
+                  "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
+                  "(call them from a .cu file)");
+#endif
+  }
+}
+
+}  // namespace mpx

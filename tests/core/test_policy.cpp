@@ -1,0 +1,63 @@
+// Policies: member types, names, the concept, lookup by name at compile time and at
+// run time. The compile-time refusals are in tests/compile_fail.
+#include "../support/testing.hpp"
+
+using mpx::bfloat16;
+using mpx::half;
+
+static_assert(std::is_same_v<mpx::mixed_float16::storage_type, half>);
+static_assert(std::is_same_v<mpx::mixed_float16::compute_type, half>);
+static_assert(std::is_same_v<mpx::mixed_float16::accumulate_type, float>);
+static_assert(std::is_same_v<mpx::mixed_float16::param_type, float>);
+static_assert(std::is_same_v<mpx::mixed_bfloat16::storage_type, bfloat16>);
+static_assert(std::is_same_v<mpx::float32::storage_type, float>);
+static_assert(mpx::policy_type<mpx::mixed_float16> && mpx::policy_type<mpx::float32>);
+static_assert(!mpx::policy_type<float> && !mpx::policy_type<int>);
+static_assert(mpx::float_accumulating_policy<mpx::mixed_bfloat16>);
+static_assert(!mpx::float_accumulating_policy<mpx::policy<half, half, half>>);
+
+namespace {
+// A user's own policy type, not built from mpx::policy, satisfies the concept too.
+struct my_policy {
+  using storage_type = bfloat16;
+  using compute_type = float;
+  using accumulate_type = float;
+  using param_type = float;
+  static constexpr std::string_view name = "my_policy";
+};
+static_assert(mpx::policy_type<my_policy>);
+
+constexpr auto mixed16_name = BOOST_HANA_STRING("mixed_float16");
+static_assert(std::is_same_v<mpx::policy_named<std::remove_const_t<decltype(mixed16_name)>>, mpx::mixed_float16>);
+}  // namespace
+
+TEST_CASE("policy names read like Keras's", "[policy]") {
+  CHECK(mpx::float32::name == "float32");
+  CHECK(mpx::mixed_float16::name == "mixed_float16");
+  CHECK(mpx::mixed_bfloat16::name == "mixed_bfloat16");
+  CHECK(mpx::policy<half, float>::name == "policy<storage=float16, compute=float32, accumulate=float32, param=float32>");
+  CHECK(mpx::policy<half, half, half>::name == "policy<storage=float16, compute=float16, accumulate=float16, param=float32>");
+}
+
+TEST_CASE("with_policy dispatches a runtime name to the preset type", "[policy]") {
+  auto storage_bits = [](std::string_view name) {
+    return mpx::with_policy(name, [](auto p) {
+      using P = typename decltype(p)::type;
+      return mpx::dtype_traits<typename P::storage_type>::bits * 100 + static_cast<int>(P::name.size());
+    });
+  };
+  CHECK(storage_bits("float32") == 3207);
+  CHECK(storage_bits("mixed_float16") == 1613);
+  CHECK(storage_bits("mixed_bfloat16") == 1614);
+
+  std::string seen;
+  mpx::with_policy("mixed_bfloat16", [&](auto p) { seen = decltype(p)::type::name; });
+  CHECK(seen == "mixed_bfloat16");
+}
+
+TEST_CASE("with_policy refuses an unknown name and lists the presets", "[policy]") {
+  CHECK_THROWS_TYPE_WITH(mpx::with_policy("mixed_float8", [](auto) { return 0; }), mpx::invalid_argument,
+                       Catch::Matchers::Contains("unknown policy \"mixed_float8\"") &&
+                           Catch::Matchers::Contains("mixed_float16"));
+  CHECK_THROWS_AS(mpx::with_policy("", [](auto) {}), mpx::error);
+}

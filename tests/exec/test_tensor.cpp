@@ -1,0 +1,91 @@
+// Shapes, tensors and views: ownership, bounds, reshape, copies between spaces, and the
+// errors that name both shapes.
+#include "../support/testing.hpp"
+
+static_assert(!std::is_copy_constructible_v<mpx::tensor<float>>);
+static_assert(!std::is_copy_assignable_v<mpx::tensor<float>>);
+static_assert(std::is_nothrow_move_constructible_v<mpx::tensor<float>>);
+static_assert(std::is_trivially_copyable_v<mpx::tensor_view<float>>);
+static_assert(std::is_convertible_v<mpx::tensor_view<float>, mpx::tensor_view<float const>>);
+static_assert(!std::is_convertible_v<mpx::tensor_view<float const>, mpx::tensor_view<float>>);
+static_assert(mpx::can_access_v<mpx::host_executor, mpx::host_space>);
+static_assert(!mpx::can_access_v<mpx::host_executor, mpx::device_space>);
+#if MPX_HAS_CUDA_RUNTIME
+static_assert(mpx::can_access_v<mpx::cuda_executor, mpx::device_space>);
+static_assert(!mpx::can_access_v<mpx::cuda_executor, mpx::host_space>);
+static_assert(mpx::is_cuda_executor_v<mpx::cuda_executor> && !mpx::is_host_executor_v<mpx::cuda_executor>);
+#endif
+
+TEST_CASE("shape: size, rank, printing, equality", "[tensor]") {
+  mpx::shape const s{32, 28, 28, 1};
+  CHECK(s.rank() == 4);
+  CHECK(s.size() == 32u * 28 * 28);
+  CHECK(s.to_string() == "[32, 28, 28, 1]");
+  CHECK(mpx::shape{}.size() == 1);
+  CHECK(mpx::shape{}.to_string() == "[]");
+  CHECK(mpx::shape{3, 0}.size() == 0);
+  CHECK(s == mpx::shape{32, 28, 28, 1});
+  CHECK_FALSE(s == mpx::shape{32, 28, 28});
+  CHECK_THROWS_TYPE_WITH((mpx::shape{2, -1}), mpx::invalid_argument, Catch::Matchers::Contains("negative extent -1"));
+  CHECK_THROWS_AS((mpx::shape{1, 1, 1, 1, 1, 1, 1, 1, 1}), mpx::invalid_argument);
+}
+
+TEST_CASE("host tensor: ownership moves, views see the same memory", "[tensor]") {
+  mpx::tensor<float> a(mpx::shape{2, 3});
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i);
+  float const* data = a.data();
+  mpx::tensor<float> b = std::move(a);
+  CHECK(b.data() == data);
+  CHECK(a.data() == nullptr);  // NOLINT(bugprone-use-after-move): moved-from is empty by contract
+  auto v = b.view();
+  CHECK(v.shape() == mpx::shape{2, 3});
+  CHECK(v[4] == 4.0f);
+  auto r = v.reshape({3, 2});
+  CHECK(r.shape().to_string() == "[3, 2]");
+  CHECK(r.data() == v.data());
+  CHECK_THROWS_TYPE_WITH(v.reshape({4, 2}), mpx::shape_error,
+                       Catch::Matchers::Contains("[2, 3]") && Catch::Matchers::Contains("[4, 2]"));
+  auto f = v.flat(2, 3);
+  CHECK(f.size() == 3);
+  CHECK(f[0] == 2.0f);
+  CHECK_THROWS_AS(v.flat(4, 3), mpx::invalid_argument);
+  CHECK(v.flat(6, 0).empty());
+}
+
+TEMPLATE_LIST_TEST_CASE("copy round-trips through the executor's space", "[tensor]", mpx_test::executors) {
+  TestType exec;
+  for (std::size_t n : mpx_test::awkward_sizes()) {
+    auto const values = mpx_test::random_values<float>(n, -10, 10, n);
+    auto t = mpx_test::upload(exec, values);
+    auto u = mpx::make_tensor<float>(exec, t.shape());
+    mpx::fill(exec, u, mpx_test::poison<float>());
+    mpx::copy(exec, t, u);
+    INFO("n = " << n);
+    REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, u), values).empty());
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("copy and elementwise ops name both shapes on a mismatch", "[tensor][errors]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto a = mpx::make_tensor<float>(exec, {4, 5});
+  auto b = mpx::make_tensor<float>(exec, {5, 4});
+  auto c = mpx::make_tensor<mpx::half>(exec, {20});
+  CHECK_THROWS_TYPE_WITH(mpx::copy(exec, a, b), mpx::shape_error,
+                       Catch::Matchers::Contains("mpx::copy") && Catch::Matchers::Contains("[4, 5]") &&
+                           Catch::Matchers::Contains("[5, 4]"));
+  CHECK_THROWS_TYPE_WITH(mpx::cast(exec, a, c), mpx::shape_error,
+                       Catch::Matchers::Contains("[4, 5]") && Catch::Matchers::Contains("[20]"));
+  CHECK_THROWS_AS(mpx::axpy(exec, 1.0f, a, b), mpx::shape_error);
+  // Nothing was written: the failed operations were refused before any launch.
+  CHECK(mpx::shape{4, 5} == a.shape());
+}
+
+#if MPX_HAS_CUDA
+TEST_CASE("a failing CUDA call becomes an mpx::cuda_error naming the call", "[errors]") {
+  mpx::cuda_executor exec;
+  // Asking for more memory than any GPU has.
+  CHECK_THROWS_TYPE_WITH((mpx::tensor<float, mpx::device_space>(exec, {std::int64_t{1} << 45})), mpx::cuda_error,
+                       Catch::Matchers::Contains("cudaMallocAsync") && Catch::Matchers::Contains("cudaError"));
+}
+#endif

@@ -1,0 +1,166 @@
+// all_finite, count_nonfinite, stats and sum_of_squares on each executor: non-finite
+// values planted where vectorised kernels go wrong (first, last, inside a vector, in
+// the tail, behind a misaligned start), and statistics against a float64 reference.
+#include "../support/testing.hpp"
+
+#include <cmath>
+
+namespace {
+
+template <class T>
+mpx::numerics_stats reference_stats(std::vector<T> const& v) {
+  mpx::numerics_stats s;
+  s.size = v.size();
+  double absmax = 0, min_abs = INFINITY;
+  double const min_normal = mpx::detail::to_double(mpx::dtype_traits<T>::min_normal());
+  for (T const& x : v) {
+    double const d = mpx::detail::to_double(x);
+    if (std::isnan(d)) ++s.nan;
+    else if (std::isinf(d)) ++s.inf;
+    else if (d == 0) ++s.zero;
+    else {
+      double const a = std::fabs(d);
+      absmax = std::max(absmax, a);
+      min_abs = std::min(min_abs, a);
+      s.subnormal += a < min_normal;
+      s.underflow_in_half += a <= 0x1p-25;  // rounds to zero in half (the tie goes to even, zero)
+      s.overflow_in_half += a >= 65520.0;   // rounds to inf in half
+    }
+  }
+  s.absmax = static_cast<float>(absmax);
+  s.min_abs_nonzero = std::isinf(min_abs) ? 0.0f : static_cast<float>(min_abs);
+  return s;
+}
+
+template <class T>
+std::vector<T> mixed_magnitudes(std::size_t n, std::uint64_t stream) {
+  std::mt19937_64 gen(mpx_test::seed + stream);
+  std::uniform_real_distribution<double> exponent(-40, 40);
+  std::vector<T> v(n);
+  for (auto& x : v) {
+    std::uint64_t const r = gen();
+    x = (r % 17 == 0) ? mpx::cast<T>(0.0) : mpx::cast<T>((r & 1 ? -1 : 1) * std::exp2(exponent(gen)));
+  }
+  return v;
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("a planted NaN or inf is found wherever it sits", "[numerics]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : {1ul, 7ul, 8ul, 9ul, 33ul, 1021ul, 65537ul, 1000003ul}) {
+      auto values = mpx_test::random_values<T>(n, -1000, 1000, n);
+      {
+        auto const clean = mpx_test::upload(exec, values);
+        INFO(mpx::dtype_name<T> << " n=" << n << " clean");
+        REQUIRE(mpx::all_finite(exec, clean));
+        REQUIRE(mpx::count_nonfinite(exec, clean) == 0);
+      }
+      std::vector<std::size_t> places = {0, n - 1, n / 2, n > 4 ? n - 3 : 0, n > 12 ? std::size_t{11} : 0};
+      std::mt19937_64 gen(mpx_test::seed + n);
+      for (int r = 0; r < 5; ++r) places.push_back(gen() % n);
+      for (std::size_t place : places) {
+        for (T bad : {mpx::dtype_traits<T>::quiet_nan(), mpx::dtype_traits<T>::infinity(),
+                      mpx::cast<T>(-mpx::detail::to_double(mpx::dtype_traits<T>::infinity()))}) {
+          auto planted = values;
+          planted[place] = bad;
+          auto const d = mpx_test::upload(exec, planted);
+          INFO(mpx::dtype_name<T> << " n=" << n << " at " << place << " value " << mpx_test::describe(bad));
+          REQUIRE_FALSE(mpx::all_finite(exec, d));
+          REQUIRE(mpx::count_nonfinite(exec, d) == 1);
+          // The same search through a view that starts misaligned.
+          if (place > 0) REQUIRE(mpx::count_nonfinite(exec, mpx::view(d).flat(1, n - 1)) == 1);
+        }
+      }
+    }
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+  for_type(float{});
+}
+
+TEMPLATE_LIST_TEST_CASE("stats match a float64 reference", "[numerics]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : mpx_test::awkward_sizes()) {
+      auto values = mixed_magnitudes<T>(n, n);
+      if (n > 10) {
+        values[3] = mpx::dtype_traits<T>::quiet_nan();
+        values[n - 1] = mpx::dtype_traits<T>::infinity();
+        values[n / 2] = mpx::dtype_traits<T>::min_subnormal();
+      }
+      auto const d = mpx_test::upload(exec, values);
+      auto const got = mpx::stats(exec, d);
+      auto const expected = reference_stats(values);
+      INFO(mpx::dtype_name<T> << " n=" << n << "\n got      " << got << "\n expected " << expected);
+      REQUIRE(got == expected);
+      if (n > 1000) {
+        // The reference must have something to find, or this test proves nothing.
+        REQUIRE(expected.zero > 0);
+        REQUIRE(expected.nan == 1);
+        REQUIRE(expected.subnormal > 0);
+        if (!std::is_same_v<T, mpx::half>) {
+          REQUIRE(expected.underflow_in_half > 0);
+          REQUIRE(expected.overflow_in_half > 0);
+        }
+      }
+    }
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+  for_type(float{});
+}
+
+TEMPLATE_LIST_TEST_CASE("stats explain a gradient that becomes zero in half", "[numerics]", mpx_test::executors) {
+  TestType exec;
+  // Gradients of size 1e-8 (typical of a deep layer): all of them vanish in half.
+  std::vector<float> grads(1000, 1e-8f);
+  auto const d = mpx_test::upload(exec, grads);
+  auto const s = mpx::stats(exec, d);
+  CHECK(s.underflow_in_half == 1000);
+  CHECK(s.underflow_in_half_share() == 1.0);
+  // Scaled by 2^15 they survive.
+  auto scaled = mpx_test::upload(exec, grads);
+  mpx::scale(exec, scaled, 32768.0f);
+  CHECK(mpx::stats(exec, scaled).underflow_in_half == 0);
+}
+
+TEMPLATE_LIST_TEST_CASE("sum_of_squares accumulates in float to float64 accuracy", "[numerics]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : mpx_test::awkward_sizes()) {
+      auto const values = mpx_test::random_values<T>(n, -3, 3, 7);
+      double exact = 0;
+      for (T x : values) exact += mpx::detail::to_double(x) * mpx::detail::to_double(x);
+      auto const d = mpx_test::upload(exec, values);
+      float const got = mpx::sum_of_squares<mpx::mixed_float16>(exec, d);
+      INFO(mpx::dtype_name<T> << " n=" << n << " got " << got << " exact " << exact);
+      REQUIRE(std::fabs(got - exact) <= 1e-5 * exact + 1e-30);
+    }
+    // Far past half's range: 256 values of 300 sum to 2.3e7 in float.
+    std::vector<T> big(256, mpx::cast<T>(300.0f));
+    auto const d = mpx_test::upload(exec, big);
+    REQUIRE(mpx::sum_of_squares<mpx::mixed_float16>(exec, d) ==
+            static_cast<float>(256.0 * mpx::detail::to_double(big[0]) * mpx::detail::to_double(big[0])));
+    // A non-finite gradient gives a non-finite norm: clipping can never hide it.
+    big[17] = mpx::dtype_traits<T>::quiet_nan();
+    auto const bad = mpx_test::upload(exec, big);
+    REQUIRE(std::isnan(mpx::sum_of_squares<mpx::float32>(exec, bad)));
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+  for_type(float{});
+}
+
+TEMPLATE_LIST_TEST_CASE("empty tensors are finite and have empty stats", "[numerics]", mpx_test::executors) {
+  TestType exec;
+  auto const e = mpx::make_tensor<float>(exec, {0});
+  CHECK(mpx::all_finite(exec, e));
+  CHECK(mpx::stats(exec, e) == mpx::numerics_stats{});
+  CHECK(mpx::sum_of_squares<mpx::float32>(exec, e) == 0.0f);
+}

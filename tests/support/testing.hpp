@@ -1,0 +1,116 @@
+// Test support shared by every test file: the executor list a test case runs over
+// (host everywhere; CUDA too in the nvcc-built suite), moving data between a host
+// vector and an executor's space, seeded random inputs, poisoning, and first-mismatch
+// reporting.
+#pragma once
+
+#include <mpx/mpx.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+//! Checks that `expr` throws `type` and that the message matches `matcher` (Catch2 v2
+//! checks the type and the message in separate macros; this runs the expression twice).
+#define CHECK_THROWS_TYPE_WITH(expr, type, matcher) \
+  do {                                              \
+    CHECK_THROWS_AS(expr, type);                    \
+    CHECK_THROWS_WITH(expr, matcher);               \
+  } while (false)
+
+namespace mpx_test {
+
+#if MPX_HAS_CUDA
+// The nvcc-built suite runs every case on the GPU; the host suite covers the host.
+using executors = std::tuple<mpx::cuda_executor>;
+#else
+using executors = std::tuple<mpx::host_executor>;
+#endif
+
+using dtypes = std::tuple<mpx::half, mpx::bfloat16, float>;
+
+//! The seed every random input derives from; fixed, so a failure reproduces.
+inline constexpr std::uint64_t seed = 20261122;
+
+//! Sizes that exercise vector heads, bodies and tails: empty, tiny, primes, just
+//! around powers of two, and big enough for many blocks.
+inline std::vector<std::size_t> awkward_sizes() {
+  return {0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 127, 255, 256, 257, 1000, 1021, 4099, 65537, 300007};
+}
+
+//! A device or host tensor with the contents of `values`.
+template <class Exec, class T>
+mpx::tensor<T, mpx::memory_space_t<Exec>> upload(Exec const& exec, std::vector<T> const& values,
+                                                  mpx::shape shape) {
+  auto t = mpx::make_tensor<T>(exec, shape);
+  mpx::tensor_view<T const, mpx::host_space> src(values.data(), shape);
+  mpx::copy(exec, src, t);
+  return t;
+}
+template <class Exec, class T>
+mpx::tensor<T, mpx::memory_space_t<Exec>> upload(Exec const& exec, std::vector<T> const& values) {
+  return upload(exec, values, mpx::shape{static_cast<std::int64_t>(values.size())});
+}
+
+//! The contents of x as a host vector (synchronises).
+template <class Exec, class X>
+auto download(Exec const& exec, X&& x) {
+  auto host = mpx::to_host(exec, x);
+  return std::vector<mpx::value_t<X>>(host.begin(), host.end());
+}
+
+//! A value no correct kernel writes: NaN with a recognisable payload, so an element a
+//! kernel forgot to write fails every comparison.
+template <class T>
+T poison() {
+  if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
+  else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
+  else return T(0x5A);
+}
+
+//! Uniform values in [lo, hi), rounded to T, from a seeded generator.
+template <class T>
+std::vector<T> random_values(std::size_t n, double lo, double hi, std::uint64_t stream = 0) {
+  std::mt19937_64 gen(seed + stream);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  std::vector<T> out(n);
+  for (auto& v : out) v = mpx::cast<T>(dist(gen));
+  return out;
+}
+
+//! Bitwise equality, with every NaN equal to every NaN (NaN payloads are not part of
+//! the contract) but never to a number.
+template <class T>
+bool same_value(T a, T b) {
+  if (mpx::is_nan(a) || mpx::is_nan(b)) return mpx::is_nan(a) && mpx::is_nan(b);
+  return mpx::bits(a) == mpx::bits(b);
+}
+
+template <class T>
+std::string describe(T x) {
+  std::ostringstream os;
+  os << mpx::detail::to_double(x) << " (bits 0x" << std::hex << static_cast<std::uint64_t>(mpx::bits(x)) << ")";
+  return os.str();
+}
+
+//! Empty when got == expected element for element (same_value), else a description of
+//! the first mismatch and how many there are.
+template <class T>
+std::string first_mismatch(std::vector<T> const& got, std::vector<T> const& expected) {
+  if (got.size() != expected.size())
+    return "sizes differ: " + std::to_string(got.size()) + " vs " + std::to_string(expected.size());
+  std::size_t count = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (!same_value(got[i], expected[i]) && count++ == 0) first = i;
+  if (!count) return {};
+  return std::to_string(count) + " mismatches; first at index " + std::to_string(first) + ": got " +
+         describe(got[first]) + ", expected " + describe(expected[first]);
+}
+
+}  // namespace mpx_test
