@@ -26,11 +26,9 @@ class tensor_view {
   constexpr tensor_view() = default;
   tensor_view(T* data, mpx::shape shape) noexcept : data_(data), shape_(shape) {}
   //! A view of mutable elements is also a view of const ones.
-  operator tensor_view<T const, Space>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
-    return {data_, shape_};
-  }
+  template <class U>
+    requires(std::is_same_v<U const, T> && !std::is_same_v<U, T>)
+  tensor_view(tensor_view<U, Space> other) noexcept : data_(other.data()), shape_(other.shape()) {}
 
   [[nodiscard]] T* data() const noexcept { return data_; }
   [[nodiscard]] mpx::shape const& shape() const noexcept { return shape_; }

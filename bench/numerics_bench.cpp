@@ -1,0 +1,155 @@
+// Microbenchmark of the foundation's memory-bound kernels: all_finite, stats, cast and
+// scale over N elements of each dtype, reported in GB/s beside a copy of the same bytes
+// measured in the same run (memcpy on the host, a device-to-device cudaMemcpyAsync on
+// the GPU). Every op moves each byte once, so the copy is its ceiling.
+//
+//   numerics_bench [--elements N] [--repeat R] [--executor host|cuda|all]
+//
+// Build with nvcc (numerics_bench.cu) for the CUDA rows; bench/NOTES.md has the
+// predictions and the results.
+#include <mpx/mpx.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+struct options {
+  std::size_t elements = std::size_t{1} << 26;
+  int repeat = 10;
+  std::string executor = "all";
+};
+
+// Median of `repeat` timed runs, in seconds; host timing with a steady clock, device
+// timing with events on the executor's stream.
+template <class Exec, class F>
+double median_seconds(Exec const& exec, int repeat, F&& run) {
+  run();  // warm-up: first-touch page faults, module loading, pool growth
+  exec.synchronize();
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) {
+#if MPX_HAS_CUDA
+    if constexpr (mpx::is_cuda_executor_v<Exec>) {
+      cudaEvent_t start, stop;
+      MPX_CUDA_CHECK(cudaEventCreate(&start));
+      MPX_CUDA_CHECK(cudaEventCreate(&stop));
+      MPX_CUDA_CHECK(cudaEventRecord(start, exec.stream()));
+      run();
+      MPX_CUDA_CHECK(cudaEventRecord(stop, exec.stream()));
+      MPX_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      MPX_CUDA_CHECK(cudaEventDestroy(start));
+      MPX_CUDA_CHECK(cudaEventDestroy(stop));
+      times.push_back(ms / 1e3);
+      continue;
+    }
+#endif
+    auto const t0 = std::chrono::steady_clock::now();
+    run();
+    exec.synchronize();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void print_row(std::string_view exec, std::string_view op, std::string_view dtype, double bytes, double seconds,
+               double copy_gbps) {
+  double const gbps = bytes / seconds / 1e9;
+  std::printf("%-6s %-22s %-9s %10.1f %9.1f %8.1f%%\n", std::string(exec).c_str(), std::string(op).c_str(),
+              std::string(dtype).c_str(), seconds * 1e6, gbps, 100.0 * gbps / copy_gbps);
+}
+
+template <class Exec>
+void run_all(Exec const& exec, options const& opt) {
+  auto const n = static_cast<std::int64_t>(opt.elements);
+  // The copy ceiling: float elements, read once and written once.
+  auto src = mpx::make_tensor<float>(exec, {n});
+  auto dst = mpx::make_tensor<float>(exec, {n});
+  mpx::fill(exec, src, 0.5f);
+  mpx::fill(exec, dst, 0.0f);
+  double const copy_bytes = 2.0 * static_cast<double>(src.size_bytes());
+  double const copy_s = median_seconds(exec, opt.repeat, [&] { mpx::copy(exec, src, dst); });
+  double const copy_gbps = copy_bytes / copy_s / 1e9;
+  std::printf("%-6s %-22s %-9s %10.1f %9.1f %8.1f%%\n", std::string(Exec::name).c_str(), "copy (ceiling)", "float32",
+              copy_s * 1e6, copy_gbps, 100.0);
+
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    auto const name = mpx::dtype_name<T>;
+    auto x = mpx::make_tensor<T>(exec, {n});
+    mpx::cast(exec, src, x);
+    double const bytes = static_cast<double>(x.size_bytes());
+    volatile bool sink_finite = true;
+    print_row(Exec::name, "all_finite", name, bytes,
+              median_seconds(exec, opt.repeat, [&] { sink_finite = mpx::all_finite(exec, x); }), copy_gbps);
+    volatile std::size_t sink_nan = 0;
+    print_row(Exec::name, "stats", name, bytes,
+              median_seconds(exec, opt.repeat, [&] { sink_nan = mpx::stats(exec, x).nan; }), copy_gbps);
+    print_row(Exec::name, "scale (in place)", name, 2 * bytes,
+              median_seconds(exec, opt.repeat, [&] { mpx::scale(exec, x, 1.0f); }), copy_gbps);
+    if constexpr (!std::is_same_v<T, float>) {
+      print_row(Exec::name, std::string("cast float32->") + std::string(name), name,
+                bytes + static_cast<double>(src.size_bytes()),
+                median_seconds(exec, opt.repeat, [&] { mpx::cast(exec, src, x); }), copy_gbps);
+      print_row(Exec::name, std::string("cast ") + std::string(name) + "->float32", name,
+                bytes + static_cast<double>(src.size_bytes()),
+                median_seconds(exec, opt.repeat, [&] { mpx::cast(exec, x, dst); }), copy_gbps);
+    }
+    (void)sink_finite;
+    (void)sink_nan;
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+  for_type(float{});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    if (arg == "--elements" && i + 1 < argc) opt.elements = std::strtoull(argv[++i], nullptr, 10);
+    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
+    else if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--elements N] [--repeat R] [--executor host|cuda|all]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    std::printf("%zu elements, median of %d runs\n", opt.elements, opt.repeat);
+    std::printf("%-6s %-22s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
+    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
+#if MPX_HAS_CUDA
+    int devices = 0;
+    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
+      cudaDeviceProp prop{};
+      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+      std::printf("GPU: %s\n", prop.name);
+      run_all(mpx::cuda_executor{}, opt);
+    } else if (opt.executor == "cuda") {
+      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
+      return 1;
+    }
+#else
+    if (opt.executor == "cuda") {
+      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
+      return 1;
+    }
+#endif
+  } catch (mpx::error const& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
