@@ -37,7 +37,16 @@ TEST_CASE("host tensor: ownership moves, views see the same memory", "[tensor]")
   mpx::tensor<float> b = std::move(a);
   CHECK(b.data() == data);
   CHECK(a.data() == nullptr);  // NOLINT(bugprone-use-after-move): moved-from is empty by contract
+  CHECK(a.empty());
+  CHECK(a.shape() == mpx::shape{0});
+  mpx::tensor<float> c(mpx::shape{5});
+  c = std::move(b);
+  CHECK(c.data() == data);
+  CHECK(c.size() == 6);
+  CHECK(b.empty());  // NOLINT(bugprone-use-after-move)
+  b = std::move(c);  // and back
   auto v = b.view();
+  CHECK(v.data() == data);
   CHECK(v.shape() == mpx::shape{2, 3});
   CHECK(v[4] == 4.0f);
   auto r = v.reshape({3, 2});

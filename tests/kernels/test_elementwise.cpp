@@ -58,9 +58,7 @@ TEMPLATE_LIST_TEST_CASE("fill writes every element, whatever the size and alignm
       }
     }
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
-  for_type(float{});
+  mpx_test::for_each_dtype(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("cast between every pair of dtypes matches the float64 reference", "[elementwise]",
@@ -87,14 +85,8 @@ TEMPLATE_LIST_TEST_CASE("cast between every pair of dtypes matches the float64 r
       }
     }
   };
-  auto for_target = [&](auto from_tag) {
-    for_pair(from_tag, mpx::half{});
-    for_pair(from_tag, mpx::bfloat16{});
-    for_pair(from_tag, float{});
-  };
-  for_target(mpx::half{});
-  for_target(mpx::bfloat16{});
-  for_target(float{});
+  auto for_target = [&](auto from_tag) { mpx_test::for_each_dtype([&](auto to_tag) { for_pair(from_tag, to_tag); }); };
+  mpx_test::for_each_dtype(for_target);
 }
 
 TEMPLATE_LIST_TEST_CASE("scale and axpy are within one rounding of float64", "[elementwise]", mpx_test::executors) {
@@ -125,9 +117,7 @@ TEMPLATE_LIST_TEST_CASE("scale and axpy are within one rounding of float64", "[e
       if (n > 8) REQUIRE(std::any_of(scaled.begin(), scaled.end(), [](double v) { return v != 0; }));
     }
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
-  for_type(float{});
+  mpx_test::for_each_dtype(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("transform applies a user functor to mixed input types", "[elementwise]",

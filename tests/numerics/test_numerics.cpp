@@ -76,9 +76,7 @@ TEMPLATE_LIST_TEST_CASE("a planted NaN or inf is found wherever it sits", "[nume
       }
     }
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
-  for_type(float{});
+  mpx_test::for_each_dtype(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("stats match a float64 reference", "[numerics]", mpx_test::executors) {
@@ -109,9 +107,7 @@ TEMPLATE_LIST_TEST_CASE("stats match a float64 reference", "[numerics]", mpx_tes
       }
     }
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
-  for_type(float{});
+  mpx_test::for_each_dtype(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("stats explain a gradient that becomes zero in half", "[numerics]", mpx_test::executors) {
@@ -152,9 +148,7 @@ TEMPLATE_LIST_TEST_CASE("sum_of_squares accumulates in float to float64 accuracy
     auto const bad = mpx_test::upload(exec, big);
     REQUIRE(std::isnan(mpx::sum_of_squares<mpx::float32>(exec, bad)));
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
-  for_type(float{});
+  mpx_test::for_each_dtype(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("empty tensors are finite and have empty stats", "[numerics]", mpx_test::executors) {

@@ -35,6 +35,14 @@ using executors = std::tuple<mpx::host_executor>;
 
 using dtypes = std::tuple<mpx::half, mpx::bfloat16, float>;
 
+//! Calls f(T{}) for T = half, bfloat16, float: a case body written once per dtype.
+template <class F>
+void for_each_dtype(F&& f) {
+  f(mpx::half{});
+  f(mpx::bfloat16{});
+  f(float{});
+}
+
 //! The seed every random input derives from; fixed, so a failure reproduces.
 inline constexpr std::uint64_t seed = 20261122;
 

@@ -7,10 +7,10 @@
 
 #include <cstddef>
 #include <cstdio>
+#include <memory>
 #include <new>
 #include <string_view>
 #include <type_traits>
-#include <utility>
 
 namespace mpx {
 
@@ -30,89 +30,58 @@ concept memory_space = std::is_same_v<S, host_space> || std::is_same_v<S, device
 
 namespace detail {
 
+inline constexpr std::size_t host_alignment = 64;
+
+struct host_release {
+  void operator()(void* p) const noexcept { ::operator delete(p, std::align_val_t{host_alignment}); }
+};
+
 template <class T, class Space>
 class buffer;
 
-//! Owns `size` elements of T in host memory. Move-only.
+//! Owns `size` elements of T in host memory. Move-only; a moved-from buffer is empty.
 template <class T>
 class buffer<T, host_space> {
  public:
-  static constexpr std::size_t alignment = 64;
   buffer() = default;
   explicit buffer(std::size_t size)
-      : data_(size ? static_cast<T*>(::operator new(size * sizeof(T), std::align_val_t{alignment})) : nullptr),
-        size_(size) {}
-  buffer(buffer&& other) noexcept : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  buffer& operator=(buffer&& other) noexcept {
-    if (this != &other) {
-      release();
-      data_ = std::exchange(other.data_, nullptr);
-      size_ = std::exchange(other.size_, 0);
-    }
-    return *this;
-  }
-  buffer(buffer const&) = delete;
-  buffer& operator=(buffer const&) = delete;
-  ~buffer() { release(); }
-
-  [[nodiscard]] T* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+      : data_(size ? static_cast<T*>(::operator new(size * sizeof(T), std::align_val_t{host_alignment})) : nullptr) {}
+  [[nodiscard]] T* data() const noexcept { return data_.get(); }
 
  private:
-  void release() noexcept {
-    if (data_) ::operator delete(data_, std::align_val_t{alignment});
-    data_ = nullptr;
-  }
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
+  std::unique_ptr<T, host_release> data_;
 };
 
 #if MPX_HAS_CUDA_RUNTIME
+//! Frees device memory in the order of the stream it was allocated on.
+struct device_release {
+  cudaStream_t stream = nullptr;
+  void operator()(void* p) const noexcept {
+    // A destructor cannot throw; a failed free means the context is already broken
+    // (an earlier kernel faulted), and the next checked call reports that.
+    if (cudaError_t status = cudaFreeAsync(p, stream); status != cudaSuccess)
+      std::fprintf(stderr, "mpx: cudaFreeAsync failed while freeing a device buffer: %s\n",
+                   cudaGetErrorString(status));
+  }
+};
+
 //! Owns `size` elements of T in device memory, allocated and freed in the order of
-//! `stream`. Move-only.
+//! `stream`. Move-only; a moved-from buffer is empty.
 template <class T>
 class buffer<T, device_space> {
  public:
   buffer() = default;
-  buffer(std::size_t size, cudaStream_t stream) : size_(size), stream_(stream) {
+  buffer(std::size_t size, cudaStream_t stream) : data_(nullptr, device_release{stream}) {
     if (size) {
       void* p = nullptr;
       MPX_CUDA_CHECK(cudaMallocAsync(&p, size * sizeof(T), stream));
-      data_ = static_cast<T*>(p);
+      data_.reset(static_cast<T*>(p));
     }
   }
-  buffer(buffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), stream_(other.stream_) {}
-  buffer& operator=(buffer&& other) noexcept {
-    if (this != &other) {
-      release();
-      data_ = std::exchange(other.data_, nullptr);
-      size_ = std::exchange(other.size_, 0);
-      stream_ = other.stream_;
-    }
-    return *this;
-  }
-  buffer(buffer const&) = delete;
-  buffer& operator=(buffer const&) = delete;
-  ~buffer() { release(); }
-
-  [[nodiscard]] T* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  [[nodiscard]] T* data() const noexcept { return data_.get(); }
 
  private:
-  void release() noexcept {
-    if (!data_) return;
-    // A destructor cannot throw; a failed free means the context is already broken
-    // (an earlier kernel faulted), and the next checked call reports that.
-    if (cudaError_t status = cudaFreeAsync(data_, stream_); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaFreeAsync failed while freeing a device buffer: %s\n",
-                   cudaGetErrorString(status));
-    data_ = nullptr;
-  }
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<T, device_release> data_;
 };
 #endif
 

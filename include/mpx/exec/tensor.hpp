@@ -9,6 +9,8 @@
 #include <mpx/exec/memory_space.hpp>
 
 #include <cstddef>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -94,8 +96,14 @@ class tensor {
     detail::require_access<Exec, Space>();
   }
 
-  tensor(tensor&&) noexcept = default;
-  tensor& operator=(tensor&&) noexcept = default;
+  //! A moved-from tensor is empty: no memory, shape [0].
+  tensor(tensor&& other) noexcept
+      : buffer_(std::move(other.buffer_)), shape_(std::exchange(other.shape_, empty_shape())) {}
+  tensor& operator=(tensor&& other) noexcept {
+    buffer_ = std::move(other.buffer_);
+    shape_ = std::exchange(other.shape_, empty_shape());
+    return *this;
+  }
   tensor(tensor const&) = delete;
   tensor& operator=(tensor const&) = delete;
 
@@ -141,8 +149,11 @@ class tensor {
     }
   }
 
+  static mpx::shape empty_shape() noexcept { return mpx::shape(std::span<std::int64_t const>(&zero_extent, 1)); }
+  static constexpr std::int64_t zero_extent = 0;
+
   detail::buffer<T, Space> buffer_;
-  mpx::shape shape_{0};
+  mpx::shape shape_ = empty_shape();
 };
 
 //! An uninitialised tensor of T in the executor's memory space.
