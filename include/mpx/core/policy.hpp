@@ -120,7 +120,7 @@ inline constexpr auto preset_policies = boost::hana::make_tuple(
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_bfloat16"), boost::hana::type_c<mixed_bfloat16>));
 
 //! The preset named by a compile-time Hana string, as a hana::type:
-//! `using P = decltype(mpx::policy_by_name(BOOST_HANA_STRING("mixed_float16")))::type;`
+//! `constexpr auto n = BOOST_HANA_STRING("mixed_float16"); using P = decltype(mpx::policy_by_name(n))::type;`
 template <char... Cs>
 constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
   auto found = boost::hana::find_if(preset_policies, [&](auto const& entry) {
