@@ -13,6 +13,14 @@
 #define MPX_HAS_CUDA 0
 #endif
 
+//! Asks nvcc to unroll the next loop in device code; nothing in host code, where the
+//! host compiler (g++ behind nvcc too) would warn about an unknown pragma.
+#if defined(__CUDA_ARCH__)
+#define MPX_UNROLL _Pragma("unroll")
+#else
+#define MPX_UNROLL
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define MPX_DEVICE_PASS 1
 #else

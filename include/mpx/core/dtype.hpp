@@ -5,6 +5,7 @@
 
 #include <mpx/core/config.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
@@ -119,6 +120,40 @@ struct dtype_traits<double> : detail::ieee_layout<double, 11, 52> {
 //! The name of T as Keras and NumPy spell it: "float16", "bfloat16", "float32".
 template <class T>
 inline constexpr std::string_view dtype_name = dtype_traits<T>::name;
+
+//! A dtype as a runtime value, for lists that hold tensors of several dtypes (a model's
+//! parameters: half weights beside float norm scales).
+enum class dtype_id : std::uint8_t { float16, bfloat16, float32 };
+
+template <dtype T>
+inline constexpr dtype_id dtype_id_of = std::is_same_v<T, half>       ? dtype_id::float16
+                                        : std::is_same_v<T, bfloat16> ? dtype_id::bfloat16
+                                                                      : dtype_id::float32;
+
+//! "float16", "bfloat16" or "float32".
+constexpr std::string_view to_string(dtype_id id) noexcept {
+  switch (id) {
+    case dtype_id::float16: return "float16";
+    case dtype_id::bfloat16: return "bfloat16";
+    case dtype_id::float32: return "float32";
+  }
+  return "unknown";
+}
+
+//! Bytes per element of a dtype.
+constexpr std::size_t size_of(dtype_id id) noexcept { return id == dtype_id::float32 ? 4 : 2; }
+
+//! Calls f(T{}) with the static type behind a runtime dtype: where a runtime list meets
+//! a kernel template.
+template <class F>
+decltype(auto) visit_dtype(dtype_id id, F&& f) {
+  switch (id) {
+    case dtype_id::float16: return f(half{});
+    case dtype_id::bfloat16: return f(bfloat16{});
+    case dtype_id::float32: break;
+  }
+  return f(float{});
+}
 
 // Classification reads the bits, so it cannot be optimised away by fast-math flags and
 // answers identically on host and device.

@@ -6,6 +6,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/exec/memory_space.hpp>
 
+#include <cstddef>
 #include <string_view>
 #include <type_traits>
 
@@ -76,6 +77,16 @@ constexpr void require_access() {
                 "mpx: the executor cannot reach this tensor's memory: a device_space tensor was "
                 "given to the host_executor, or a host_space tensor to the cuda_executor. Copy it "
                 "with mpx::copy / mpx::to_host / mpx::to_device, or use the matching executor");
+}
+//! An uninitialised buffer of n elements in the executor's space (on its stream, for
+//! the GPU): the one place tensors and resident values get their memory.
+template <class T, executor Exec>
+buffer<T, memory_space_t<Exec>> allocate([[maybe_unused]] Exec const& exec, std::size_t n) {
+  if constexpr (is_host_executor_v<Exec>) {
+    return buffer<T, host_space>(n);
+  } else {
+    return buffer<T, memory_space_t<Exec>>(n, exec.stream());
+  }
 }
 }  // namespace detail
 

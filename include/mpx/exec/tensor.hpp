@@ -92,7 +92,7 @@ class tensor {
       : buffer_(shape.size()), shape_(shape) {}
   //! An uninitialised tensor in the executor's space (on its stream, for the GPU).
   template <executor Exec>
-  tensor(Exec const& exec, mpx::shape shape) : buffer_(make_buffer(exec, shape.size())), shape_(shape) {
+  tensor(Exec const& exec, mpx::shape shape) : buffer_(detail::allocate<T>(exec, shape.size())), shape_(shape) {
     detail::require_access<Exec, Space>();
   }
 
@@ -140,15 +140,6 @@ class tensor {
   }
 
  private:
-  template <class Exec>
-  static detail::buffer<T, Space> make_buffer([[maybe_unused]] Exec const& exec, std::size_t n) {
-    if constexpr (std::is_same_v<Space, host_space>) {
-      return detail::buffer<T, Space>(n);
-    } else {
-      return detail::buffer<T, Space>(n, exec.stream());
-    }
-  }
-
   static mpx::shape empty_shape() noexcept { return mpx::shape(std::span<std::int64_t const>(&zero_extent, 1)); }
   static constexpr std::int64_t zero_extent = 0;
 

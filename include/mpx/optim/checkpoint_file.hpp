@@ -1,0 +1,246 @@
+// The checkpoint file optimizers and loss scalers are saved to: named binary sections,
+// a format version and a checksum, written to a temporary file that is flushed to disk
+// and then renamed over the target, so a crash mid-save leaves the previous checkpoint
+// intact. A reader refuses a file that is truncated, corrupt, of another version or of
+// another kind of object, with mpx::checkpoint_error naming the file and the fault.
+#pragma once
+
+#include <mpx/core/error.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if __has_include(<unistd.h>)
+#include <unistd.h>
+#define MPX_HAS_FSYNC 1
+#else
+#define MPX_HAS_FSYNC 0
+#endif
+
+namespace mpx {
+
+//! A checkpoint that cannot be written, or read back into the object asking for it.
+class checkpoint_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+// Layout (little-endian, as written by the machine that saved it):
+//   "MPXCKPT\0" | u32 version | u32 kind length | kind | u64 sections |
+//   per section: u32 name length | name | u64 size | bytes |
+//   u64 FNV-1a hash of everything before it
+inline constexpr char checkpoint_magic[8] = {'M', 'P', 'X', 'C', 'K', 'P', 'T', '\0'};
+inline constexpr std::uint32_t checkpoint_version = 1;
+
+//! 64-bit FNV-1a: a checksum against truncation and bit rot, not an adversary.
+inline std::uint64_t fnv1a(std::span<std::byte const> bytes, std::uint64_t h = 0xcbf29ce484222325ull) noexcept {
+  for (std::byte b : bytes) {
+    h ^= static_cast<std::uint64_t>(b);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+template <class T>
+std::span<std::byte const> bytes_of(T const& value) noexcept {
+  static_assert(std::is_trivially_copyable_v<T>, "checkpoint values are copied as bytes");
+  return {reinterpret_cast<std::byte const*>(&value), sizeof(T)};
+}
+
+//! Collects named sections in memory, then commits them to a file atomically.
+class checkpoint_writer {
+ public:
+  //! `kind` names what is saved ("mpx::loss_scale_optimizer"); a reader expecting
+  //! another kind refuses the file.
+  explicit checkpoint_writer(std::string kind) : kind_(std::move(kind)) {}
+
+  void add(std::string name, std::span<std::byte const> bytes) {
+    sections_.emplace_back(std::move(name), std::vector<std::byte>(bytes.begin(), bytes.end()));
+  }
+  template <class T>
+  void add_value(std::string name, T const& value) {
+    add(std::move(name), bytes_of(value));
+  }
+
+  //! Writes `path.tmp-<pid>`, flushes it to disk, renames it to `path`. On any failure
+  //! the temporary file is removed, `path` is untouched, and checkpoint_error is thrown.
+  void commit(std::filesystem::path const& path) const {
+    std::vector<std::byte> file;
+    append(file, std::span<char const>(checkpoint_magic));
+    append_value(file, checkpoint_version);
+    append_string(file, kind_);
+    append_value(file, static_cast<std::uint64_t>(sections_.size()));
+    for (auto const& [name, bytes] : sections_) {
+      append_string(file, name);
+      append_value(file, static_cast<std::uint64_t>(bytes.size()));
+      file.insert(file.end(), bytes.begin(), bytes.end());
+    }
+    append_value(file, fnv1a(file));
+
+    std::filesystem::path temporary = path;
+    temporary += ".tmp-" + std::to_string(process_id());
+    auto refuse = [&](std::string const& why) {
+      std::error_code ignored;
+      std::filesystem::remove(temporary, ignored);
+      fail<checkpoint_error>("checkpoint", "cannot write '" + path.string() + "': " + why +
+                                               " (the previous file, if any, is unchanged)");
+    };
+    std::FILE* f = std::fopen(temporary.c_str(), "wb");
+    if (!f) refuse("cannot create " + temporary.string() + ": " + std::strerror(errno));
+    bool ok = std::fwrite(file.data(), 1, file.size(), f) == file.size() && std::fflush(f) == 0;
+#if MPX_HAS_FSYNC
+    ok = ok && ::fsync(::fileno(f)) == 0;  // the bytes are on disk before the name moves
+#endif
+    int const saved_errno = errno;
+    ok = std::fclose(f) == 0 && ok;
+    if (!ok) refuse(std::string("writing failed: ") + std::strerror(saved_errno));
+    std::error_code ec;
+    std::filesystem::rename(temporary, path, ec);
+    if (ec) refuse("cannot rename the temporary file into place: " + ec.message());
+  }
+
+ private:
+  static long process_id() noexcept {
+#if MPX_HAS_FSYNC
+    return static_cast<long>(::getpid());
+#else
+    return 0;
+#endif
+  }
+  template <class C>
+  static void append(std::vector<std::byte>& out, std::span<C const> bytes) {
+    auto const* p = reinterpret_cast<std::byte const*>(bytes.data());
+    out.insert(out.end(), p, p + bytes.size_bytes());
+  }
+  template <class T>
+  static void append_value(std::vector<std::byte>& out, T const& v) {
+    append(out, bytes_of(v));
+  }
+  static void append_string(std::vector<std::byte>& out, std::string const& s) {
+    append_value(out, static_cast<std::uint32_t>(s.size()));
+    append(out, std::span<char const>(s.data(), s.size()));
+  }
+
+  std::string kind_;
+  std::vector<std::pair<std::string, std::vector<std::byte>>> sections_;
+};
+
+//! Reads and verifies a whole checkpoint file; then hands out its sections by name.
+class checkpoint_reader {
+ public:
+  checkpoint_reader(std::filesystem::path const& path, std::string_view expected_kind) : path_(path) {
+    if (std::filesystem::is_directory(path)) refuse("it is a directory");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) refuse("it cannot be opened (missing or unreadable)");
+    in.seekg(0, std::ios::end);
+    auto const end = in.tellg();
+    in.seekg(0, std::ios::beg);
+    if (end < 0) refuse("its size cannot be determined");
+    file_.resize(static_cast<std::size_t>(end));
+    if (!in.read(reinterpret_cast<char*>(file_.data()), static_cast<std::streamsize>(file_.size())))
+      refuse("reading it failed");
+
+    constexpr std::size_t header = sizeof(checkpoint_magic) + sizeof(std::uint32_t);
+    if (file_.size() < header + sizeof(std::uint64_t) ||
+        std::memcmp(file_.data(), checkpoint_magic, sizeof(checkpoint_magic)) != 0)
+      refuse("it is not an mpx checkpoint (no MPXCKPT header)");
+    std::size_t at = sizeof(checkpoint_magic);
+    auto const version = take<std::uint32_t>(at);
+    if (version != checkpoint_version)
+      refuse("it has format version " + std::to_string(version) + "; this mpx reads version " +
+             std::to_string(checkpoint_version));
+    std::size_t const body = file_.size() - sizeof(std::uint64_t);
+    std::uint64_t stored;
+    std::memcpy(&stored, file_.data() + body, sizeof stored);
+    if (fnv1a(std::span<std::byte const>(file_.data(), body)) != stored)
+      refuse("its checksum does not match: the file is truncated or corrupt");
+
+    std::string const kind = take_string(at, body);
+    if (kind != expected_kind)
+      refuse("it holds a " + kind + ", not a " + std::string(expected_kind));
+    auto const count = take<std::uint64_t>(at, body);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      std::string name = take_string(at, body);
+      auto const size = take<std::uint64_t>(at, body);
+      if (size > body - at) refuse("section '" + name + "' runs past the end of the file");
+      sections_.emplace_back(std::move(name), std::span<std::byte const>(file_.data() + at, size));
+      at += size;
+    }
+    if (at != body) refuse("it has " + std::to_string(body - at) + " unexplained bytes after its sections");
+  }
+
+  // The sections point into file_: no copies.
+  checkpoint_reader(checkpoint_reader const&) = delete;
+  checkpoint_reader& operator=(checkpoint_reader const&) = delete;
+
+  [[nodiscard]] bool contains(std::string_view name) const noexcept {
+    for (auto const& s : sections_)
+      if (s.first == name) return true;
+    return false;
+  }
+  //! The bytes of a section; checkpoint_error when it is missing.
+  [[nodiscard]] std::span<std::byte const> section(std::string_view name) const {
+    for (auto const& s : sections_)
+      if (s.first == name) return s.second;
+    refuse("it has no section '" + std::string(name) + "'");
+  }
+  //! The bytes of a section that must hold exactly `size` bytes.
+  [[nodiscard]] std::span<std::byte const> section(std::string_view name, std::size_t size) const {
+    auto const s = section(name);
+    if (s.size() != size)
+      refuse("section '" + std::string(name) + "' holds " + std::to_string(s.size()) + " bytes where " +
+             std::to_string(size) + " were expected (a tensor of another shape or dtype)");
+    return s;
+  }
+  template <class T>
+  [[nodiscard]] T value(std::string_view name) const {
+    static_assert(std::is_trivially_copyable_v<T>, "checkpoint values are copied as bytes");
+    T out;
+    std::memcpy(&out, section(name, sizeof(T)).data(), sizeof(T));
+    return out;
+  }
+
+ private:
+  [[noreturn]] void refuse(std::string const& why) const {
+    fail<checkpoint_error>("checkpoint", "refusing '" + path_.string() + "': " + why);
+  }
+  template <class T>
+  T take(std::size_t& at, std::size_t limit = static_cast<std::size_t>(-1)) const {
+    limit = std::min(limit, file_.size());
+    if (at > limit || limit - at < sizeof(T)) refuse("it ends in the middle of its header");
+    T v;
+    std::memcpy(&v, file_.data() + at, sizeof(T));
+    at += sizeof(T);
+    return v;
+  }
+  std::string take_string(std::size_t& at, std::size_t limit) const {
+    auto const n = take<std::uint32_t>(at, limit);
+    if (n > limit - at) refuse("a section name runs past the end of the file");
+    std::string s(reinterpret_cast<char const*>(file_.data() + at), n);
+    at += n;
+    return s;
+  }
+
+  std::filesystem::path path_;
+  std::vector<std::byte> file_;
+  std::vector<std::pair<std::string, std::span<std::byte const>>> sections_;
+};
+
+}  // namespace detail
+}  // namespace mpx

@@ -1,0 +1,249 @@
+// mpx::dynamic_loss_scaler and mpx::static_loss_scaler: keep the loss scale where the
+// executor computes, unscale and check a gradient list with it, and update it after
+// each step, all in stream order: a CUDA training step never waits for the host. A
+// scale stuck at its minimum (the gradients overflow even unscaled) is reported through
+// a callback or an mpx::loss_scale_error, never left to skip every step in silence.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/resident.hpp>
+#include <mpx/scaling/loss_scale_rules.hpp>
+#include <mpx/scaling/unscale_and_check.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+//! Training is stuck: the loss scale is at its minimum and steps still overflow.
+class loss_scale_error : public error {
+ public:
+  using error::error;
+};
+
+//! What a scaler tells its on_stuck callback.
+struct loss_scale_report {
+  float scale;                 //!< the scale the overflowing steps ran at (the minimum)
+  std::uint32_t consecutive;   //!< non-finite steps in a row at that scale
+  std::int32_t first_nonfinite;  //!< index of the first non-finite gradient of the latest one (-1: unknown)
+  std::string gradient;        //!< its name, when known
+  std::string message;         //!< all of the above in words
+};
+
+namespace detail {
+
+//! The part of the state the host polls without waiting: written by the device after
+//! every update as one 16-byte store.
+struct alignas(16) stuck_signal {
+  std::uint32_t consecutive;
+  std::uint32_t streak;  //!< identifies the run of overflows (the skipped count when it began)
+  std::int32_t first_nonfinite;
+  float scale;
+};
+
+//! The end of a step: the rule's update, the optimizer's step count (advanced only when
+//! the step was applied), and the signal the host polls.
+template <class Rule>
+MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradient_summary const* summary,
+                               std::uint64_t* optimizer_steps, stuck_signal* signal) {
+  bool const found = summary->found_nonfinite != 0;
+  float const scale_used = state->scale;
+  rule.update(*state, found);
+  if (!found && optimizer_steps) ++*optimizer_steps;
+  stuck_signal s;
+  s.consecutive = state->overflows_at_minimum;
+  s.streak = static_cast<std::uint32_t>(state->skipped_steps - state->overflows_at_minimum);
+  s.first_nonfinite = summary->first_nonfinite;
+  s.scale = scale_used;
+  *signal = s;
+}
+
+#if MPX_HAS_CUDA
+template <class Rule>
+__global__ void finish_step_kernel(Rule rule, loss_scale_state* state, gradient_summary const* summary,
+                                   std::uint64_t* optimizer_steps, stuck_signal* signal) {
+  finish_step(rule, state, summary, optimizer_steps, signal);
+}
+#endif
+
+//! A stuck_signal the device writes and the host reads without synchronising: mapped
+//! pinned memory for the GPU, plain memory for the host executor.
+template <class Space>
+class signal_slot {
+ public:
+  template <class Exec>
+  explicit signal_slot(Exec const&) : host_(std::make_unique<stuck_signal>()) {}
+  [[nodiscard]] stuck_signal* device() const noexcept { return host_.get(); }
+  [[nodiscard]] stuck_signal read() const noexcept { return *host_; }
+
+ private:
+  std::unique_ptr<stuck_signal> host_;
+};
+
+#if MPX_HAS_CUDA_RUNTIME
+struct pinned_release {
+  void operator()(void* p) const noexcept {
+    if (cudaError_t status = cudaFreeHost(p); status != cudaSuccess)
+      std::fprintf(stderr, "mpx: cudaFreeHost failed: %s\n", cudaGetErrorString(status));
+  }
+};
+
+template <>
+class signal_slot<device_space> {
+ public:
+  template <class Exec>
+  explicit signal_slot(Exec const&) {
+    void* p = nullptr;
+    MPX_CUDA_CHECK(cudaHostAlloc(&p, sizeof(stuck_signal), cudaHostAllocMapped));
+    host_.reset(static_cast<stuck_signal*>(p));
+    *host_ = stuck_signal{};
+    void* d = nullptr;
+    MPX_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+    device_ = static_cast<stuck_signal*>(d);
+  }
+  [[nodiscard]] stuck_signal* device() const noexcept { return device_; }
+  //! The latest signal the device has written; it may lag the stream by a few steps.
+  [[nodiscard]] stuck_signal read() const noexcept {
+    stuck_signal s;
+    auto const* src = reinterpret_cast<std::uint32_t const volatile*>(host_.get());
+    auto* dst = reinterpret_cast<std::uint32_t*>(&s);
+    for (int i = 0; i < 4; ++i) dst[i] = src[i];
+    return s;
+  }
+
+ private:
+  std::unique_ptr<stuck_signal, pinned_release> host_;
+  stuck_signal* device_ = nullptr;
+};
+#endif
+
+}  // namespace detail
+
+//! A loss scaler following Rule (dynamic_scale_rule or static_scale_rule) on Exec.
+//! Use dynamic_loss_scaler or static_loss_scaler; this is what they share.
+template <executor Exec, class Rule>
+class loss_scaler {
+ public:
+  using space = memory_space_t<Exec>;
+  using rule_type = Rule;
+
+  loss_scaler(Exec const& exec, Rule rule) : rule_(rule), state_(exec, rule.initial_state()), signal_(exec) {
+    if (!(rule.initial_state().scale > 0) || !is_finite(rule.initial_state().scale))
+      detail::fail<invalid_argument>("loss_scaler", "the loss scale must be positive and finite, got " +
+                                                        std::to_string(rule.initial_state().scale));
+    if (rule.report_after < 1) detail::fail<invalid_argument>("loss_scaler", "report_after must be at least 1");
+  }
+
+  [[nodiscard]] Rule const& rule() const noexcept { return rule_; }
+  //! Where kernels find the current scale (to scale a loss gradient on the device).
+  [[nodiscard]] float const* scale_data() const noexcept { return &state_.get()->scale; }
+  [[nodiscard]] loss_scale_state* state_data() const noexcept { return state_.get(); }
+
+  //! The current scale. Synchronises a cuda_executor.
+  [[nodiscard]] float scale(Exec const& exec) const { return state(exec).scale; }
+  //! The whole state (scale, counters). Synchronises a cuda_executor.
+  [[nodiscard]] loss_scale_state state(Exec const& exec) const { return state_.read(exec); }
+  //! Replaces the state (restoring a checkpoint), in stream order.
+  void set_state(Exec const& exec, loss_scale_state const& s) { state_.write(exec, s); }
+
+  //! Divides the gradients by the current scale (or defers it) and checks them (see
+  //! mpx::unscale_and_check).
+  void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, float max_norm = 0,
+                         unscaling mode = unscaling::in_place) const {
+    mpx::unscale_and_check(exec, gradients, scale_data(), max_norm, mode);
+  }
+
+  //! Ends a step: applies the rule to the verdict of gradients' last check, and advances
+  //! *optimizer_steps (in this space) when the step was applied. Enqueued only; then
+  //! reports a stuck scale if the device has signalled one (see poll).
+  void update([[maybe_unused]] Exec const& exec, gradient_list<Exec> const& gradients, std::uint64_t* optimizer_steps = nullptr) {
+    names_ = &gradients.names();
+    if constexpr (is_host_executor_v<Exec>) {
+      detail::finish_step(rule_, state_.get(), gradients.summary_data(), optimizer_steps, signal_.device());
+    } else {
+#if MPX_HAS_CUDA
+      detail::finish_step_kernel<<<1, 1, 0, exec.stream()>>>(rule_, state_.get(), gradients.summary_data(),
+                                                            optimizer_steps, signal_.device());
+      MPX_CUDA_CHECK_LAUNCH("mpx::finish_step_kernel");
+#else
+      static_assert(detail::always_false_v<Exec>,
+                    "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
+                    "(call them from a .cu file)");
+#endif
+    }
+    poll();
+  }
+
+  //! What to do when the scale is stuck at its minimum and still overflows (by default
+  //! update() throws mpx::loss_scale_error).
+  void on_stuck(std::function<void(loss_scale_report const&)> callback) { on_stuck_ = std::move(callback); }
+
+  //! Reports a stuck scale that the device has signalled, without waiting for the GPU
+  //! (the signal may lag a few steps). update() calls it; call it between replays of a
+  //! captured CUDA graph.
+  void poll() {
+    detail::stuck_signal const s = signal_.read();
+    if (s.consecutive < rule_.report_after || (reported_ && s.streak == reported_streak_)) return;
+    reported_ = true;
+    reported_streak_ = s.streak;
+    loss_scale_report report{s.scale, s.consecutive, s.first_nonfinite, {}, {}};
+    if (names_ && s.first_nonfinite >= 0 && static_cast<std::size_t>(s.first_nonfinite) < names_->size())
+      report.gradient = (*names_)[static_cast<std::size_t>(s.first_nonfinite)];
+    report.message = "the loss scale is at its minimum (" + std::to_string(s.scale) + ") and " +
+                     std::to_string(s.consecutive) +
+                     " step(s) in a row still produced NaN or inf gradients" +
+                     (report.gradient.empty() ? std::string() : " (first: '" + report.gradient + "')") +
+                     ": they are not finite even unscaled, so the model itself diverged. Lower the learning "
+                     "rate, check the inputs, keep softmax, norms and losses in float32";
+    if (on_stuck_) on_stuck_(report);
+    else detail::fail<loss_scale_error>("loss_scaler", report.message);
+  }
+
+ private:
+  Rule rule_;
+  resident<loss_scale_state, space> state_;
+  detail::signal_slot<space> signal_;
+  std::function<void(loss_scale_report const&)> on_stuck_;
+  std::vector<std::string> const* names_ = nullptr;
+  bool reported_ = false;
+  std::uint32_t reported_streak_ = 0;
+};
+
+//! Finds the largest scale that does not overflow (Keras's defaults unless told;
+//! pytorch_grad_scaler() for PyTorch's).
+template <executor Exec>
+class dynamic_loss_scaler : public loss_scaler<Exec, dynamic_scale_rule> {
+ public:
+  explicit dynamic_loss_scaler(Exec const& exec, dynamic_scale_rule rule = keras_loss_scale())
+      : loss_scaler<Exec, dynamic_scale_rule>(exec, validated(rule)) {}
+
+ private:
+  static dynamic_scale_rule validated(dynamic_scale_rule const& r) {
+    auto bad = [](std::string what) { detail::fail<invalid_argument>("dynamic_loss_scaler", what); };
+    if (!(r.growth_factor >= 1)) bad("growth_factor must be >= 1, got " + std::to_string(r.growth_factor));
+    if (!(r.backoff_factor > 0 && r.backoff_factor <= 1))
+      bad("backoff_factor must be in (0, 1], got " + std::to_string(r.backoff_factor));
+    if (r.growth_interval < 1) bad("growth_interval must be >= 1, got " + std::to_string(r.growth_interval));
+    if (r.hysteresis < 1) bad("hysteresis must be >= 1, got " + std::to_string(r.hysteresis));
+    if (!(r.min_scale > 0 && r.min_scale <= r.initial_scale && r.initial_scale <= r.max_scale))
+      bad("need 0 < min_scale <= initial_scale <= max_scale, got " + std::to_string(r.min_scale) + ", " +
+          std::to_string(r.initial_scale) + ", " + std::to_string(r.max_scale));
+    return r;
+  }
+};
+
+//! A fixed scale; non-finite steps are still skipped and a long run of them reported.
+template <executor Exec>
+class static_loss_scaler : public loss_scaler<Exec, static_scale_rule> {
+ public:
+  static_loss_scaler(Exec const& exec, float scale, std::uint32_t report_after = static_scale_rule{}.report_after)
+      : loss_scaler<Exec, static_scale_rule>(exec, static_scale_rule{scale, report_after}) {}
+};
+
+}  // namespace mpx

@@ -1,0 +1,297 @@
+// mpx::unscale_and_check over gradient lists: unscaled values exact to one rounding,
+// NaN and inf found wherever they are planted (first element, last, inside a vector
+// load, in a tail, in the 200th tensor, in a second launch table) and named, never a
+// false alarm, norms against float64, clipping, deferred unscaling, determinism.
+#include "support/testing.hpp"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <variant>
+
+namespace {
+
+using mpx_test::download;
+using mpx_test::upload;
+
+// A list of gradients of mixed dtypes and awkward sizes, with host copies in float64 for
+// the references. Tensor i is half, bfloat16 or float in turn; some are views that start
+// one element into their allocation, so they are misaligned for vector loads.
+template <class Exec>
+struct mixed_gradients {
+  using space = mpx::memory_space_t<Exec>;
+  template <class T>
+  using owned = mpx::tensor<T, space>;
+
+  std::vector<std::variant<owned<mpx::half>, owned<mpx::bfloat16>, owned<float>>> storage;
+  std::vector<mpx::tensor_ref<space>> refs;
+  std::vector<std::vector<double>> values;  // what each gradient holds, exactly
+
+  mixed_gradients(Exec const& exec, std::size_t count, std::uint64_t stream, double magnitude = 1.0,
+                  std::size_t max_size = 5000) {
+    std::mt19937_64 gen(mpx_test::seed + stream);
+    auto const awkward = mpx_test::awkward_sizes();
+    for (std::size_t i = 0; i < count; ++i) {
+      std::size_t n = i % 5 == 0 ? awkward[gen() % awkward.size()] : 1 + gen() % max_size;
+      n = std::min<std::size_t>(n, 70000);
+      bool const offset = i % 7 == 3 && n > 1;
+      std::vector<double> v(n);
+      std::uniform_real_distribution<double> dist(-magnitude, magnitude);
+      for (auto& x : v) x = dist(gen);
+      switch (i % 3) {
+        case 0: add<mpx::half>(exec, v, offset); break;
+        case 1: add<mpx::bfloat16>(exec, v, offset); break;
+        default: add<float>(exec, v, offset); break;
+      }
+    }
+  }
+
+  // Stores v rounded to T (and remembers the rounded values); with `offset`, behind one
+  // extra leading element.
+  template <class T>
+  void add(Exec const& exec, std::vector<double> v, bool offset) {
+    std::vector<T> host(v.size() + (offset ? 1 : 0), mpx::cast<T>(0.0f));
+    for (std::size_t k = 0; k < v.size(); ++k) {
+      host[k + (offset ? 1 : 0)] = mpx::cast<T>(v[k]);
+      v[k] = mpx::detail::to_double(host[k + (offset ? 1 : 0)]);
+    }
+    auto t = upload(exec, host);
+    auto view = mpx::view(t).flat(offset ? 1 : 0, v.size());
+    refs.emplace_back(view);
+    storage.emplace_back(std::move(t));
+    values.push_back(std::move(v));
+  }
+
+  //! Writes x into element k of gradient i (and the host copy).
+  void plant(Exec const& exec, std::size_t i, std::size_t k, float x) {
+    mpx::visit_dtype(refs[i].dtype(), [&](auto t) {
+      using T = decltype(t);
+      auto one = upload(exec, std::vector<T>{mpx::cast<T>(x)});
+      mpx::copy(exec, mpx::view(one), refs[i].template as<T>().flat(k, 1));
+      exec.synchronize();
+    });
+    values[i][k] = x;
+  }
+
+  template <class T>
+  std::vector<double> contents(Exec const& exec, std::size_t i) const {
+    std::vector<double> out;
+    for (T x : download(exec, refs[i].template as<T>())) out.push_back(mpx::detail::to_double(x));
+    return out;
+  }
+};
+
+// The float64 reference of what a check reports in unscaled units.
+struct reference_check {
+  std::vector<double> norms;
+  double norm = 0;
+  int first_nonfinite = -1;
+};
+reference_check reference(std::vector<std::vector<double>> const& values, double inverse_scale) {
+  reference_check r;
+  double total = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    double s = 0;
+    for (double x : values[i]) {
+      double const y = x * inverse_scale;
+      if (!std::isfinite(y) && r.first_nonfinite < 0) r.first_nonfinite = static_cast<int>(i);
+      s += y * y;
+    }
+    r.norms.push_back(std::sqrt(s));
+    total += s;
+  }
+  r.norm = std::sqrt(total);
+  return r;
+}
+
+template <class Exec>
+mpx::tensor<float, mpx::memory_space_t<Exec>> scale_on(Exec const& exec, float s) {
+  return upload(exec, std::vector<float>{s});
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check in place: every value rounded once, norms as in float64", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  mixed_gradients<TestType> g(exec, 60, 1);
+  auto const before = g.values;
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  float const scale = 1024.0f;
+  auto s = scale_on(exec, scale);
+  mpx::unscale_and_check(exec, list, s.data());
+  auto const summary = list.summary(exec);
+  CHECK(summary.found_nonfinite == 0);
+  CHECK(summary.first_nonfinite == -1);
+  CHECK(summary.clip_coefficient == 1.0f);
+  CHECK(summary.gradient_factor == 1.0f);
+
+  auto const ref = reference(before, 1.0 / scale);
+  REQUIRE(ref.norm > 0);
+  CHECK(std::abs(summary.norm - ref.norm) <= 1e-5 * ref.norm);
+  auto const norms = list.norms(exec);
+  for (std::size_t i = 0; i < g.refs.size(); ++i) {
+    INFO("gradient " << i << " (" << mpx::to_string(g.refs[i].dtype()) << ", " << g.refs[i].size() << " elements)");
+    // Unscaling by a power of two is exact unless it leaves the subnormal range; the
+    // norm of the written values is within float rounding of float64's.
+    CHECK(std::abs(norms[i] - ref.norms[i]) <= 1e-5 * ref.norms[i] + 1e-30);
+    mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+      using T = decltype(t);
+      auto const got = g.template contents<T>(exec, i);
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        double const expected = mpx::detail::to_double(mpx::cast<T>(static_cast<float>(before[i][k]) / scale));
+        if (got[k] != expected) FAIL("element " << k << ": got " << got[k] << ", expected " << expected);
+      }
+    });
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check deferred leaves the gradients untouched and reports the factor",
+                        "[scaling]", mpx_test::executors) {
+  TestType exec;
+  mixed_gradients<TestType> g(exec, 40, 2, 30000.0);
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 65536.0f);
+  mpx::unscale_and_check(exec, list, s.data(), 0.0f, mpx::unscaling::deferred);
+  auto const summary = list.summary(exec);
+  CHECK(summary.found_nonfinite == 0);
+  CHECK(summary.gradient_factor == 1.0f / 65536.0f);
+  auto const ref = reference(g.values, 1.0 / 65536.0);
+  CHECK(std::abs(summary.norm - ref.norm) <= 1e-5 * ref.norm);
+  for (std::size_t i = 0; i < g.refs.size(); ++i) {
+    mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+      INFO("gradient " << i);
+      CHECK(g.template contents<decltype(t)>(exec, i) == g.values[i]);
+    });
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check finds NaN and inf wherever they are and names the first gradient",
+                        "[scaling]", mpx_test::executors) {
+  TestType exec;
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  float const inf = std::numeric_limits<float>::infinity();
+  struct planting {
+    char const* where;
+    std::size_t tensor;  // in a list of 250
+    std::size_t element; // from the start; SIZE_MAX: the last
+  };
+  std::size_t const last = static_cast<std::size_t>(-1);
+  std::vector<planting> const plantings = {
+      {"first element of the first gradient", 0, 0},
+      {"last element of the last gradient", 249, last},
+      {"inside a 16-byte load (element 5)", 31, 5},
+      {"in the scalar tail of a tensor whose size is not a multiple of 8", 44, last},
+      {"in the 200th gradient", 199, 1},
+      {"in a misaligned view (starts one element in)", 10, 0},
+  };
+  for (auto const& p : plantings) {
+    for (float bad : {nan, inf, -inf}) {
+      for (auto mode : {mpx::unscaling::in_place, mpx::unscaling::deferred}) {
+        mixed_gradients<TestType> g(exec, 250, 3, 1.0, 700);
+        REQUIRE(g.refs[p.tensor].size() > std::max<std::size_t>(p.element == last ? 0 : p.element, 5));
+        std::size_t const k = p.element == last ? g.refs[p.tensor].size() - 1 : p.element;
+        g.plant(exec, p.tensor, k, bad);
+        mpx::gradient_list<TestType> list(exec, g.refs);
+        auto s = scale_on(exec, 8.0f);
+        mpx::unscale_and_check(exec, list, s.data(), 1.0f, mode);
+        auto const summary = list.summary(exec);
+        INFO(p.where << ", value " << bad << (mode == mpx::unscaling::deferred ? ", deferred" : ", in place"));
+        CHECK(summary.found_nonfinite == 1);
+        CHECK(summary.first_nonfinite == static_cast<std::int32_t>(p.tensor));
+        CHECK_FALSE(mpx::is_finite(summary.norm));
+      }
+    }
+  }
+  // Two bad gradients: the earlier one in list order is named, whatever the dtype order.
+  mixed_gradients<TestType> g(exec, 250, 4, 1.0, 700);
+  g.plant(exec, 181, 0, inf);  // float
+  g.plant(exec, 120, 2, nan);  // half
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 1.0f);
+  mpx::unscale_and_check(exec, list, s.data());
+  CHECK(list.summary(exec).first_nonfinite == 120);
+}
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check never raises a false alarm", "[scaling]", mpx_test::executors) {
+  TestType exec;
+  // The largest finite values of each dtype, unscaled by 1: still finite.
+  mixed_gradients<TestType> g(exec, 90, 5);
+  for (std::size_t i = 0; i < g.refs.size(); ++i) {
+    if (g.refs[i].size() == 0) continue;
+    mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+      g.plant(exec, i, 0, static_cast<float>(mpx::dtype_traits<decltype(t)>::max()));
+    });
+  }
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 1.0f);
+  for (auto mode : {mpx::unscaling::in_place, mpx::unscaling::deferred}) {
+    mpx::unscale_and_check(exec, list, s.data(), 0.0f, mode);
+    auto const summary = list.summary(exec);
+    CHECK(summary.found_nonfinite == 0);
+    CHECK(summary.first_nonfinite == -1);
+  }
+  // A finite value that overflows when unscaled (a scale below 1) is non-finite.
+  mixed_gradients<TestType> h(exec, 3, 6);
+  h.plant(exec, 2, 0, 3e38f);  // float
+  mpx::gradient_list<TestType> big(exec, h.refs);
+  auto half_scale = scale_on(exec, 0.5f);
+  mpx::unscale_and_check(exec, big, half_scale.data());
+  CHECK(big.summary(exec).first_nonfinite == 2);
+}
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check over more gradients than one launch holds", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  // 1,611 single-pointer rows fit one launch's parameters: 4,000 tiny gradients need
+  // three launches per dtype, each gradient in exactly one.
+  mixed_gradients<TestType> g(exec, 4000, 7, 1.0, 40);
+  g.plant(exec, 3901, 0, std::numeric_limits<float>::infinity());
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 2.0f);
+  mpx::unscale_and_check(exec, list, s.data(), 0.0f, mpx::unscaling::deferred);
+  CHECK(list.summary(exec).first_nonfinite == 3901);
+  auto const ref = reference(g.values, 0.5);
+  auto const norms = list.norms(exec);
+  for (std::size_t i = 0; i < g.refs.size(); ++i) {
+    if (i == 3901) continue;
+    INFO("gradient " << i);
+    REQUIRE(std::abs(norms[i] - ref.norms[i]) <= 1e-5 * ref.norms[i] + 1e-30);
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("unscale_and_check clips by global norm in unscaled units, deterministically", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  mixed_gradients<TestType> g(exec, 30, 8, 1000.0);
+  auto const ref = reference(g.values, 1.0 / 4096.0);
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 4096.0f);
+  float const max_norm = static_cast<float>(ref.norm / 3);
+  mpx::unscale_and_check(exec, list, s.data(), max_norm, mpx::unscaling::deferred);
+  auto const first = list.summary(exec);
+  CHECK(std::abs(first.clip_coefficient - max_norm / first.norm) <= 1e-6f);
+  CHECK(std::abs(first.gradient_factor - first.clip_coefficient / 4096.0f) <= 1e-6f * first.gradient_factor);
+  // A norm under the limit is not scaled up.
+  mpx::unscale_and_check(exec, list, s.data(), static_cast<float>(ref.norm * 2), mpx::unscaling::deferred);
+  CHECK(list.summary(exec).clip_coefficient == 1.0f);
+  // Run after run, bit for bit.
+  for (int run = 0; run < 5; ++run) {
+    mpx::unscale_and_check(exec, list, s.data(), max_norm, mpx::unscaling::deferred);
+    auto const again = list.summary(exec);
+    CHECK(mpx::bits(again.norm) == mpx::bits(first.norm));
+    CHECK(mpx::bits(again.clip_coefficient) == mpx::bits(first.clip_coefficient));
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("gradient_list refuses names that do not match its gradients", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  mixed_gradients<TestType> g(exec, 3, 9);
+  CHECK_THROWS_TYPE_WITH(mpx::gradient_list<TestType>(exec, g.refs, {"a", "b"}), mpx::invalid_argument,
+                         Catch::Contains("2 names for 3 gradients"));
+  mpx::gradient_list<TestType> named(exec, g.refs, {"dense/kernel", "dense/bias", "norm/gamma"});
+  CHECK(named.name(2) == "norm/gamma");
+  mpx::gradient_list<TestType> unnamed(exec, g.refs);
+  CHECK(unnamed.name(1) == "gradient 1");
+}
