@@ -120,18 +120,28 @@ MPX_HD inline bool vector_aligned(Ts const*... ps) noexcept {
   return ((reinterpret_cast<std::uintptr_t>(ps) % (Width * sizeof(Ts)) == 0) && ...);
 }
 
+//! Scalar elements before `p` reaches a Width-element vector boundary (0 to Width - 1).
+template <int Width, class T>
+MPX_HD inline std::size_t elements_to_alignment(T const* p) noexcept {
+  std::size_t const misaligned = (reinterpret_cast<std::uintptr_t>(p) % (Width * sizeof(T))) / sizeof(T);
+  return misaligned ? Width - misaligned : 0;
+}
+
 #if MPX_HAS_CUDA
 //! Calls body(std::integral_constant<int, W>{}, i) over a chunk of `count` elements,
-//! spread over the block: W = Width (16-byte accesses) from i while `aligned`, W = 1 for
-//! the remainder and for misaligned tensors.
+//! spread over the block. When `aligned` (every pointer reaches a vector boundary after
+//! the same `head` elements): W = 1 for the head, W = Width (16-byte accesses) for the
+//! body, W = 1 for the tail. Otherwise W = 1 throughout.
 template <int Width, class Body>
-__device__ __forceinline__ void for_each_in_chunk(std::size_t count, bool aligned, Body&& body) {
+__device__ __forceinline__ void for_each_in_chunk(std::size_t count, std::size_t head, bool aligned, Body&& body) {
   std::size_t scalar_from = 0;
   if (aligned) {
-    std::size_t const vectors = count / Width;
+    head = head < count ? head : count;
+    if (threadIdx.x < head) body(std::integral_constant<int, 1>{}, static_cast<std::size_t>(threadIdx.x));
+    std::size_t const vectors = (count - head) / Width;
     for (std::size_t v = threadIdx.x; v < vectors; v += blockDim.x)
-      body(std::integral_constant<int, Width>{}, v * Width);
-    scalar_from = vectors * Width;
+      body(std::integral_constant<int, Width>{}, head + v * Width);
+    scalar_from = head + vectors * Width;
   }
   for (std::size_t i = scalar_from + threadIdx.x; i < count; i += blockDim.x) body(std::integral_constant<int, 1>{}, i);
 }

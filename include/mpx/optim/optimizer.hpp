@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(block_size)
     slot[j] = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]) + loc.begin;
     aligned = aligned && vector_aligned<vector_width<T, float>>(slot[j]);
   }
-  for_each_in_chunk<vector_width<T, float>>(loc.count, aligned, [&](auto w, std::size_t i) {
+  // Several pointers: vectorised only when all start on a boundary (the float master and
+  // slots always do; a 16-bit value carved out of a packed buffer may not).
+  for_each_in_chunk<vector_width<T, float>>(loc.count, 0, aligned, [&](auto w, std::size_t i) {
     update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot);
   });
 }

@@ -34,6 +34,7 @@
 #if MPX_HAS_CUDA
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_reduce.cuh>
+#include <cuda/functional>
 #endif
 
 namespace mpx {
@@ -162,7 +163,10 @@ __global__ void __launch_bounds__(block_size)
   float sum = 0;
   bool bad = false;
   constexpr int width = vector_width<T>;
-  for_each_in_chunk<width>(loc.count, vector_aligned<width>(data), [&](auto w, std::size_t i) {
+  // One pointer: a misaligned tensor (a view into a packed buffer) is always brought to
+  // a vector boundary by a scalar head; chunks start at multiples of 16384 elements, so
+  // every chunk of a tensor has the same head.
+  for_each_in_chunk<width>(loc.count, elements_to_alignment<width>(data), true, [&](auto w, std::size_t i) {
     constexpr int n = decltype(w)::value;
     auto v = *reinterpret_cast<aligned_vector<T, n>*>(data + i);
 #pragma unroll
@@ -179,54 +183,83 @@ __global__ void __launch_bounds__(block_size)
 static_assert(sizeof(tensor_table<1>) + 2 * sizeof(void*) <= kernel_parameter_limit,
               "unscale_and_check_kernel's parameters exceed what CUDA 12.1+ accepts");
 
-inline constexpr int finish_warps = 32;
+inline constexpr int finish_threads = 1024;
+//! Tensors of at most this many chunks are folded by one thread, larger ones by a warp.
+inline constexpr std::uint32_t small_tensor_chunks = 32;
 
-// One block: warp w folds the chunks of tensors w, w + 32, ...; then thread 0 folds the
-// 32 warps' results in order. The order never depends on timing, so the norm is the
-// same run after run. (A template, as every kernel in a header must be: a plain
-// __global__ function would be defined once per translation unit.)
-template <int Warps = finish_warps>
-__global__ void __launch_bounds__(Warps * 32)
+// One block turns the per-chunk results into per-tensor sums and the verdict. A thread
+// per tensor would serialise a huge tensor's thousands of chunks; a warp per tensor
+// would serialise a long list of small ones (each step a dependent load). So: every
+// thread folds the small tensors of its stride, then each warp scans groups of 32
+// tensors and folds the large ones among them with all its lanes. Every sum is taken in
+// a fixed order, so the norm is the same run after run. (A template, as every kernel in
+// a header must be: a plain __global__ function would be defined in every translation
+// unit.)
+template <int Threads = finish_threads>
+__global__ void __launch_bounds__(Threads)
     finish_check_kernel(std::uint32_t tensors, std::uint32_t const* __restrict__ ranges,
                         chunk_partial const* __restrict__ partials, float max_norm, float const* __restrict__ scale,
                         bool deferred, float* __restrict__ tensor_sum_of_squares,
                         gradient_summary* __restrict__ summary) {
-  using warp_reduce = cub::WarpReduce<float>;
-  __shared__ typename warp_reduce::TempStorage temp[Warps];
-  __shared__ float warp_total[Warps];
-  __shared__ std::int32_t warp_first_bad[Warps];
+  constexpr int warps = Threads / 32;
+  constexpr std::int32_t none = 0x7fffffff;
   unsigned const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float total = 0;
-  std::int32_t first_bad = -1;
-  for (std::uint32_t t = warp; t < tensors; t += Warps) {
+  std::int32_t first_bad = none;
+
+  for (std::uint32_t t = threadIdx.x; t < tensors; t += Threads) {
+    std::uint32_t const begin = ranges[2 * t], end = ranges[2 * t + 1];
+    if (end - begin > small_tensor_chunks) continue;
     float sum = 0;
     std::uint32_t bad = 0;
-    for (std::uint32_t c = ranges[2 * t] + lane; c < ranges[2 * t + 1]; c += 32) {
+    for (std::uint32_t c = begin; c < end; ++c) {
       sum += partials[c].sum_of_squares;
       bad |= partials[c].nonfinite;
     }
-    float const tensor_sum = warp_reduce(temp[warp]).Sum(sum);
-    bool const tensor_bad = __any_sync(0xffffffffu, bad != 0);
-    if (lane == 0) {
-      tensor_sum_of_squares[t] = tensor_sum;
-      total += tensor_sum;
-      if (tensor_bad && first_bad < 0) first_bad = static_cast<std::int32_t>(t);
+    tensor_sum_of_squares[t] = sum;
+    total += sum;
+    if (bad && first_bad == none) first_bad = static_cast<std::int32_t>(t);
+  }
+
+  using warp_reduce = cub::WarpReduce<float>;
+  __shared__ typename warp_reduce::TempStorage warp_temp[warps];
+  for (std::uint32_t base = warp * 32; base < tensors; base += Threads) {
+    std::uint32_t const t = base + lane;
+    std::uint32_t const begin = t < tensors ? ranges[2 * t] : 0, end = t < tensors ? ranges[2 * t + 1] : 0;
+    unsigned large = __ballot_sync(0xffffffffu, end - begin > small_tensor_chunks);
+    while (large) {
+      int const j = __ffs(static_cast<int>(large)) - 1;
+      large &= large - 1;
+      std::uint32_t const b = __shfl_sync(0xffffffffu, begin, j), e = __shfl_sync(0xffffffffu, end, j);
+      float sum = 0;
+      std::uint32_t bad = 0;
+      for (std::uint32_t c = b + lane; c < e; c += 32) {
+        sum += partials[c].sum_of_squares;
+        bad |= partials[c].nonfinite;
+      }
+      float const tensor_sum = warp_reduce(warp_temp[warp]).Sum(sum);
+      bool const tensor_bad = __any_sync(0xffffffffu, bad != 0);
+      if (lane == 0) {
+        tensor_sum_of_squares[base + j] = tensor_sum;
+        total += tensor_sum;
+        if (tensor_bad && static_cast<std::int32_t>(base + j) < first_bad) first_bad = static_cast<std::int32_t>(base + j);
+      }
     }
   }
-  if (lane == 0) {
-    warp_total[warp] = total;
-    warp_first_bad[warp] = first_bad;
-  }
-  __syncthreads();
+
+  using sum_reduce = cub::BlockReduce<float, Threads>;
+  using min_reduce = cub::BlockReduce<std::int32_t, Threads>;
+  __shared__ union {
+    typename sum_reduce::TempStorage sum;
+    typename min_reduce::TempStorage min;
+  } temp;
+  float const all = sum_reduce(temp.sum).Sum(total);
+  __syncthreads();  // the union's storage is reused
+  std::int32_t const first = min_reduce(temp.min).Reduce(first_bad, ::cuda::minimum<>{});
   if (threadIdx.x == 0) {
     gradient_summary s;
-    float all = 0;
-    for (int w = 0; w < Warps; ++w) {
-      all += warp_total[w];
-      std::int32_t const f = warp_first_bad[w];
-      if (f >= 0 && (s.first_nonfinite < 0 || f < s.first_nonfinite)) s.first_nonfinite = f;
-    }
-    s.found_nonfinite = s.first_nonfinite >= 0 ? 1u : 0u;
+    s.first_nonfinite = first == none ? -1 : first;
+    s.found_nonfinite = first == none ? 0u : 1u;
     s.norm = sqrtf(all);
     set_clipping(s, max_norm, deferred ? 1.0f / *scale : 1.0f);
     *summary = s;
@@ -354,7 +387,7 @@ void unscale_and_check([[maybe_unused]] Exec const& exec, gradient_list<Exec>& g
         }
       });
     }
-    detail::finish_check_kernel<><<<1, detail::finish_warps * 32, 0, exec.stream()>>>(
+    detail::finish_check_kernel<><<<1, detail::finish_threads, 0, exec.stream()>>>(
         n, gradients.ranges_.data(), gradients.partials_.data(), max_norm, scale, deferred,
         gradients.sum_of_squares_.data(), gradients.summary_.get());
     MPX_CUDA_CHECK_LAUNCH("mpx::finish_check_kernel");
