@@ -229,9 +229,9 @@ struct adam_case {
 template <class Exec>
 struct adamw_case {
   static constexpr char const* name = "adamw (decoupled weight decay)";
-  mpx::adam_options options{.beta1 = 0.8f, .beta2 = 0.99f, .epsilon = 1e-6f, .weight_decay = 0.1f};
+  mpx::adamw_options options{.beta1 = 0.8f, .beta2 = 0.99f, .epsilon = 1e-6f, .weight_decay = 0.1f};
   auto make(Exec const& exec, auto params) const { return mpx::adamw(exec, params, 1e-2f, options); }
-  adam_reference reference() const { return {options, true}; }
+  adam_reference reference() const { return {options.as_adam(), true}; }
   double lr(std::uint64_t) const { return 1e-2f; }
 };
 
@@ -474,6 +474,28 @@ TEMPLATE_LIST_TEST_CASE("checkpoints round-trip, and a bad one is refused with n
   mpx::loss_scale_optimizer e(mpx::adam(exec, e_set.parameters(), 1e-2f), mpx::dynamic_loss_scaler(exec));
   e.save(exec, dir / "adam");
   refused(dir / "adam", "optimizer differs");
+  // Another loss scaler: a static one where a dynamic one is expected.
+  parameter_set<TestType> f_set(exec, mpx::bfloat16{});
+  mpx::loss_scale_optimizer f(mpx::adamw(exec, f_set.parameters(), 1e-2f), mpx::static_loss_scaler(exec, 8.0f));
+  f.save(exec, dir / "static");
+  refused(dir / "static", "loss scaler is a mpx::static_loss_scaler, this one is a mpx::dynamic_loss_scaler");
+
+  // A plain optimizer saves and loads on its own; SGD with momentum keeps a buffer that
+  // SGD without it cannot take.
+  parameter_set<TestType> s_set(exec, mpx::half{});
+  auto momentum = mpx::sgd(exec, s_set.parameters(), 0.1f, {.momentum = 0.9f});
+  s_set.write_gradients(exec, s_set.random_gradients(gen, 1.0), 1.0);
+  momentum.step(exec);
+  momentum.save(exec, dir / "sgd");
+  parameter_set<TestType> t_set(exec, mpx::half{});
+  auto same = mpx::sgd(exec, t_set.parameters(), 0.1f, {.momentum = 0.9f});
+  same.load(exec, dir / "sgd");
+  CHECK(same.steps(exec) == 1);
+  for (std::size_t i = 0; i < s_set.entries.size(); ++i) CHECK(t_set.values(exec, i) == s_set.values(exec, i));
+  auto plain = mpx::sgd(exec, t_set.parameters(), 0.1f);
+  CHECK_THROWS_TYPE_WITH(plain.load(exec, dir / "sgd"), mpx::checkpoint_error,
+                         Catch::Contains("state kept per parameter") && Catch::Contains("momentum buffer"));
+  CHECK_THROWS_TYPE_WITH(plain.load(exec, path), mpx::checkpoint_error, Catch::Contains("holds a mpx::loss_scale_optimizer"));
 
   // A save that cannot be written fails loudly and leaves the old file alone.
   CHECK_THROWS_TYPE_WITH(a.save(exec, dir / "no_such_dir" / "x"), mpx::checkpoint_error, Catch::Contains("cannot write"));
@@ -497,6 +519,8 @@ TEMPLATE_LIST_TEST_CASE("optimizers refuse bad parameters and options with messa
                          Catch::Contains("Nesterov"));
   CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, 0.1f, {.beta1 = 1.0f}), mpx::invalid_argument, Catch::Contains("beta1"));
   CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, 0.1f, {.epsilon = 0}), mpx::invalid_argument, Catch::Contains("epsilon"));
+  // AdamW keeps PyTorch's default decay when other options are given.
+  CHECK(mpx::adamw(exec, ok, 0.1f, {.beta2 = 0.99f}).rule().options.weight_decay == 0.01f);
   // Momentum switched on after construction: no buffer was allocated for it.
   auto plain = mpx::sgd(exec, ok, 0.1f);
   plain.rule().options.momentum = 0.9f;

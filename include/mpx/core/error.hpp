@@ -4,6 +4,7 @@
 
 #include <mpx/core/config.hpp>
 
+#include <cstdio>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -47,6 +48,14 @@ class cuda_error : public error {
 };
 
 namespace detail {
+
+//! A number as a message shows it: 6 significant digits, exponent when needed
+//! (1.17549e-38, not 0.000000; 3.40282e+38, not a 39-digit integer).
+inline std::string to_text(double x) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%g", x);
+  return buffer;
+}
 
 inline std::string where(std::source_location loc) {
   return std::string(loc.file_name()) + ":" + std::to_string(loc.line());

@@ -78,6 +78,16 @@ constexpr void require_access() {
                 "given to the host_executor, or a host_space tensor to the cuda_executor. Copy it "
                 "with mpx::copy / mpx::to_host / mpx::to_device, or use the matching executor");
 }
+//! Stops compilation where an algorithm that launches kernels is called on a
+//! cuda_executor from a file the plain C++ compiler builds (the one place this message
+//! lives; tests/compile_fail checks it).
+template <class Exec>
+constexpr void kernels_need_nvcc() {
+  static_assert(always_false_v<Exec>,
+                "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
+                "(call them from a .cu file)");
+}
+
 //! An uninitialised buffer of n elements in the executor's space (on its stream, for
 //! the GPU): the one place tensors and resident values get their memory.
 template <class T, executor Exec>

@@ -123,9 +123,7 @@ void transform([[maybe_unused]] Exec const& exec, Out&& out, Op op, Ins&&... ins
 #if MPX_HAS_CUDA
     detail::cuda_transform(exec.stream(), o.size(), op, o.data(), mpx::view(ins).data()...);
 #else
-    static_assert(detail::always_false_v<Exec>,
-                  "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
-                  "(call them from a .cu file)");
+    detail::kernels_need_nvcc<Exec>();
 #endif
   }
 }

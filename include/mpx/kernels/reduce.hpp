@@ -106,9 +106,7 @@ Acc transform_reduce([[maybe_unused]] Exec const& exec, X&& x, Acc identity, Map
 #if MPX_HAS_CUDA
     return detail::cuda_transform_reduce(exec.stream(), v.data(), v.size(), identity, map, combine);
 #else
-    static_assert(detail::always_false_v<Exec>,
-                  "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
-                  "(call them from a .cu file)");
+    detail::kernels_need_nvcc<Exec>();
 #endif
   }
 }

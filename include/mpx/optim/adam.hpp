@@ -21,10 +21,21 @@ struct adam_options {
   float weight_decay = 0;
 };
 
+//! AdamW's options: Adam's, with PyTorch's AdamW default decay of 0.01 (a separate type,
+//! so that `{.beta2 = 0.99f}` keeps the 0.01 instead of silently dropping it to 0).
+struct adamw_options {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float epsilon = 1e-8f;
+  float weight_decay = 0.01f;  //!< decoupled: w -= lr * weight_decay * w before the Adam step
+  [[nodiscard]] constexpr adam_options as_adam() const noexcept { return {beta1, beta2, epsilon, weight_decay}; }
+};
+
 //! The Adam update of one element; Decoupled selects AdamW's weight decay.
 template <learning_rate_schedule Schedule, bool Decoupled>
 struct adam_rule {
-  static constexpr int slots = 2;  // first and second moments
+  static constexpr int slots = 2;
+  static constexpr char const* slot_names[] = {"first moment", "second moment"};
   Schedule learning_rate;
   adam_options options;
 
@@ -57,9 +68,9 @@ struct adam_rule {
 namespace detail {
 inline void validate_adam(std::string_view op, adam_options const& o) {
   if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1))
-    fail<invalid_argument>(op, "beta1 and beta2 must lie in [0, 1), got " + std::to_string(o.beta1) + " and " +
-                                   std::to_string(o.beta2));
-  if (!(o.epsilon > 0)) fail<invalid_argument>(op, "epsilon must be > 0, got " + std::to_string(o.epsilon));
+    fail<invalid_argument>(op, "beta1 and beta2 must lie in [0, 1), got " + to_text(o.beta1) + " and " +
+                                   to_text(o.beta2));
+  if (!(o.epsilon > 0)) fail<invalid_argument>(op, "epsilon must be > 0, got " + to_text(o.epsilon));
 }
 }  // namespace detail
 
@@ -79,10 +90,10 @@ class adamw : public detail::optimizer_core<Exec, adam_rule<Schedule, true>> {
   using core = detail::optimizer_core<Exec, adam_rule<Schedule, true>>;
 
  public:
-  //! PyTorch's AdamW default weight decay is 0.01.
   adamw(Exec const& exec, std::vector<parameter<memory_space_t<Exec>>> params, Schedule learning_rate,
-        adam_options options = {.beta1 = 0.9f, .beta2 = 0.999f, .epsilon = 1e-8f, .weight_decay = 0.01f})
-      : core(exec, std::move(params), (detail::validate_adam("adamw", options), adam_rule<Schedule, true>{learning_rate, options}),
+        adamw_options options = {})
+      : core(exec, std::move(params),
+             (detail::validate_adam("adamw", options.as_adam()), adam_rule<Schedule, true>{learning_rate, options.as_adam()}),
              "adamw") {}
 };
 
@@ -91,8 +102,8 @@ adam(Exec const&, P, float, adam_options = {}) -> adam<Exec, constant_learning_r
 template <executor Exec, class P, learning_rate_schedule S>
 adam(Exec const&, P, S, adam_options = {}) -> adam<Exec, S>;
 template <executor Exec, class P>
-adamw(Exec const&, P, float, adam_options = {}) -> adamw<Exec, constant_learning_rate>;
+adamw(Exec const&, P, float, adamw_options = {}) -> adamw<Exec, constant_learning_rate>;
 template <executor Exec, class P, learning_rate_schedule S>
-adamw(Exec const&, P, S, adam_options = {}) -> adamw<Exec, S>;
+adamw(Exec const&, P, S, adamw_options = {}) -> adamw<Exec, S>;
 
 }  // namespace mpx

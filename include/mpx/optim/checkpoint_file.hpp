@@ -24,7 +24,8 @@
 #include <utility>
 #include <vector>
 
-#if __has_include(<unistd.h>)
+#if __has_include(<unistd.h>) && __has_include(<fcntl.h>)
+#include <fcntl.h>
 #include <unistd.h>
 #define MPX_HAS_FSYNC 1
 #else
@@ -41,7 +42,8 @@ class checkpoint_error : public error {
 
 namespace detail {
 
-// Layout (little-endian, as written by the machine that saved it):
+// Layout (in the byte order of the machine that saved it: little-endian wherever CUDA
+// runs; a file is not portable to a big-endian host):
 //   "MPXCKPT\0" | u32 version | u32 kind length | kind | u64 sections |
 //   per section: u32 name length | name | u64 size | bytes |
 //   u64 FNV-1a hash of everything before it
@@ -113,9 +115,22 @@ class checkpoint_writer {
     std::error_code ec;
     std::filesystem::rename(temporary, path, ec);
     if (ec) refuse("cannot rename the temporary file into place: " + ec.message());
+    sync_directory(path);
   }
 
  private:
+  // The rename is atomic; flushing the directory makes it durable across a power cut.
+  // Best effort: a failure here does not undo a complete, correctly named file.
+  static void sync_directory([[maybe_unused]] std::filesystem::path const& path) noexcept {
+#if MPX_HAS_FSYNC
+    std::filesystem::path dir = path.parent_path();
+    if (dir.empty()) dir = ".";
+    if (int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY); fd >= 0) {
+      static_cast<void>(::fsync(fd));
+      ::close(fd);
+    }
+#endif
+  }
   static long process_id() noexcept {
 #if MPX_HAS_FSYNC
     return static_cast<long>(::getpid());

@@ -12,9 +12,13 @@
 #include <mpx/optim/checkpoint_file.hpp>
 #include <mpx/scaling/loss_scaler.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <filesystem>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace mpx {
@@ -34,8 +38,33 @@ struct loss_scale_optimizer_options {
   float clip_global_norm = 0;
 };
 
+namespace detail {
+template <class O>
+concept optimizer_like = requires(O& o) {
+  o.gradients();
+  o.steps_data();
+  typename O::rule_type;
+};
+template <class S>
+concept loss_scaler_like = requires(S& s) {
+  s.scale_data();
+  s.state_data();
+  s.poll();
+};
+}  // namespace detail
+
 template <class Optimizer, class Scaler>
 class loss_scale_optimizer {
+  static_assert(detail::optimizer_like<Optimizer>,
+                "mpx::loss_scale_optimizer(optimizer, scaler, options): the first argument must be an mpx "
+                "optimizer (mpx::sgd, mpx::adam, mpx::adamw)");
+  static_assert(detail::loss_scaler_like<Scaler>,
+                "mpx::loss_scale_optimizer(optimizer, scaler, options): the second argument must be an mpx loss "
+                "scaler (mpx::dynamic_loss_scaler, mpx::static_loss_scaler)");
+  static_assert(std::is_same_v<typename Optimizer::space, typename Scaler::space>,
+                "mpx::loss_scale_optimizer: the optimizer and the loss scaler must run on the same executor (both "
+                "host_executor, or both cuda_executor)");
+
  public:
   //! Takes over the optimizer and the scaler (reach them with optimizer() and scaler()).
   loss_scale_optimizer(Optimizer optimizer, Scaler scaler, loss_scale_optimizer_options options = {})
@@ -82,6 +111,7 @@ class loss_scale_optimizer {
   void save(Exec const& exec, std::filesystem::path const& path) const {
     detail::checkpoint_writer out("mpx::loss_scale_optimizer");
     optimizer_.save(exec, out);
+    out.add("scaler/kind", scaler_kind_bytes());
     out.add_value("scaler/state", scaler_.state(exec));
     out.add_value("scaler/rule", scaler_.rule());
     out.commit(path);
@@ -92,14 +122,25 @@ class loss_scale_optimizer {
   template <class Exec>
   void load(Exec const& exec, std::filesystem::path const& path) {
     detail::checkpoint_reader in(path, "mpx::loss_scale_optimizer");
+    auto const kind = in.section("scaler/kind");
+    if (!std::ranges::equal(kind, scaler_kind_bytes()))
+      detail::fail<checkpoint_error>("loss_scale_optimizer::load",
+                                     "the checkpoint's loss scaler is a " +
+                                         std::string(reinterpret_cast<char const*>(kind.data()), kind.size()) +
+                                         ", this one is a " + std::string(Scaler::kind) + "; nothing was loaded");
+    // The state is restored; the rule (growth interval, bounds) stays this scaler's, so
+    // a resumed run may change it. The saved rule is kept in the file for reference.
     auto const state = in.value<loss_scale_state>("scaler/state");
-    static_cast<void>(in.section("scaler/rule", sizeof(typename Scaler::rule_type)));
     optimizer_.load(exec, in);  // checks everything of its own before writing
     scaler_.set_state(exec, state);
     exec.synchronize();
   }
 
  private:
+  static std::span<std::byte const> scaler_kind_bytes() noexcept {
+    return {reinterpret_cast<std::byte const*>(Scaler::kind.data()), Scaler::kind.size()};
+  }
+
   Optimizer optimizer_;
   Scaler scaler_;
   loss_scale_optimizer_options options_;

@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -41,13 +42,15 @@ MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants co
   aligned_vector<float, N> w;
   if constexpr (std::is_same_v<T, float>) w = *reinterpret_cast<aligned_vector<float, N> const*>(value + i);
   else w = *reinterpret_cast<aligned_vector<float, N> const*>(master + i);
-  aligned_vector<float, N> s[slots > 0 ? slots : 1];
+  // Value-initialised: a slot the rule does not use (SGD without momentum) is never
+  // loaded, and is still copied below.
+  aligned_vector<float, N> s[slots > 0 ? slots : 1] = {};
   for (int j = 0; j < slots; ++j)
     if (rule.uses_slot(j)) s[j] = *reinterpret_cast<aligned_vector<float, N> const*>(slot[j] + i);
   aligned_vector<T, N> out;
   MPX_UNROLL
   for (int k = 0; k < N; ++k) {
-    float sk[slots > 0 ? slots : 1];
+    float sk[slots > 0 ? slots : 1] = {};
     for (int j = 0; j < slots; ++j) sk[j] = s[j].v[k];
     rule(c, w.v[k], cast<float>(g.v[k]) * factor, sk);
     for (int j = 0; j < slots; ++j) s[j].v[k] = sk[j];
@@ -193,9 +196,7 @@ class optimizer_core {
                                                                                       verdict);
             MPX_CUDA_CHECK_LAUNCH("mpx::optimizer_step_kernel");
 #else
-            static_assert(always_false_v<Exec>,
-                          "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
-                          "(call them from a .cu file)");
+            kernels_need_nvcc<Exec>();
 #endif
           }
         }
@@ -222,6 +223,7 @@ class optimizer_core {
     out.add("optimizer/kind", as_bytes("mpx::" + kind_));
     std::string const listing = parameter_listing();
     out.add("optimizer/parameters", as_bytes(listing));
+    out.add("optimizer/state", as_bytes(state_listing()));
     out.add_value("optimizer/steps", steps(exec));
     for (std::size_t i = 0; i < params_.size(); ++i) {
       std::string const n = std::to_string(i);
@@ -235,11 +237,26 @@ class optimizer_core {
     }
   }
 
+  //! Writes the optimizer alone to `path`, atomically (see checkpoint_file.hpp); to
+  //! save it with a loss scaler, save the loss_scale_optimizer instead. Synchronises.
+  void save(Exec const& exec, std::filesystem::path const& path) const {
+    checkpoint_writer out("mpx::optimizer");
+    save(exec, out);
+    out.commit(path);
+  }
+  //! Restores a file written by save(exec, path); refused with mpx::checkpoint_error,
+  //! nothing changed, when it is corrupt or for another optimizer or parameter list.
+  void load(Exec const& exec, std::filesystem::path const& path) {
+    checkpoint_reader in(path, "mpx::optimizer");
+    load(exec, in);
+  }
+
   //! Restores what save() wrote. Everything is checked against this optimizer's
   //! parameters first; on any mismatch mpx::checkpoint_error is thrown and nothing changes.
   void load(Exec const& exec, checkpoint_reader const& in) {
     check_section_text(in, "optimizer/kind", "mpx::" + kind_, "optimizer");
     check_section_text(in, "optimizer/parameters", parameter_listing(), "parameter list");
+    check_section_text(in, "optimizer/state", state_listing(), "state kept per parameter");
     struct pending {
       void* to;
       std::span<std::byte const> from;
@@ -304,6 +321,15 @@ class optimizer_core {
       }
       plans_[d] = plan_multi_tensor<lists>(rows, sizes);
     }
+  }
+
+  //! Which per-element buffers this optimizer keeps ("momentum buffer", "first and
+  //! second moments", "none"): SGD with and without momentum differ here.
+  [[nodiscard]] std::string state_listing() const {
+    std::string s;
+    for (int j = 0; j < slots; ++j)
+      if (rule_.uses_slot(j)) s += (s.empty() ? "" : ", ") + std::string(Rule::slot_names[j]);
+    return s.empty() ? "none" : s;
   }
 
   [[nodiscard]] std::string parameter_listing() const {

@@ -22,7 +22,8 @@ struct sgd_options {
 //! The SGD update of one element. Step t = 1, 2, ... counts applied steps.
 template <learning_rate_schedule Schedule>
 struct sgd_rule {
-  static constexpr int slots = 1;  // the momentum buffer
+  static constexpr int slots = 1;
+  static constexpr char const* slot_names[] = {"momentum buffer"};
   Schedule learning_rate;
   sgd_options options;
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -136,7 +137,7 @@ class loss_scaler {
   loss_scaler(Exec const& exec, Rule rule) : rule_(rule), state_(exec, rule.initial_state()), signal_(exec) {
     if (!(rule.initial_state().scale > 0) || !is_finite(rule.initial_state().scale))
       detail::fail<invalid_argument>("loss_scaler", "the loss scale must be positive and finite, got " +
-                                                        std::to_string(rule.initial_state().scale));
+                                                        detail::to_text(rule.initial_state().scale));
     if (rule.report_after < 1) detail::fail<invalid_argument>("loss_scaler", "report_after must be at least 1");
   }
 
@@ -172,9 +173,7 @@ class loss_scaler {
                                                             optimizer_steps, signal_.device());
       MPX_CUDA_CHECK_LAUNCH("mpx::finish_step_kernel");
 #else
-      static_assert(detail::always_false_v<Exec>,
-                    "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
-                    "(call them from a .cu file)");
+      detail::kernels_need_nvcc<Exec>();
 #endif
     }
     poll();
@@ -195,7 +194,7 @@ class loss_scaler {
     loss_scale_report report{s.scale, s.consecutive, s.first_nonfinite, {}, {}};
     if (names_ && s.first_nonfinite >= 0 && static_cast<std::size_t>(s.first_nonfinite) < names_->size())
       report.gradient = (*names_)[static_cast<std::size_t>(s.first_nonfinite)];
-    report.message = "the loss scale is at its minimum (" + std::to_string(s.scale) + ") and " +
+    report.message = "the loss scale is at its minimum (" + detail::to_text(s.scale) + ") and " +
                      std::to_string(s.consecutive) +
                      " step(s) in a row still produced NaN or inf gradients" +
                      (report.gradient.empty() ? std::string() : " (first: '" + report.gradient + "')") +
@@ -220,20 +219,21 @@ class loss_scaler {
 template <executor Exec>
 class dynamic_loss_scaler : public loss_scaler<Exec, dynamic_scale_rule> {
  public:
+  static constexpr std::string_view kind = "mpx::dynamic_loss_scaler";
   explicit dynamic_loss_scaler(Exec const& exec, dynamic_scale_rule rule = keras_loss_scale())
       : loss_scaler<Exec, dynamic_scale_rule>(exec, validated(rule)) {}
 
  private:
   static dynamic_scale_rule validated(dynamic_scale_rule const& r) {
     auto bad = [](std::string what) { detail::fail<invalid_argument>("dynamic_loss_scaler", what); };
-    if (!(r.growth_factor >= 1)) bad("growth_factor must be >= 1, got " + std::to_string(r.growth_factor));
+    if (!(r.growth_factor >= 1)) bad("growth_factor must be >= 1, got " + detail::to_text(r.growth_factor));
     if (!(r.backoff_factor > 0 && r.backoff_factor <= 1))
-      bad("backoff_factor must be in (0, 1], got " + std::to_string(r.backoff_factor));
+      bad("backoff_factor must be in (0, 1], got " + detail::to_text(r.backoff_factor));
     if (r.growth_interval < 1) bad("growth_interval must be >= 1, got " + std::to_string(r.growth_interval));
     if (r.hysteresis < 1) bad("hysteresis must be >= 1, got " + std::to_string(r.hysteresis));
     if (!(r.min_scale > 0 && r.min_scale <= r.initial_scale && r.initial_scale <= r.max_scale))
-      bad("need 0 < min_scale <= initial_scale <= max_scale, got " + std::to_string(r.min_scale) + ", " +
-          std::to_string(r.initial_scale) + ", " + std::to_string(r.max_scale));
+      bad("need 0 < min_scale <= initial_scale <= max_scale, got " + detail::to_text(r.min_scale) + ", " +
+          detail::to_text(r.initial_scale) + ", " + detail::to_text(r.max_scale));
     return r;
   }
 };
@@ -242,6 +242,7 @@ class dynamic_loss_scaler : public loss_scaler<Exec, dynamic_scale_rule> {
 template <executor Exec>
 class static_loss_scaler : public loss_scaler<Exec, static_scale_rule> {
  public:
+  static constexpr std::string_view kind = "mpx::static_loss_scaler";
   static_loss_scaler(Exec const& exec, float scale, std::uint32_t report_after = static_scale_rule{}.report_after)
       : loss_scaler<Exec, static_scale_rule>(exec, static_scale_rule{scale, report_after}) {}
 };

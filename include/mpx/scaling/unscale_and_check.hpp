@@ -392,9 +392,7 @@ void unscale_and_check([[maybe_unused]] Exec const& exec, gradient_list<Exec>& g
         gradients.sum_of_squares_.data(), gradients.summary_.get());
     MPX_CUDA_CHECK_LAUNCH("mpx::finish_check_kernel");
 #else
-    static_assert(detail::always_false_v<Exec>,
-                  "mpx: algorithms on a cuda_executor launch kernels and must be compiled by nvcc "
-                  "(call them from a .cu file)");
+    detail::kernels_need_nvcc<Exec>();
 #endif
   }
 }
