@@ -15,9 +15,17 @@
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/exec/tensor_ref.hpp>
+#include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/kernels/reduce.hpp>
+#include <mpx/kernels/row_reduce.hpp>
+#include <mpx/kernels/softmax.hpp>
+#include <mpx/losses/binary_cross_entropy.hpp>
+#include <mpx/losses/cross_entropy.hpp>
+#include <mpx/losses/loss_value.hpp>
+#include <mpx/losses/mean_squared_error.hpp>
 #include <mpx/numerics/finite.hpp>
 #include <mpx/numerics/stats.hpp>
 #include <mpx/numerics/sum_of_squares.hpp>

@@ -1,0 +1,179 @@
+// Microbenchmark of the activation, softmax and loss kernels: bias + gelu forward,
+// bias + gelu backward with the bias gradient, softmax over rows of 1000 and of 4099,
+// and sparse categorical cross-entropy, each for half, bfloat16 and float, in GB/s
+// beside a copy of the same bytes measured in the same run (memcpy on the host, a
+// device-to-device cudaMemcpyAsync on the GPU).
+//
+//   activation_bench [--rows R] [--cols C] [--repeat N] [--executor host|cuda|all]
+//
+// Build with nvcc (activation_bench.cu) for the CUDA rows; bench/NOTES.md has the
+// predictions and the results.
+#include <mpx/mpx.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+struct options {
+  std::int64_t rows = 8192;
+  std::int64_t cols = 4096;
+  int repeat = 10;
+  std::string executor = "all";
+};
+
+template <class Exec, class F>
+double median_seconds(Exec const& exec, int repeat, F&& run) {
+  run();  // warm-up
+  exec.synchronize();
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) {
+#if MPX_HAS_CUDA
+    if constexpr (mpx::is_cuda_executor_v<Exec>) {
+      cudaEvent_t start, stop;
+      MPX_CUDA_CHECK(cudaEventCreate(&start));
+      MPX_CUDA_CHECK(cudaEventCreate(&stop));
+      MPX_CUDA_CHECK(cudaEventRecord(start, exec.stream()));
+      run();
+      MPX_CUDA_CHECK(cudaEventRecord(stop, exec.stream()));
+      MPX_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      MPX_CUDA_CHECK(cudaEventDestroy(start));
+      MPX_CUDA_CHECK(cudaEventDestroy(stop));
+      times.push_back(ms / 1e3);
+      continue;
+    }
+#endif
+    auto const t0 = std::chrono::steady_clock::now();
+    run();
+    exec.synchronize();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void print_row(std::string_view exec, std::string_view op, std::string_view dtype, double bytes, double seconds,
+               double copy_gbps) {
+  double const gbps = bytes / seconds / 1e9;
+  std::printf("%-6s %-30s %-9s %10.1f %9.1f %8.1f%%\n", std::string(exec).c_str(), std::string(op).c_str(),
+              std::string(dtype).c_str(), seconds * 1e6, gbps, 100.0 * gbps / copy_gbps);
+}
+
+template <class Exec>
+void run_all(Exec const& exec, options const& opt) {
+  std::int64_t const rows = opt.rows, cols = opt.cols;
+  auto const n = static_cast<double>(rows * cols);
+  auto src = mpx::make_tensor<float>(exec, {rows, cols});
+  auto dst = mpx::make_tensor<float>(exec, {rows, cols});
+  mpx::fill(exec, src, 0.5f);
+  mpx::fill(exec, dst, 0.0f);
+  double const copy_bytes = 2.0 * static_cast<double>(src.size_bytes());
+  double const copy_s = median_seconds(exec, opt.repeat, [&] { mpx::copy(exec, src, dst); });
+  double const copy_gbps = copy_bytes / copy_s / 1e9;
+  print_row(Exec::name, "copy (ceiling)", "float32", copy_bytes, copy_s, copy_gbps);
+
+  mpx::loss_value loss(exec);
+  auto labels = mpx::make_tensor<std::int32_t>(exec, {rows});
+  mpx::fill(exec, labels, std::int32_t{1});
+
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    auto const name = mpx::dtype_name<T>;
+    double const t = sizeof(T);
+    auto x = mpx::make_tensor<T>(exec, {rows, cols});
+    auto y = mpx::make_tensor<T>(exec, {rows, cols});
+    auto dy = mpx::make_tensor<T>(exec, {rows, cols});
+    auto bias = mpx::make_tensor<T>(exec, {cols});
+    auto db = mpx::make_tensor<float>(exec, {cols});
+    mpx::cast(exec, src, x);
+    mpx::cast(exec, src, dy);
+    mpx::fill(exec, bias, mpx::cast<T>(0.25f));
+    // Bytes: every element read and written once; the bias and db are negligible.
+    print_row(Exec::name, "bias+gelu forward", name, 2 * t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, bias, y); }),
+              copy_gbps);
+    print_row(Exec::name, "bias+relu forward", name, 2 * t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::bias_activation_forward(exec, mpx::act::relu{}, x, bias, y); }),
+              copy_gbps);
+    print_row(Exec::name, "gelu forward (no bias)", name, 2 * t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::activation_forward(exec, mpx::act::gelu{}, x, y); }),
+              copy_gbps);
+    print_row(Exec::name, "bias+gelu backward + db", name, 3 * t * n,
+              median_seconds(exec, opt.repeat,
+                             [&] { mpx::bias_activation_backward(exec, mpx::act::gelu{}, x, bias, dy, y, db); }),
+              copy_gbps);
+    print_row(Exec::name, "bias_gradient (db only)", name, t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::bias_gradient(exec, dy, db); }), copy_gbps);
+    print_row(Exec::name, "softmax", name, 2 * t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::softmax<mpx::mixed_float16>(exec, x, y); }), copy_gbps);
+    print_row(Exec::name, "softmax backward", name, 3 * t * n,
+              median_seconds(exec, opt.repeat, [&] { mpx::softmax_backward(exec, y, dy, x); }), copy_gbps);
+    // Rows of 1000 (a classifier head): the warp-per-row path.
+    auto x1000 = mpx::view(x).flat(0, static_cast<std::size_t>(rows * cols / 1000 * 1000)).reshape(
+        {rows * cols / 1000, 1000});
+    auto y1000 = mpx::view(y).flat(0, x1000.size()).reshape(x1000.shape());
+    print_row(Exec::name, "softmax, rows of 1000", name, 2 * t * static_cast<double>(x1000.size()),
+              median_seconds(exec, opt.repeat, [&] { mpx::softmax(exec, x1000, y1000); }), copy_gbps);
+    print_row(Exec::name, "cross-entropy (loss+grad)", name, 2 * t * n,
+              median_seconds(exec, opt.repeat,
+                             [&] { mpx::sparse_categorical_cross_entropy(exec, x, labels, y, loss); }),
+              copy_gbps);
+    float const value = loss.read(exec);  // synchronises; also reports a bad label
+    if (!(value == value)) std::printf("unexpected NaN loss\n");
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+  for_type(float{});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    if (arg == "--rows" && i + 1 < argc) opt.rows = std::max(1LL, std::atoll(argv[++i]));
+    else if (arg == "--cols" && i + 1 < argc) opt.cols = std::max(1000LL, std::atoll(argv[++i]));
+    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
+    else if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--rows R] [--cols C>=1000] [--repeat N] [--executor host|cuda|all]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    std::printf("[%lld, %lld] elements, median of %d runs\n", static_cast<long long>(opt.rows),
+                static_cast<long long>(opt.cols), opt.repeat);
+    std::printf("%-6s %-30s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
+    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
+#if MPX_HAS_CUDA
+    int devices = 0;
+    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
+      cudaDeviceProp prop{};
+      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+      std::printf("GPU: %s\n", prop.name);
+      run_all(mpx::cuda_executor{}, opt);
+    } else if (opt.executor == "cuda") {
+      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
+      return 1;
+    }
+#else
+    if (opt.executor == "cuda") {
+      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
+      return 1;
+    }
+#endif
+  } catch (mpx::error const& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

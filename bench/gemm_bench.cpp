@@ -1,0 +1,290 @@
+// Microbenchmark of mpx::gemm: square products and the shapes a small CNN on
+// Fashion-MNIST makes (dense layers, their weight gradients, convolutions as products),
+// for half, bfloat16 and float. On the GPU each row stands beside cuBLAS
+// (cublasGemmEx / cublasGemmStridedBatchedEx, default algorithm, the same compute type)
+// measured in the same run; on the host it reports GFLOP/s of the host path (OpenBLAS
+// sgemm where the build found it, mpx's blocked product otherwise).
+//
+//   gemm_bench [--executor host|cuda|all] [--repeat R] [--max-square N] [--shapes squares|layers|all]
+//
+// Every result is spot-checked against a float64 product before its row is printed: a
+// benchmark of a wrong answer measures nothing. Build with nvcc (gemm_bench.cu) for the
+// CUDA rows; bench/NOTES.md has the predictions and the results.
+#include <mpx/mpx.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#if MPX_HAS_CUDA
+#include <cublas_v2.h>
+#endif
+
+namespace {
+
+struct options {
+  std::string executor = "all";
+  int repeat = 5;
+  std::int64_t max_square = 0;  // 0: 8192 on the GPU, 1024 on the host
+  std::string shapes = "all";
+};
+
+struct shape_case {
+  std::string name;
+  std::int64_t batch, m, n, k;
+  bool ta, tb;
+};
+
+// Squares 1024..8192, then the layers of a small CNN at batch 256 (28x28x1 -> conv 3x3
+// 32 -> pool -> conv 3x3 64 -> pool -> dense 3136->128 -> dense 128->10), and one
+// attention-like batch.
+std::vector<shape_case> cases(options const& opt, bool gpu) {
+  std::vector<shape_case> out;
+  std::int64_t const max_square = opt.max_square ? opt.max_square : (gpu ? 8192 : 1024);
+  if (opt.shapes != "layers")
+    for (std::int64_t s = 256; s <= max_square; s *= 2)
+      if (s >= 1024 || !gpu) out.push_back({"square " + std::to_string(s), 1, s, s, s, false, false});
+  if (opt.shapes != "squares") {
+    out.push_back({"dense 784->128 fwd", 1, 256, 128, 784, false, false});
+    out.push_back({"dense 784->128 dW=x^T dy", 1, 784, 128, 256, true, false});
+    out.push_back({"dense 3136->128 fwd", 1, 256, 128, 3136, false, false});
+    out.push_back({"dense 3136->128 dX=dy W^T", 1, 256, 3136, 128, false, true});
+    out.push_back({"dense 3136->128 dW=x^T dy", 1, 3136, 128, 256, true, false});
+    out.push_back({"conv1 as gemm (K=9)", 1, 256 * 28 * 28, 32, 9, false, false});
+    out.push_back({"conv2 as gemm (K=288)", 1, 256 * 14 * 14, 64, 288, false, false});
+    out.push_back({"conv2 dW (K=50176)", 1, 288, 64, 256 * 14 * 14, true, false});
+    if (gpu) out.push_back({"batched 32x512x512x64", 32, 512, 512, 64, false, true});
+  }
+  return out;
+}
+
+//! Median of `repeat` timed runs of `inner` calls each, in seconds per call.
+template <class Exec, class F>
+double seconds_per_call(Exec const& exec, int repeat, int inner, F&& run) {
+  run();  // warm-up: plan creation, first-touch page faults, thread start-up
+  exec.synchronize();
+  std::vector<double> times;
+  for (int r = 0; r < repeat; ++r) {
+#if MPX_HAS_CUDA
+    if constexpr (mpx::is_cuda_executor_v<Exec>) {
+      cudaEvent_t start, stop;
+      MPX_CUDA_CHECK(cudaEventCreate(&start));
+      MPX_CUDA_CHECK(cudaEventCreate(&stop));
+      MPX_CUDA_CHECK(cudaEventRecord(start, exec.stream()));
+      for (int i = 0; i < inner; ++i) run();
+      MPX_CUDA_CHECK(cudaEventRecord(stop, exec.stream()));
+      MPX_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      MPX_CUDA_CHECK(cudaEventDestroy(start));
+      MPX_CUDA_CHECK(cudaEventDestroy(stop));
+      times.push_back(ms / 1e3 / inner);
+      continue;
+    }
+#endif
+    auto const t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < inner; ++i) run();
+    exec.synchronize();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / inner);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+//! Fast seeded values in [-1, 1): a large operand's worth in well under a second.
+template <class T>
+std::vector<T> random_operand(std::size_t n, std::uint64_t seed) {
+  std::vector<T> out(n);
+  std::uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (auto& v : out) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    v = mpx::cast<T>(static_cast<float>(static_cast<std::int64_t>(s >> 40) - (1 << 23)) * 0x1p-23f);
+  }
+  return out;
+}
+
+//! Checks 64 seeded elements of C against float64; throws mpx::error on a miss.
+template <class T>
+void spot_check(shape_case const& c, std::vector<T> const& a, std::vector<T> const& b, std::vector<T> const& got,
+                std::string_view who) {
+  std::uint64_t s = 12345;
+  double const bound = std::ldexp(1.0, -(mpx::dtype_traits<T>::mantissa_bits + 1)) +
+                       static_cast<double>(c.k + 4) * std::ldexp(1.0, std::is_same_v<T, float> ? -24 : -23);
+  for (int t = 0; t < 64; ++t) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    auto const bi = static_cast<std::int64_t>((s >> 20) % static_cast<std::uint64_t>(c.batch));
+    auto const i = static_cast<std::int64_t>((s >> 30) % static_cast<std::uint64_t>(c.m));
+    auto const j = static_cast<std::int64_t>((s >> 4) % static_cast<std::uint64_t>(c.n));
+    double exact = 0, scale = 0;
+    for (std::int64_t k = 0; k < c.k; ++k) {
+      std::size_t const ai = static_cast<std::size_t>(bi * c.m * c.k + (c.ta ? k * c.m + i : i * c.k + k));
+      std::size_t const bj = static_cast<std::size_t>(bi * c.k * c.n + (c.tb ? j * c.k + k : k * c.n + j));
+      double const p = mpx::detail::to_double(a[ai]) * mpx::detail::to_double(b[bj]);
+      exact += p;
+      scale += std::abs(p);
+    }
+    double const g = mpx::detail::to_double(got[static_cast<std::size_t>((bi * c.m + i) * c.n + j)]);
+    if (!(std::abs(g - exact) <= bound * scale + 1e-30))
+      throw mpx::error("gemm_bench: " + std::string(who) + " " + c.name + " " + std::string(mpx::dtype_name<T>) +
+                       ": C[" + std::to_string(bi) + "][" + std::to_string(i) + "][" + std::to_string(j) + "] = " +
+                       std::to_string(g) + ", float64 says " + std::to_string(exact));
+  }
+}
+
+template <class T>
+struct policy_for;
+template <>
+struct policy_for<float> {
+  using type = mpx::float32;
+};
+template <>
+struct policy_for<mpx::half> {
+  using type = mpx::mixed_float16;
+};
+template <>
+struct policy_for<mpx::bfloat16> {
+  using type = mpx::mixed_bfloat16;
+};
+
+mpx::shape operand_shape(std::int64_t batch, std::int64_t rows, std::int64_t cols) {
+  return batch > 1 ? mpx::shape{batch, rows, cols} : mpx::shape{rows, cols};
+}
+
+#if MPX_HAS_CUDA
+void check(cublasStatus_t status, char const* call) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw mpx::cublas_error(std::string("gemm_bench: ") + call + " returned " + cublasGetStatusName(status),
+                            static_cast<int>(status));
+}
+
+//! cuBLAS's own answer to the same row-major problem (column-major C^T = op(B)^T op(A)^T).
+template <class T>
+void cublas_reference(cublasHandle_t handle, shape_case const& c, T const* a, T const* b, T* out) {
+  float const alpha = 1.0f, beta = 0.0f;
+  cudaDataType_t const type = mpx::detail::cuda_data_type<T>;
+  auto const m = static_cast<int>(c.m), n = static_cast<int>(c.n), k = static_cast<int>(c.k);
+  cublasOperation_t const op_b = c.tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = c.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  int const ldb = c.tb ? k : n, lda = c.ta ? m : k;
+  if (c.batch == 1) {
+    check(cublasGemmEx(handle, op_b, op_a, n, m, k, &alpha, b, type, ldb, a, type, lda, &beta, out, type, n,
+                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx");
+  } else {
+    check(cublasGemmStridedBatchedEx(handle, op_b, op_a, n, m, k, &alpha, b, type, ldb, c.k * c.n, a, type, lda,
+                                     c.m * c.k, &beta, out, type, n, c.m * c.n, static_cast<int>(c.batch),
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmStridedBatchedEx");
+  }
+}
+#endif
+
+template <class Exec>
+void run_all(Exec const& exec, options const& opt) {
+  constexpr bool gpu = mpx::is_cuda_executor_v<Exec>;
+#if MPX_HAS_CUDA
+  cublasHandle_t handle = nullptr;
+  if constexpr (gpu) {
+    check(cublasCreate(&handle), "cublasCreate");
+    check(cublasSetStream(handle, exec.stream()), "cublasSetStream");
+  }
+#endif
+  std::printf("%-6s %-28s %-9s %22s %10s %10s %10s %8s\n", std::string(Exec::name).c_str(), "shape", "dtype",
+              "batch x M x N x K", "time (us)", gpu ? "TFLOP/s" : "GFLOP/s", gpu ? "cuBLAS" : "", gpu ? "of it" : "");
+  for (shape_case const& c : cases(opt, gpu)) {
+    auto for_type = [&](auto tag) {
+      using T = decltype(tag);
+      using P = typename policy_for<T>::type;
+      auto const a_shape = operand_shape(c.batch, c.ta ? c.k : c.m, c.ta ? c.m : c.k);
+      auto const b_shape = operand_shape(c.batch, c.tb ? c.n : c.k, c.tb ? c.k : c.n);
+      auto const c_shape = operand_shape(c.batch, c.m, c.n);
+      auto const ha = random_operand<T>(a_shape.size(), 1);
+      auto const hb = random_operand<T>(b_shape.size(), 2);
+      auto a = mpx::make_tensor<T>(exec, a_shape);
+      auto b = mpx::make_tensor<T>(exec, b_shape);
+      auto out = mpx::make_tensor<T>(exec, c_shape);
+      mpx::copy(exec, mpx::tensor_view<T const>(ha.data(), a_shape), a);
+      mpx::copy(exec, mpx::tensor_view<T const>(hb.data(), b_shape), b);
+      double const flops = 2.0 * static_cast<double>(c.batch * c.m) * static_cast<double>(c.n * c.k);
+      int const inner = gpu ? static_cast<int>(std::clamp(2e10 / flops, 1.0, 1000.0)) : 1;
+      mpx::gemm_options const o{.transpose_a = c.ta, .transpose_b = c.tb};
+      double const s = seconds_per_call(exec, opt.repeat, inner, [&] { mpx::gemm<P>(exec, a, b, out, o); });
+      auto host_out = mpx::to_host(exec, out);
+      spot_check(c, ha, hb, std::vector<T>(host_out.begin(), host_out.end()), "mpx::gemm");
+      double const rate = flops / s / (gpu ? 1e12 : 1e9);
+      std::string const dims = std::to_string(c.batch) + "x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" +
+                               std::to_string(c.k) + (c.ta ? " At" : "") + (c.tb ? " Bt" : "");
+      std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f", std::string(Exec::name).c_str(), c.name.c_str(),
+                  std::string(mpx::dtype_name<T>).c_str(), dims.c_str(), s * 1e6, rate);
+#if MPX_HAS_CUDA
+      if constexpr (gpu) {
+        auto ref = mpx::make_tensor<T>(exec, c_shape);
+        double const rs = seconds_per_call(exec, opt.repeat, inner,
+                                           [&] { cublas_reference(handle, c, a.data(), b.data(), ref.data()); });
+        auto host_ref = mpx::to_host(exec, ref);
+        spot_check(c, ha, hb, std::vector<T>(host_ref.begin(), host_ref.end()), "cublasGemmEx");
+        double const ref_rate = flops / rs / 1e12;
+        std::printf(" %10.2f %7.1f%%", ref_rate, 100.0 * rate / ref_rate);
+      }
+#endif
+      std::printf("\n");
+      std::fflush(stdout);
+    };
+    for_type(mpx::half{});
+    for_type(mpx::bfloat16{});
+    for_type(float{});
+  }
+#if MPX_HAS_CUDA
+  if constexpr (gpu) check(cublasDestroy(handle), "cublasDestroy");
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
+    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
+    else if (arg == "--max-square" && i + 1 < argc) opt.max_square = std::atoll(argv[++i]);
+    else if (arg == "--shapes" && i + 1 < argc) opt.shapes = argv[++i];
+    else {
+      std::fprintf(stderr,
+                   "usage: %s [--executor host|cuda|all] [--repeat R] [--max-square N] [--shapes squares|layers|all]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  try {
+    std::printf("median of %d runs; host path: %s\n", opt.repeat,
+                mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
+    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
+#if MPX_HAS_CUDA
+    int devices = 0;
+    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
+      cudaDeviceProp prop{};
+      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+      std::printf("GPU: %s\n", prop.name);
+      run_all(mpx::cuda_executor{}, opt);
+    } else if (opt.executor == "cuda") {
+      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
+      return 1;
+    }
+#else
+    if (opt.executor == "cuda") {
+      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
+      return 1;
+    }
+#endif
+  } catch (mpx::error const& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

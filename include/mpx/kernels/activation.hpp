@@ -1,0 +1,409 @@
+// Pointwise activations (relu, sigmoid, tanh, gelu) forward and backward on any executor,
+// alone or fused with a bias add, y[i, j] = act(x[i, j] + bias[j]), and with the bias
+// gradient db[j] = sum_i dz[i, j]. Whatever the storage, the arithmetic is float,
+// rounded once to the output's dtype.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/launch.hpp>
+#include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+// Why float for 16-bit storage too: these are memory-bound passes, so float arithmetic
+// costs nothing, while half arithmetic would round every intermediate (exp, erf, the
+// product with dy) and a transcendental in half has no more hardware behind it than in
+// float. Casting in, computing in float and rounding once on the way out keeps each
+// result within one rounding of storage (plus a few float ulps), for every policy.
+//
+// Why the backward pass takes the pre-activation x and not the output y: in 16 bits the
+// output has already lost what the derivative needs (sigmoid(8) rounds to 1 in half, so
+// y * (1 - y) would be 0 instead of 3.4e-4). Reading x instead of y moves the same bytes,
+// and recomputing exp or erf is free in a memory-bound pass.
+
+namespace mpx {
+
+//! The activations: MPX_HD functors on float with forward(x) and derivative(x) (the
+//! derivative at the pre-activation x). Each is written to stay accurate where the
+//! textbook form cancels (sigmoid' for large |x|, gelu for x << 0).
+namespace act {
+
+//! f(x) = x (Keras "linear"): a bias add alone.
+struct identity {
+  static constexpr std::string_view name = "linear";
+  MPX_HD float forward(float x) const noexcept { return x; }
+  MPX_HD float derivative(float) const noexcept { return 1.0f; }
+};
+
+//! f(x) = max(x, 0); f'(0) = 0, as TensorFlow takes it. NaN stays NaN, both ways.
+struct relu {
+  static constexpr std::string_view name = "relu";
+  MPX_HD float forward(float x) const noexcept { return x < 0.0f ? 0.0f : x; }
+  MPX_HD float derivative(float x) const noexcept { return x > 0.0f ? 1.0f : (x <= 0.0f ? 0.0f : x); }
+};
+
+//! f(x) = 1 / (1 + e^-x); f'(x) = e^-|x| / (1 + e^-|x|)^2, exact in relative terms for
+//! every x (the form f(1 - f) rounds to 0 once f rounds to 1).
+struct sigmoid {
+  static constexpr std::string_view name = "sigmoid";
+  MPX_HD float forward(float x) const noexcept { return 1.0f / (1.0f + ::expf(-x)); }
+  MPX_HD float derivative(float x) const noexcept {
+    float const e = ::expf(-::fabsf(x));
+    float const d = 1.0f + e;
+    return e / (d * d);
+  }
+};
+
+//! f(x) = tanh(x); f'(x) = 1 / cosh^2(x) = 4 e / (1 + e)^2 with e = e^-2|x| (1 - f^2
+//! loses every digit once |f| rounds to 1).
+struct tanh {
+  static constexpr std::string_view name = "tanh";
+  MPX_HD float forward(float x) const noexcept { return ::tanhf(x); }
+  MPX_HD float derivative(float x) const noexcept {
+    float const e = ::expf(-2.0f * ::fabsf(x));
+    float const d = 1.0f + e;
+    return 4.0f * e / (d * d);
+  }
+};
+
+//! Keras's default gelu (approximate=False): f(x) = x Phi(x) = x/2 erfc(-x/sqrt 2);
+//! f'(x) = Phi(x) + x phi(x). erfc, not 1 + erf, so f(-5) = -1.4e-6 keeps its digits.
+struct gelu {
+  static constexpr std::string_view name = "gelu";
+  MPX_HD float forward(float x) const noexcept { return 0.5f * x * ::erfcf(-x * 0.70710678118654752f); }
+  MPX_HD float derivative(float x) const noexcept {
+    float const cdf = 0.5f * ::erfcf(-x * 0.70710678118654752f);
+    float const pdf = 0.39894228040143268f * ::expf(-0.5f * x * x);
+    return cdf + x * pdf;
+  }
+};
+
+//! gelu's tanh approximation (Keras approximate=True): f(x) = x/2 (1 + tanh(u)),
+//! u = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2u) to avoid 1 + tanh -> 0.
+struct gelu_tanh {
+  static constexpr std::string_view name = "gelu_tanh";
+  MPX_HD float forward(float x) const noexcept { return x / (1.0f + ::expf(-2.0f * u(x))); }
+  MPX_HD float derivative(float x) const noexcept {
+    float const v = 2.0f * u(x);
+    float const s = 1.0f / (1.0f + ::expf(-v));
+    float const e = ::expf(-::fabsf(v));
+    float const d = 1.0f + e;
+    float const ds = e / (d * d);  // s (1 - s), without the cancellation
+    float const dv = 2.0f * 0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x * x);
+    return s + x * ds * dv;
+  }
+
+ private:
+  MPX_HD static float u(float x) noexcept { return 0.79788456080286536f * (x + 0.044715f * x * x * x); }
+};
+
+}  // namespace act
+
+//! What the algorithms below accept as an activation: act::relu and friends, or a
+//! user's MPX_HD functor with the same two members.
+template <class A>
+concept activation_function = std::is_trivially_copyable_v<A> && requires(A const& a, float x) {
+  { a.forward(x) } -> std::same_as<float>;
+  { a.derivative(x) } -> std::same_as<float>;
+};
+
+namespace ops {
+//! act(x), computed in float, rounded once to Out.
+template <class Act, class Out>
+struct activation_of {
+  Act act;
+  template <class In>
+  MPX_HD Out operator()(In x) const noexcept {
+    return cast<Out>(act.forward(cast<float>(x)));
+  }
+};
+//! dy * act'(x), computed in float, rounded once to Out.
+template <class Act, class Out>
+struct activation_gradient_of {
+  Act act;
+  template <class X, class DY>
+  MPX_HD Out operator()(X x, DY dy) const noexcept {
+    return cast<Out>(cast<float>(dy) * act.derivative(cast<float>(x)));
+  }
+};
+}  // namespace ops
+
+namespace detail {
+
+//! [rows, cols] of a tensor whose last axis meets a bias of `cols` elements; throws
+//! mpx::shape_error naming both shapes otherwise.
+inline void bias_layout(std::string_view op, shape const& x, shape const& bias, std::size_t& rows,
+                        std::size_t& cols) {
+  if (x.rank() < 1 || bias.rank() != 1 || bias[0] != x[x.rank() - 1])
+    fail<shape_error>(op, "a bias of shape " + bias.to_string() + " does not match the last axis of x of shape " +
+                              x.to_string() + " (the bias must be rank 1, as long as x's last axis)");
+  cols = static_cast<std::size_t>(bias[0]);
+  rows = cols ? x.size() / cols : 0;
+}
+
+//! Rows summed into one float partial before the partials are summed, on the host: the
+//! rounding of about rows / 256 + 256 additions instead of rows.
+inline constexpr std::size_t host_rows_per_chunk = 256;
+
+template <class Act, class X, class B, class Y>
+void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::size_t rows, std::size_t cols) {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t j = 0; j < cols; ++j)
+      y[r * cols + j] = cast<Y>(act.forward(cast<float>(x[r * cols + j]) + cast<float>(bias[j])));
+}
+
+// dz = dy * act'(x + bias) in float; dx = dz rounded (when dx is given); db = column sums
+// of the float dz (not of the rounded dx), chunk by chunk.
+template <class Act, class X, class B, class DY, class DX, class DB>
+void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db, std::size_t rows,
+                        std::size_t cols) {
+  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f);
+  for (std::size_t r0 = 0; r0 < rows; r0 += host_rows_per_chunk) {
+    std::fill(chunk.begin(), chunk.end(), 0.0f);
+    std::size_t const r1 = std::min(rows, r0 + host_rows_per_chunk);
+    for (std::size_t r = r0; r < r1; ++r) {
+      for (std::size_t j = 0; j < cols; ++j) {
+        std::size_t const i = r * cols + j;
+        float dz = cast<float>(dy[i]);
+        if constexpr (!std::is_same_v<Act, act::identity>)
+          dz *= act.derivative(cast<float>(x[i]) + cast<float>(bias[j]));
+        if (dx) dx[i] = cast<DX>(dz);
+        chunk[j] += dz;
+      }
+    }
+    for (std::size_t j = 0; j < cols; ++j) total[j] += chunk[j];
+  }
+  for (std::size_t j = 0; j < cols; ++j) db[j] = cast<DB>(total[j]);
+}
+
+#if MPX_HAS_CUDA
+// Forward: a grid-stride pass. With 16-byte vectors when every row is a whole number of
+// vectors and both pointers are aligned, so a vector never straddles two rows.
+template <int Width, class Act, class X, class B, class Y>
+__global__ void __launch_bounds__(block_size)
+    bias_activation_kernel(Act act, X const* __restrict__ x, B const* __restrict__ bias, Y* __restrict__ y,
+                           std::size_t groups, std::size_t cols) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    std::size_t const base = g * Width;
+    std::size_t const j0 = base % cols;
+    auto const in = *reinterpret_cast<aligned_vector<X, Width> const*>(x + base);
+    aligned_vector<Y, Width> out;
+    MPX_UNROLL
+    for (int k = 0; k < Width; ++k) out.v[k] = cast<Y>(act.forward(cast<float>(in.v[k]) + cast<float>(bias[j0 + k])));
+    *reinterpret_cast<aligned_vector<Y, Width>*>(y + base) = out;
+  }
+}
+
+// Backward, first level: block (32, 8) owns 32 columns of a chunk of rows; a warp reads
+// 32 neighbouring elements of one row (coalesced), writes dx, and each thread sums its
+// column; the 8 row-threads' sums are added in a fixed order into partials[chunk][j].
+inline constexpr int column_tile = 32;
+inline constexpr int column_tile_rows = 8;
+
+template <class Act, class X, class B, class DY, class DX>
+__global__ void __launch_bounds__(column_tile * column_tile_rows)
+    bias_backward_kernel(Act act, X const* x, B const* bias, DY const* dy, DX* dx, std::size_t rows,
+                         std::size_t cols, std::size_t rows_per_chunk, float* __restrict__ partials) {
+  __shared__ float sums[column_tile_rows][column_tile + 1];
+  std::size_t const j = static_cast<std::size_t>(blockIdx.x) * column_tile + threadIdx.x;
+  std::size_t const r0 = static_cast<std::size_t>(blockIdx.y) * rows_per_chunk;
+  std::size_t const r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+  float acc = 0.0f;
+  if (j < cols) {
+    float const bj = bias ? cast<float>(bias[j]) : 0.0f;
+    for (std::size_t r = r0 + threadIdx.y; r < r1; r += column_tile_rows) {
+      std::size_t const i = r * cols + j;
+      float dz = cast<float>(dy[i]);
+      if constexpr (!std::is_same_v<Act, act::identity>) dz *= act.derivative(cast<float>(x[i]) + bj);
+      if (dx) dx[i] = cast<DX>(dz);
+      acc += dz;
+    }
+  }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < cols) {
+    float t = 0.0f;
+    MPX_UNROLL
+    for (int k = 0; k < column_tile_rows; ++k) t += sums[k][threadIdx.x];
+    partials[static_cast<std::size_t>(blockIdx.y) * cols + j] = t;
+  }
+}
+
+// Backward, second level: one thread per column adds its chunks' partials in order.
+template <class DB>
+__global__ void __launch_bounds__(block_size)
+    column_partials_kernel(float const* __restrict__ partials, std::size_t chunks, std::size_t cols,
+                           DB* __restrict__ db) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t j = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
+    float t = 0.0f;
+    for (std::size_t c = 0; c < chunks; ++c) t += partials[c * cols + j];
+    db[j] = cast<DB>(t);
+  }
+}
+
+template <class Act, class X, class B, class Y>
+void cuda_bias_activation(cudaStream_t stream, Act const& act, X const* x, B const* bias, Y* y, std::size_t rows,
+                          std::size_t cols) {
+  constexpr int width = vector_width<X, Y>;
+  std::size_t const n = rows * cols;
+  bool const vectors = cols % width == 0 && reinterpret_cast<std::uintptr_t>(x) % (width * sizeof(X)) == 0 &&
+                       reinterpret_cast<std::uintptr_t>(y) % (width * sizeof(Y)) == 0;
+  if (vectors) {
+    bias_activation_kernel<width><<<grid_for(n / width), block_size, 0, stream>>>(act, x, bias, y, n / width, cols);
+  } else {
+    bias_activation_kernel<1><<<grid_for(n), block_size, 0, stream>>>(act, x, bias, y, n, cols);
+  }
+  MPX_CUDA_CHECK_LAUNCH("mpx::bias_activation_kernel");
+}
+
+template <class Act, class X, class B, class DY, class DX, class DB>
+void cuda_bias_backward(cudaStream_t stream, Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db,
+                        std::size_t rows, std::size_t cols) {
+  // Chunks of rows: enough blocks to fill the GPU about 8 times over (2048 threads per
+  // SM), at least 8 rows per chunk. Fixed by the shape and the device, so the sums come
+  // out the same run after run.
+  std::size_t const tiles = (cols + column_tile - 1) / column_tile;
+  std::size_t const wanted_blocks = static_cast<std::size_t>(sm_count()) * 8;
+  std::size_t chunks = std::max<std::size_t>(1, (wanted_blocks + tiles - 1) / tiles);
+  chunks = std::min({chunks, (rows + column_tile_rows - 1) / column_tile_rows, std::size_t{65535}});
+  chunks = std::max<std::size_t>(chunks, 1);
+  std::size_t const rows_per_chunk = (rows + chunks - 1) / chunks;
+  chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  if (tiles > 0x7FFF'FFFFu) fail<invalid_argument>("bias_activation_backward", "too many columns for one launch");
+
+  buffer<float, device_space> partials(chunks * cols, stream);
+  dim3 const grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
+  dim3 const block(column_tile, column_tile_rows);
+  bias_backward_kernel<<<grid, block, 0, stream>>>(act, x, bias, dy, dx, rows, cols, rows_per_chunk, partials.data());
+  MPX_CUDA_CHECK_LAUNCH("mpx::bias_backward_kernel");
+  column_partials_kernel<<<grid_for(cols), block_size, 0, stream>>>(partials.data(), chunks, cols, db);
+  MPX_CUDA_CHECK_LAUNCH("mpx::column_partials_kernel");
+}
+#endif
+
+// Shared by bias_activation_backward and bias_gradient: dx may be null (not written),
+// and for act::identity x is not read.
+template <class Act, class Exec, class X, class B, class DY, class DX, class DB>
+void bias_backward([[maybe_unused]] Exec const& exec, Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db,
+                   std::size_t rows, std::size_t cols) {
+  if (cols == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    host_bias_backward(act, x, bias, dy, dx, db, rows, cols);
+  } else {
+#if MPX_HAS_CUDA
+    if (rows == 0) {
+      transform(exec, tensor_view<DB, device_space>(db, shape{static_cast<std::int64_t>(cols)}), ops::fill_with<DB>{cast<DB>(0.0f)});
+      return;
+    }
+    cuda_bias_backward(exec.stream(), act, x, bias, dy, dx, db, rows, cols);
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+}  // namespace detail
+
+//! y = act(x), elementwise over any shape; computed in float, rounded once to y's dtype.
+//! y may be x. Shapes must match (else mpx::shape_error). Asynchronous on a cuda_executor.
+template <activation_function Act, executor Exec, tensor_like X, tensor_like Y>
+void activation_forward(Exec const& exec, Act act, X&& x, Y&& y) {
+  detail::require_same_shape("activation_forward", mpx::view(x).shape(), mpx::view(y).shape());
+  transform(exec, y, ops::activation_of<Act, value_t<Y>>{act}, x);
+}
+
+//! dx = dy * act'(x), x the pre-activation input of the forward pass (see the note at
+//! the top of this header); float arithmetic, one rounding to dx's dtype. dx may be dy.
+template <activation_function Act, executor Exec, tensor_like X, tensor_like DY, tensor_like DX>
+void activation_backward(Exec const& exec, Act act, X&& x, DY&& dy, DX&& dx) {
+  detail::require_same_shape("activation_backward", mpx::view(x).shape(), mpx::view(dy).shape());
+  detail::require_same_shape("activation_backward", mpx::view(dy).shape(), mpx::view(dx).shape());
+  transform(exec, dx, ops::activation_gradient_of<Act, value_t<DX>>{act}, x, dy);
+}
+
+//! y[i, j] = act(x[i, j] + bias[j]) over x of shape [..., cols] (row-major) and a bias of
+//! shape [cols]: the bias add and the activation in one pass, in float (x + bias is not
+//! rounded to storage first), one rounding to y's dtype. y may be x. Asynchronous on a
+//! cuda_executor. Shape mismatches throw mpx::shape_error naming both shapes.
+template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like Y>
+void bias_activation_forward([[maybe_unused]] Exec const& exec, Act act, X&& x, B&& bias, Y&& y) {
+  auto xv = mpx::view(x);
+  auto bv = mpx::view(bias);
+  auto yv = mpx::view(y);
+  detail::require_access<Exec, space_t<X>, space_t<B>, space_t<Y>>();
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::bias_activation_forward: y is const");
+  std::size_t rows = 0, cols = 0;
+  detail::bias_layout("bias_activation_forward", xv.shape(), bv.shape(), rows, cols);
+  detail::require_same_shape("bias_activation_forward", xv.shape(), yv.shape());
+  if (rows * cols == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    detail::host_bias_activation(act, xv.data(), bv.data(), yv.data(), rows, cols);
+  } else {
+#if MPX_HAS_CUDA
+    detail::cuda_bias_activation(exec.stream(), act, xv.data(), bv.data(), yv.data(), rows, cols);
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! The backward pass of bias_activation_forward: dz = dy * act'(x + bias) in float;
+//! dx = dz rounded to dx's dtype (dx may be dy); db[j] = sum over rows of the float dz,
+//! accumulated in float and rounded once to db's dtype. Deterministic: on the GPU a
+//! two-level column reduction (no atomics) whose order depends only on the shape and
+//! the device. Asynchronous on a cuda_executor (it allocates its partial sums on the
+//! stream, rows/8 x cols floats at most).
+template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like DY, tensor_like DX,
+          tensor_like DB>
+void bias_activation_backward(Exec const& exec, Act act, X&& x, B&& bias, DY&& dy, DX&& dx, DB&& db) {
+  auto xv = mpx::view(x);
+  auto bv = mpx::view(bias);
+  auto dyv = mpx::view(dy);
+  auto dxv = mpx::view(dx);
+  auto dbv = mpx::view(db);
+  detail::require_access<Exec, space_t<X>, space_t<B>, space_t<DY>, space_t<DX>, space_t<DB>>();
+  static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
+                    !std::is_const_v<typename decltype(dbv)::element_type>,
+                "mpx::bias_activation_backward: dx and db are outputs and cannot be const");
+  std::size_t rows = 0, cols = 0;
+  detail::bias_layout("bias_activation_backward", xv.shape(), bv.shape(), rows, cols);
+  detail::require_same_shape("bias_activation_backward", xv.shape(), dyv.shape());
+  detail::require_same_shape("bias_activation_backward", xv.shape(), dxv.shape());
+  detail::require_same_shape("bias_activation_backward", bv.shape(), dbv.shape());
+  detail::bias_backward(exec, act, xv.data(), bv.data(), dyv.data(), dxv.data(), dbv.data(), rows, cols);
+}
+
+//! db[j] = sum_i dy[i, j] over dy of shape [..., cols] and db of shape [cols]: the bias
+//! gradient of a layer without activation, accumulated in float, deterministic (as
+//! bias_activation_backward). Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like DY, tensor_like DB>
+void bias_gradient(Exec const& exec, DY&& dy, DB&& db) {
+  auto dyv = mpx::view(dy);
+  auto dbv = mpx::view(db);
+  detail::require_access<Exec, space_t<DY>, space_t<DB>>();
+  static_assert(!std::is_const_v<typename decltype(dbv)::element_type>, "mpx::bias_gradient: db is const");
+  std::size_t rows = 0, cols = 0;
+  detail::bias_layout("bias_gradient", dyv.shape(), dbv.shape(), rows, cols);
+  using dy_t = value_t<DY>;
+  using db_t = value_t<DB>;
+  detail::bias_backward(exec, act::identity{}, static_cast<dy_t const*>(nullptr), static_cast<db_t const*>(nullptr),
+                        dyv.data(), static_cast<dy_t*>(nullptr), dbv.data(), rows, cols);
+}
+
+}  // namespace mpx

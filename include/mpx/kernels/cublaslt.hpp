@@ -1,0 +1,257 @@
+// The cuBLASLt side of mpx::gemm: a checked call for cuBLAS statuses, and the per-device
+// handle, per-(device, stream) workspace and per-problem plan (descriptors and the
+// heuristic's algorithm) that are created once and reused by every later call.
+// CUDA-only by nature: empty under the plain C++ compiler.
+#pragma once
+
+#include <mpx/core/config.hpp>
+#include <mpx/core/error.hpp>
+
+#if MPX_HAS_CUDA
+#include <cublasLt.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <source_location>
+#include <string>
+#include <tuple>
+#endif
+
+namespace mpx {
+
+#if MPX_HAS_CUDA
+
+//! A cuBLAS or cuBLASLt call that failed; code() is the cublasStatus_t value and the
+//! message names it (CUBLAS_STATUS_NOT_SUPPORTED, ...).
+class cublas_error : public cuda_error {
+ public:
+  using cuda_error::cuda_error;
+};
+
+namespace detail {
+
+//! Throws mpx::cublas_error naming the call, the status and where it was made.
+inline void check_cublas(cublasStatus_t status, char const* call,
+                         std::source_location loc = std::source_location::current()) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw cublas_error(std::string("mpx: cuBLAS call failed: ") + call + " returned " + cublasLtGetStatusName(status) +
+                         " (" + cublasLtGetStatusString(status) + ") at " + where(loc),
+                     static_cast<int>(status));
+}
+
+//! What identifies one matrix product to cuBLASLt: the same key gets the same plan.
+//! Row-major mpx shapes are already translated to cuBLASLt's column-major terms.
+struct lt_problem {
+  int device = 0;
+  cudaDataType_t a_type{}, b_type{}, c_type{}, scale_type{};
+  cublasComputeType_t compute{};
+  cublasOperation_t op_a{}, op_b{};
+  std::uint64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0, c_rows = 0, c_cols = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int32_t batch = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  std::uint32_t align_a = 0, align_b = 0, align_c = 0;  // bytes: the heuristic needs them
+
+  auto tie() const {
+    return std::tie(device, a_type, b_type, c_type, scale_type, compute, op_a, op_b, a_rows, a_cols, b_rows, b_cols,
+                    c_rows, c_cols, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, align_a, align_b, align_c);
+  }
+  friend bool operator<(lt_problem const& x, lt_problem const& y) { return x.tie() < y.tie(); }
+};
+
+//! Descriptors and the chosen algorithm of one problem. Owned by the cache; never
+//! destroyed before release_gemm_resources() (destruction at exit would race the
+//! CUDA runtime's own teardown).
+struct lt_plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  std::size_t workspace_bytes = 0;
+
+  lt_plan() = default;
+  lt_plan(lt_plan const&) = delete;
+  lt_plan& operator=(lt_plan const&) = delete;
+  ~lt_plan() {
+    // Statuses ignored: a destructor cannot throw, and a failure here means the
+    // context is already gone.
+    if (c) static_cast<void>(cublasLtMatrixLayoutDestroy(c));
+    if (b) static_cast<void>(cublasLtMatrixLayoutDestroy(b));
+    if (a) static_cast<void>(cublasLtMatrixLayoutDestroy(a));
+    if (desc) static_cast<void>(cublasLtMatmulDescDestroy(desc));
+  }
+};
+
+//! Per device: one cuBLASLt handle. Per (device, stream): one workspace, since two
+//! streams running at once cannot share one. Per problem: one plan.
+class lt_context {
+ public:
+  //! The process-wide cache. Deliberately never destroyed (see lt_plan).
+  static lt_context& instance() {
+    static lt_context* const context = new lt_context();
+    return *context;
+  }
+
+  //! Workspace bytes offered to cuBLASLt: 32 MiB on Hopper and later (NVIDIA's
+  //! recommendation for sm_90), 4 MiB before.
+  static std::size_t workspace_size_for(int device) {
+    int major = 0;
+    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9 ? std::size_t{32} << 20 : std::size_t{4} << 20;
+  }
+
+  cublasLtHandle_t handle(int device) {
+    std::lock_guard lock(mutex_);
+    auto& h = handles_[device];
+    if (!h) check_cublas(cublasLtCreate(&h), "cublasLtCreate");
+    return h;
+  }
+
+  struct workspace {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+
+  //! The workspace of (device, stream), allocated on first use.
+  workspace workspace_for(int device, cudaStream_t stream) {
+    std::lock_guard lock(mutex_);
+    auto [it, inserted] = workspaces_.try_emplace({device, reinterpret_cast<std::uintptr_t>(stream)});
+    if (inserted) {
+      try {
+        it->second.bytes = workspace_size_for(device);
+        MPX_CUDA_CHECK(cudaMalloc(&it->second.data, it->second.bytes));
+      } catch (...) {
+        workspaces_.erase(it);
+        throw;
+      }
+    }
+    return it->second;
+  }
+
+  //! The plan of `p`, made (descriptors, heuristic) on first use.
+  lt_plan const& plan(lt_problem const& p, cublasLtHandle_t handle, std::size_t workspace_bytes) {
+    std::lock_guard lock(mutex_);
+    auto it = plans_.find(p);
+    if (it != plans_.end()) return *it->second;
+    auto made = make_plan(p, handle, workspace_bytes);
+    return *plans_.emplace(p, std::move(made)).first->second;
+  }
+
+  //! Frees every workspace and plan and destroys the handles, after waiting for the
+  //! devices that used them. For tests and for programs that made many streams.
+  void release() {
+    std::lock_guard lock(mutex_);
+    int current = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&current));
+    for (auto const& [key, ws] : workspaces_) {
+      MPX_CUDA_CHECK(cudaSetDevice(key.first));
+      MPX_CUDA_CHECK(cudaDeviceSynchronize());
+      MPX_CUDA_CHECK(cudaFree(ws.data));
+    }
+    workspaces_.clear();
+    plans_.clear();
+    for (auto const& [device, h] : handles_) check_cublas(cublasLtDestroy(h), "cublasLtDestroy");
+    handles_.clear();
+    MPX_CUDA_CHECK(cudaSetDevice(current));
+  }
+
+ private:
+  lt_context() = default;
+
+  static void set_layout(cublasLtMatrixLayout_t layout, std::int32_t batch, std::int64_t stride) {
+    if (batch == 1) return;
+    check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)),
+                 "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+    check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                  sizeof(stride)),
+                 "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+  }
+
+  static std::unique_ptr<lt_plan> make_plan(lt_problem const& p, cublasLtHandle_t handle,
+                                            std::size_t workspace_bytes) {
+    auto plan = std::make_unique<lt_plan>();
+    check_cublas(cublasLtMatmulDescCreate(&plan->desc, p.compute, p.scale_type), "cublasLtMatmulDescCreate");
+    check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &p.op_a, sizeof(p.op_a)),
+                 "cublasLtMatmulDescSetAttribute(TRANSA)");
+    check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &p.op_b, sizeof(p.op_b)),
+                 "cublasLtMatmulDescSetAttribute(TRANSB)");
+    check_cublas(cublasLtMatrixLayoutCreate(&plan->a, p.a_type, p.a_rows, p.a_cols, p.lda),
+                 "cublasLtMatrixLayoutCreate(A)");
+    check_cublas(cublasLtMatrixLayoutCreate(&plan->b, p.b_type, p.b_rows, p.b_cols, p.ldb),
+                 "cublasLtMatrixLayoutCreate(B)");
+    check_cublas(cublasLtMatrixLayoutCreate(&plan->c, p.c_type, p.c_rows, p.c_cols, p.ldc),
+                 "cublasLtMatrixLayoutCreate(C)");
+    set_layout(plan->a, p.batch, p.stride_a);
+    set_layout(plan->b, p.batch, p.stride_b);
+    set_layout(plan->c, p.batch, p.stride_c);
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    check_cublas(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    // The preference is only needed for the query: destroy it on every way out.
+    std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, cublasStatus_t (*)(cublasLtMatmulPreference_t)>
+        pref_guard(pref, &cublasLtMatmulPreferenceDestroy);
+    std::uint64_t const max_workspace = workspace_bytes;
+    check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+                                                      sizeof(max_workspace)),
+                 "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
+    // The default assumes 256-byte aligned pointers; views at an offset and batch
+    // strides can be less aligned, and an algorithm that needs more would fault.
+    std::uint32_t const aligns[4] = {p.align_a, p.align_b, p.align_c, p.align_c};
+    cublasLtMatmulPreferenceAttributes_t const align_attrs[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i)
+      check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof(aligns[i])),
+                   "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)");
+
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    // D is C (in place), so the C layout serves both.
+    check_cublas(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1,
+                                                &result, &found),
+                 "cublasLtMatmulAlgoGetHeuristic");
+    if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+      cublasStatus_t const status = found < 1 ? CUBLAS_STATUS_NOT_SUPPORTED : result.state;
+      std::uint64_t const k = p.op_a == CUBLAS_OP_N ? p.a_cols : p.a_rows;
+      throw cublas_error("mpx::gemm: cuBLASLt has no algorithm for this product (M x N x K = " +
+                             std::to_string(p.c_cols) + " x " + std::to_string(p.c_rows) + " x " + std::to_string(k) +
+                             ", batch " + std::to_string(p.batch) + "): " + cublasLtGetStatusName(status),
+                         static_cast<int>(status));
+    }
+    plan->algo = result.algo;
+    plan->workspace_bytes = result.workspaceSize;
+    return plan;
+  }
+
+  std::mutex mutex_;
+  std::map<int, cublasLtHandle_t> handles_;
+  std::map<std::pair<int, std::uintptr_t>, workspace> workspaces_;  // (device, stream)
+  std::map<lt_problem, std::unique_ptr<lt_plan>> plans_;
+};
+
+//! Runs one planned product on `stream`: D = C = alpha * op(A) op(B) + beta * C, in
+//! cuBLASLt's column-major terms. alpha and beta point to host values of the scale type.
+inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alpha, void const* a, void const* b,
+                      void const* beta, void* c) {
+  lt_context& context = lt_context::instance();
+  cublasLtHandle_t const handle = context.handle(p.device);
+  lt_context::workspace const ws = context.workspace_for(p.device, stream);
+  lt_plan const& plan = context.plan(p, handle, ws.bytes);
+  check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c, &plan.algo,
+                              ws.data, ws.bytes, stream),
+               "cublasLtMatmul");
+}
+
+}  // namespace detail
+
+//! Frees the cuBLASLt handles, workspaces and plans mpx::gemm has cached, after
+//! waiting for every device that used them. Optional: for a program that created many
+//! streams (each keeps a workspace) or wants the memory back.
+inline void release_gemm_resources() { detail::lt_context::instance().release(); }
+
+#endif  // MPX_HAS_CUDA
+
+}  // namespace mpx

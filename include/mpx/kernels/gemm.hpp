@@ -1,0 +1,519 @@
+// mpx::gemm: C = alpha * op(A) op(B) + beta * C on row-major tensors, one matrix or a
+// strided batch, summed in the policy's accumulate type. On a cuda_executor it is one
+// cuBLASLt call (tensor cores for 16-bit operands, float accumulation); on the host a
+// BLAS sgemm on float panels where the build found one (MPX_HAS_CBLAS), else a blocked
+// product of its own.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/cublaslt.hpp>
+#include <mpx/kernels/elementwise.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <source_location>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// MPX_HAS_CBLAS comes from the build (Meson sets it on mpx_dep where it found OpenBLAS),
+// not from a header, so a project without a BLAS gets the blocked product.
+
+namespace mpx {
+
+//! How mpx::gemm combines its operands: C = alpha * op(A) op(B) + beta * C.
+struct gemm_options {
+  bool transpose_a = false;  //!< A is given as [K, M] (or [batch, K, M]) and its transpose is used.
+  bool transpose_b = false;  //!< B is given as [N, K] (or [batch, N, K]), as a dense layer's weight often is.
+  float alpha = 1.0f;        //!< Scales the product. With alpha == 0, A and B are not read.
+  float beta = 0.0f;         //!< Scales the old C. With beta == 0, C is not read (NaN there is overwritten).
+};
+
+//! Opt-in for a policy that accumulates matrix products in half (CUBLAS_COMPUTE_16F on
+//! the GPU, each partial sum rounded to half on the host). Sums in half lose every term
+//! below 2^-11 of the running total and overflow at 65504, so mpx::gemm refuses such a
+//! policy unless it is declared deliberate:
+//! `template <> inline constexpr bool mpx::enable_half_accumulation<my_policy> = true;`
+template <class Policy>
+inline constexpr bool enable_half_accumulation = false;
+
+//! Whether mpx::gemm on the host runs on a BLAS sgemm (the build found OpenBLAS) rather
+//! than mpx's own blocked product.
+#if defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
+inline constexpr bool gemm_host_uses_blas = true;
+#else
+inline constexpr bool gemm_host_uses_blas = false;
+#endif
+
+namespace detail {
+
+//! The compile-time checks of mpx::gemm, each with the message a user needs.
+template <class Policy, class TA, class TB, class TC>
+constexpr void check_gemm_types() {
+  static_assert(policy_type<Policy>,
+                "mpx::gemm<Policy>: the first template argument must be a policy, as in "
+                "mpx::gemm<mpx::mixed_float16>(exec, a, b, c)");
+  if constexpr (policy_type<Policy>) {
+    using S = typename Policy::storage_type;
+    using Acc = typename Policy::accumulate_type;
+    static_assert(std::is_same_v<TA, S> && std::is_same_v<TB, S>,
+                  "mpx::gemm: A and B must hold the policy's storage_type (half for mpx::mixed_float16, bfloat16 "
+                  "for mpx::mixed_bfloat16, float for mpx::float32); convert them with mpx::cast first");
+    static_assert(std::is_same_v<TC, S> || std::is_same_v<TC, float>,
+                  "mpx::gemm: C must hold the policy's storage_type or float");
+    static_assert(!std::is_same_v<Acc, bfloat16>,
+                  "mpx::gemm: this policy accumulates in bfloat16, which keeps 8 significant bits: a sum of a "
+                  "few hundred products loses its small terms, and no GPU library offers it. Use a policy whose "
+                  "accumulate_type is float, such as mpx::mixed_bfloat16");
+    static_assert(!std::is_same_v<Acc, half> || enable_half_accumulation<Policy>,
+                  "mpx::gemm: this policy accumulates matrix products in half (accumulate_type = float16): sums "
+                  "lose every term below 2^-11 of the running total and overflow at 65504. Use a policy whose "
+                  "accumulate_type is float, such as mpx::mixed_float16 (half operands, float sums on tensor "
+                  "cores); if half sums are what you want, declare `template <> inline constexpr bool "
+                  "mpx::enable_half_accumulation<YourPolicy> = true;`");
+    static_assert(!std::is_same_v<Acc, half> || (std::is_same_v<S, half> && std::is_same_v<TC, half>),
+                  "mpx::gemm: accumulation in half needs half operands and a half C (cuBLAS computes in half "
+                  "only on half data)");
+  }
+}
+
+//! The sizes of one product: C[b] = op(A[b]) op(B[b]), op(A) M x K, op(B) K x N. A
+//! stride (elements between batch entries) of 0 means the operand is shared by all.
+struct gemm_dims {
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+};
+
+[[noreturn]] inline void gemm_shape_failure(shape const& a, shape const& b, shape const& c, gemm_options const& o,
+                                            std::string const& why, std::source_location loc) {
+  fail<shape_error>("gemm", "shapes do not agree: A " + a.to_string() + (o.transpose_a ? " transposed" : "") +
+                                ", B " + b.to_string() + (o.transpose_b ? " transposed" : "") + ", C " +
+                                c.to_string() + ": " + why,
+                    loc);
+}
+
+//! Checks the shapes of A, B and C against each other and the transposes; throws
+//! mpx::shape_error naming all three.
+inline gemm_dims gemm_shapes(shape const& a, shape const& b, shape const& c, gemm_options const& o,
+                             std::source_location loc = std::source_location::current()) {
+  auto const rank_ok = [](shape const& s) { return s.rank() == 2 || s.rank() == 3; };
+  if (!rank_ok(a) || !rank_ok(b) || !rank_ok(c))
+    gemm_shape_failure(a, b, c, o, "each must be a matrix [rows, cols] or a batch of them [batch, rows, cols]", loc);
+  bool const batched = a.rank() == 3 || b.rank() == 3;
+  if (batched != (c.rank() == 3))
+    gemm_shape_failure(a, b, c, o,
+                       batched ? "C must be a batch [batch, M, N] when A or B is one"
+                               : "C is a batch but neither A nor B is one",
+                       loc);
+  gemm_dims d;
+  if (batched) {
+    d.batch = c[0];
+    if ((a.rank() == 3 && a[0] != d.batch) || (b.rank() == 3 && b[0] != d.batch))
+      gemm_shape_failure(a, b, c, o, "the batch extents differ", loc);
+  }
+  std::size_t const ra = a.rank() - 2, rb = b.rank() - 2, rc = c.rank() - 2;
+  d.m = o.transpose_a ? a[ra + 1] : a[ra];
+  std::int64_t const ka = o.transpose_a ? a[ra] : a[ra + 1];
+  std::int64_t const kb = o.transpose_b ? b[rb + 1] : b[rb];
+  d.n = o.transpose_b ? b[rb] : b[rb + 1];
+  if (ka != kb)
+    gemm_shape_failure(a, b, c, o,
+                       "the inner extents differ (" + std::to_string(ka) + " in A, " + std::to_string(kb) + " in B)",
+                       loc);
+  d.k = ka;
+  if (c[rc] != d.m || c[rc + 1] != d.n)
+    gemm_shape_failure(a, b, c, o,
+                       "C must be " + std::to_string(d.m) + " x " + std::to_string(d.n) + " (M x N) per product", loc);
+  d.stride_a = a.rank() == 3 ? d.m * d.k : 0;
+  d.stride_b = b.rank() == 3 ? d.k * d.n : 0;
+  d.stride_c = d.m * d.n;
+  return d;
+}
+
+//! A batch whose B is shared and whose A is not transposed is one tall product:
+//! [batch * M, K] x [K, N] (conv-as-gemm, a dense layer over a sequence).
+inline gemm_dims fold_batch(gemm_dims d, bool transpose_a) {
+  if (d.batch > 1 && d.stride_b == 0 && d.stride_a != 0 && !transpose_a) {
+    d.m *= d.batch;
+    d.batch = 1;
+    d.stride_a = d.m * d.k;
+    d.stride_c = d.m * d.n;
+  }
+  return d;
+}
+
+// ---- host -----------------------------------------------------------------------------
+
+//! Scratch the host path reuses from call to call on each thread, so a training step
+//! does not page-fault fresh megabytes for every product.
+inline std::vector<float>& host_gemm_scratch(int which) {
+  thread_local std::vector<float> buffers[3];
+  return buffers[which];
+}
+
+inline float* scratch_floats(int which, std::size_t n) {
+  auto& v = host_gemm_scratch(which);
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+//! T -> float, exact, bit for bit what mpx::cast<float> gives, without a loop for half's
+//! subnormals (F. Giesen's half_to_float): the BLAS path widens every operand element.
+template <class T>
+float widen_to_float_fast(T x) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, bfloat16>) {
+    return bit_cast<float>(static_cast<std::uint32_t>(bits(x)) << 16);
+  } else {
+    constexpr std::uint32_t shifted_exponent = 0x7C00u << 13;
+    std::uint32_t const h = bits(x);
+    std::uint32_t u = (h & 0x7FFFu) << 13;
+    std::uint32_t const exponent = u & shifted_exponent;
+    u += (127u - 15u) << 23;
+    if (exponent == shifted_exponent) {
+      u += (128u - 16u) << 23;  // inf, NaN (payload kept)
+    } else if (exponent == 0) {  // zero, subnormal: let a float subtraction normalise
+      u += 1u << 23;
+      u = bit_cast<std::uint32_t>(bit_cast<float>(u) - bit_cast<float>(113u << 23));
+    }
+    return bit_cast<float>(u | ((h & 0x8000u) << 16));
+  }
+}
+
+//! float -> T rounded to nearest even, bit for bit what mpx::cast<T> gives (overflow to
+//! inf, subnormals kept, NaN to the canonical quiet NaN), in a few integer and float
+//! operations instead of mpx::cast's portable double-based rounding: the epilogue of a
+//! product with small K rounds as many values as it multiplies. (For half: F. Giesen's
+//! float_to_half_fast3_rtne.) tests/kernels/test_gemm checks it against mpx::cast.
+template <class T>
+T round_from_float(float x) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    std::uint32_t u = bit_cast<std::uint32_t>(x);
+    if ((u & 0x7FFF'FFFFu) > 0x7F80'0000u) return dtype_traits<T>::quiet_nan();
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      u += 0x7FFFu + ((u >> 16) & 1u);  // carries into the exponent, up to inf, as it should
+      return from_bits<bfloat16>(static_cast<std::uint16_t>(u >> 16));
+    } else {
+      std::uint32_t const sign = u & 0x8000'0000u;
+      u ^= sign;
+      std::uint32_t h;
+      if (u >= (127u + 16u) << 23) {  // >= 65536: inf (a NaN was handled above)
+        h = 0x7C00u;
+      } else if (u < 113u << 23) {  // below half's smallest normal: let a float addition round
+        constexpr std::uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+        h = bit_cast<std::uint32_t>(bit_cast<float>(u) + bit_cast<float>(magic)) - magic;
+      } else {  // rebias the exponent and round the 13 dropped bits to nearest even
+        u += ((15u - 127u) << 23) + 0xFFFu + ((u >> 13) & 1u);
+        h = u >> 13;
+      }
+      return from_bits<half>(static_cast<std::uint16_t>(h | (sign >> 16)));
+    }
+  }
+}
+
+//! out = alpha * product + beta * out, rounded once to TC (out is not read when beta == 0).
+template <class TC>
+void host_gemm_epilogue(std::size_t n, float alpha, float const* product, float beta, TC* out) {
+  if (beta == 0.0f) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = round_from_float<TC>(alpha * product[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      out[i] = round_from_float<TC>(alpha * product[i] + beta * widen_to_float_fast(out[i]));
+  }
+}
+
+// The blocked product (float sums): op(A) in MR-row panels and op(B) in NR-column
+// panels, both widened to float and packed so the micro-kernel streams through them;
+// KC-deep slices keep a panel pair in L1. Partial sums of each slice go to a float
+// M x N buffer. The 4 x 8 micro-kernel is written in GCC/Clang vector types (SSE, the
+// x86-64 baseline: about 20 GFLOP/s per core), plain loops for other compilers.
+inline constexpr std::int64_t gemm_mr = 4;
+inline constexpr std::int64_t gemm_nr = 8;
+inline constexpr std::int64_t gemm_kc = 256;
+
+//! Element (i, j) of op(X) is p[i * rs + j * cs].
+template <class T>
+struct strided_matrix {
+  T const* p;
+  std::int64_t rs, cs;
+  [[nodiscard]] float at(std::int64_t i, std::int64_t j) const { return widen_to_float_fast(p[i * rs + j * cs]); }
+};
+
+#if defined(__GNUC__)
+// Four floats as one SSE register: GCC at -O2 does not vectorise plain loops here (its
+// "very cheap" cost model), and the micro-kernel is where all the time goes.
+using float4_vector = float __attribute__((vector_size(16)));
+#endif
+
+//! acc[rows x cols] (+)= the MR x NR tile of ap (kc x MR) times bp (kc x NR).
+inline void gemm_micro_kernel(std::int64_t kc, float const* __restrict ap, float const* __restrict bp,
+                              float* __restrict acc, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                              bool first) {
+  float c[gemm_mr][gemm_nr];
+#if defined(__GNUC__)
+  // Eight accumulators named one by one: GCC at -O2 keeps an array indexed in a loop in
+  // memory, and the kernel would load and store every partial sum at every step.
+  static_assert(gemm_mr == 4 && gemm_nr == 8, "the vector micro-kernel is written out for a 4 x 8 tile");
+  float4_vector c0l = {}, c0h = {}, c1l = {}, c1h = {}, c2l = {}, c2h = {}, c3l = {}, c3h = {};
+  for (std::int64_t k = 0; k < kc; ++k) {
+    float4_vector bl, bh;
+    __builtin_memcpy(&bl, bp + k * gemm_nr, sizeof(bl));
+    __builtin_memcpy(&bh, bp + k * gemm_nr + 4, sizeof(bh));
+    float const* a = ap + k * gemm_mr;
+    c0l += a[0] * bl;
+    c0h += a[0] * bh;
+    c1l += a[1] * bl;
+    c1h += a[1] * bh;
+    c2l += a[2] * bl;
+    c2h += a[2] * bh;
+    c3l += a[3] * bl;
+    c3h += a[3] * bh;
+  }
+  float4_vector const* const parts[gemm_mr][2] = {{&c0l, &c0h}, {&c1l, &c1h}, {&c2l, &c2h}, {&c3l, &c3h}};
+  for (std::int64_t r = 0; r < gemm_mr; ++r) {
+    __builtin_memcpy(c[r], parts[r][0], sizeof(float4_vector));
+    __builtin_memcpy(c[r] + 4, parts[r][1], sizeof(float4_vector));
+  }
+#else
+  for (auto& row : c)
+    for (float& x : row) x = 0.0f;
+  for (std::int64_t k = 0; k < kc; ++k)
+    for (std::int64_t r = 0; r < gemm_mr; ++r)
+      for (std::int64_t j = 0; j < gemm_nr; ++j) c[r][j] += ap[k * gemm_mr + r] * bp[k * gemm_nr + j];
+#endif
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) acc[r * ld + j] = first ? c[r][j] : acc[r * ld + j] + c[r][j];
+}
+
+//! acc (M x N, float) = op(A) op(B) for one product.
+template <class TA, class TB>
+void host_blocked_product(std::int64_t m, std::int64_t n, std::int64_t k, strided_matrix<TA> a,
+                          strided_matrix<TB> b, float* acc) {
+  std::int64_t const n_panels = (n + gemm_nr - 1) / gemm_nr;
+  float* bp = scratch_floats(1, static_cast<std::size_t>(n_panels * gemm_nr * std::min(k, gemm_kc)));
+  float* ap = scratch_floats(2, static_cast<std::size_t>(gemm_mr * gemm_kc));
+  for (std::int64_t k0 = 0; k0 < k; k0 += gemm_kc) {
+    std::int64_t const kc = std::min(gemm_kc, k - k0);
+    // op(B)[k0:k0+kc, :] in panels of NR columns, zero beyond N.
+    for (std::int64_t p = 0; p < n_panels; ++p) {
+      float* dst = bp + p * gemm_nr * kc;
+      for (std::int64_t kk = 0; kk < kc; ++kk)
+        for (std::int64_t j = 0; j < gemm_nr; ++j) {
+          std::int64_t const col = p * gemm_nr + j;
+          dst[kk * gemm_nr + j] = col < n ? b.at(k0 + kk, col) : 0.0f;
+        }
+    }
+    for (std::int64_t i0 = 0; i0 < m; i0 += gemm_mr) {
+      std::int64_t const rows = std::min(gemm_mr, m - i0);
+      for (std::int64_t kk = 0; kk < kc; ++kk)
+        for (std::int64_t r = 0; r < gemm_mr; ++r) ap[kk * gemm_mr + r] = r < rows ? a.at(i0 + r, k0 + kk) : 0.0f;
+      for (std::int64_t p = 0; p < n_panels; ++p) {
+        std::int64_t const j0 = p * gemm_nr;
+        gemm_micro_kernel(kc, ap, bp + p * gemm_nr * kc, acc + i0 * n + j0, n, rows, std::min(gemm_nr, n - j0),
+                          k0 == 0);
+      }
+    }
+  }
+}
+
+//! The deliberate half accumulation (enable_half_accumulation): every partial sum is
+//! rounded to half, as a half accumulator would hold it. Slow; a reference, not a path
+//! for training.
+template <class Acc, class TA, class TB>
+void host_rounded_product(std::int64_t m, std::int64_t n, std::int64_t k, strided_matrix<TA> a,
+                          strided_matrix<TB> b, float* out) {
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      Acc sum = mpx::cast<Acc>(0.0f);
+      for (std::int64_t kk = 0; kk < k; ++kk)  // exact in double, then one rounding to Acc
+        sum = mpx::cast<Acc>(mpx::cast<double>(sum) +
+                             static_cast<double>(a.at(i, kk)) * static_cast<double>(b.at(kk, j)));
+      out[i * n + j] = mpx::cast<float>(sum);
+    }
+}
+
+#if defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
+// cblas_sgemm, declared under a name of mpx's own and bound to the library's symbol
+// rather than through <cblas.h>: OpenBLAS's header puts `bfloat16` (an integer type),
+// `blasint` and hundreds of other names in the global namespace, where `bfloat16`
+// collides with a user's `using mpx::bfloat16;`. The enums are CBLAS's standard values.
+void cblas_sgemm_symbol(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, float const* a,
+                        int lda, float const* b, int ldb, float beta, float* c, int ldc) __asm__("cblas_sgemm");
+inline constexpr int cblas_row_major = 101, cblas_no_trans = 111, cblas_trans = 112;
+
+//! The whole of x (n elements) widened to float, or x itself when it is float.
+template <class T>
+float const* widened(T const* x, std::size_t n, int which) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    float* out = scratch_floats(which, n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = widen_to_float_fast(x[i]);
+    return out;
+  }
+}
+
+inline bool fits_blas_int(gemm_dims const& d) {
+  return d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX;
+}
+
+//! One sgemm per batch entry on float (or float-widened) operands.
+template <class TA, class TB, class TC>
+void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
+  auto const size_of = [&](std::int64_t stride, std::int64_t one) {
+    return static_cast<std::size_t>(stride ? stride * d.batch : one);
+  };
+  float const* af = widened(a, size_of(d.stride_a, d.m * d.k), 0);
+  float const* bf = widened(b, size_of(d.stride_b, d.k * d.n), 1);
+  constexpr bool c_is_float = std::is_same_v<TC, float>;
+  float* cf = nullptr;
+  if constexpr (c_is_float) cf = c;
+  else cf = scratch_floats(2, static_cast<std::size_t>(d.stride_c * d.batch));
+  auto const m = static_cast<int>(d.m), n = static_cast<int>(d.n), k = static_cast<int>(d.k);
+  for (std::int64_t i = 0; i < d.batch; ++i) {
+    // Row-major: lda is the stored row length of A ([M, K], or [K, M] transposed).
+    cblas_sgemm_symbol(cblas_row_major, ta ? cblas_trans : cblas_no_trans, tb ? cblas_trans : cblas_no_trans, m, n,
+                       k, c_is_float ? alpha : 1.0f, af + i * d.stride_a, ta ? m : k, bf + i * d.stride_b, tb ? k : n,
+                       c_is_float ? beta : 0.0f, cf + i * d.stride_c, n);
+  }
+  if constexpr (!c_is_float) host_gemm_epilogue(static_cast<std::size_t>(d.stride_c * d.batch), alpha, cf, beta, c);
+}
+#endif
+
+template <class Acc, class TA, class TB, class TC>
+void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
+  d = fold_batch(d, ta);
+#if defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (fits_blas_int(d)) return host_blas_gemm(d, ta, tb, alpha, a, b, beta, c);
+  }
+#endif
+  float* acc = scratch_floats(0, static_cast<std::size_t>(d.stride_c));
+  for (std::int64_t i = 0; i < d.batch; ++i) {
+    strided_matrix<TA> const am{a + i * d.stride_a, ta ? 1 : d.k, ta ? d.m : 1};
+    strided_matrix<TB> const bm{b + i * d.stride_b, tb ? 1 : d.n, tb ? d.k : 1};
+    if constexpr (std::is_same_v<Acc, float>) host_blocked_product(d.m, d.n, d.k, am, bm, acc);
+    else host_rounded_product<Acc>(d.m, d.n, d.k, am, bm, acc);
+    host_gemm_epilogue(static_cast<std::size_t>(d.stride_c), alpha, acc, beta, c + i * d.stride_c);
+  }
+}
+
+// ---- CUDA -----------------------------------------------------------------------------
+
+#if MPX_HAS_CUDA
+template <class T>
+inline constexpr cudaDataType_t cuda_data_type = std::is_same_v<T, half>       ? CUDA_R_16F
+                                                 : std::is_same_v<T, bfloat16> ? CUDA_R_16BF
+                                                                               : CUDA_R_32F;
+
+//! The alignment cuBLASLt may assume for a matrix at p whose batch entries are
+//! stride_bytes apart: the largest power of two dividing both, at most 256.
+inline std::uint32_t gemm_alignment(void const* p, std::int64_t stride_bytes) {
+  std::uint64_t const v = reinterpret_cast<std::uintptr_t>(p) | static_cast<std::uint64_t>(stride_bytes) | 256u;
+  return static_cast<std::uint32_t>(v & (~v + 1));
+}
+
+template <class Acc, class TA, class TB, class TC>
+void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
+               TC* c) {
+  d = fold_batch(d, ta);
+  if (d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX || d.batch > INT_MAX)
+    fail<invalid_argument>("gemm", "cuBLASLt takes extents up to 2^31 - 1; got M = " + std::to_string(d.m) +
+                                       ", N = " + std::to_string(d.n) + ", K = " + std::to_string(d.k) +
+                                       ", batch = " + std::to_string(d.batch));
+  // cuBLASLt is column-major, and a row-major X [r, c] is a column-major X^T [c, r] with
+  // ld = c. So row-major C = op(A) op(B) is computed as column-major
+  // C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M): cuBLASLt's first operand is our B, its
+  // second our A, each with our transpose flag, its layout the stored matrix as
+  // column-major (rows = the stored row length).
+  lt_problem p;
+  MPX_CUDA_CHECK(cudaGetDevice(&p.device));
+  constexpr bool half_sums = std::is_same_v<Acc, half>;
+  p.a_type = cuda_data_type<TB>;
+  p.b_type = cuda_data_type<TA>;
+  p.c_type = cuda_data_type<TC>;
+  p.scale_type = half_sums ? CUDA_R_16F : CUDA_R_32F;
+  p.compute = half_sums ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F;  // never TF32: float32 means float
+  p.op_a = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  p.a_rows = static_cast<std::uint64_t>(tb ? d.k : d.n);  // B stored [K, N] -> col-major N x K
+  p.a_cols = static_cast<std::uint64_t>(tb ? d.n : d.k);
+  p.lda = static_cast<std::int64_t>(p.a_rows);
+  p.op_b = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  p.b_rows = static_cast<std::uint64_t>(ta ? d.m : d.k);  // A stored [M, K] -> col-major K x M
+  p.b_cols = static_cast<std::uint64_t>(ta ? d.k : d.m);
+  p.ldb = static_cast<std::int64_t>(p.b_rows);
+  p.c_rows = static_cast<std::uint64_t>(d.n);
+  p.c_cols = static_cast<std::uint64_t>(d.m);
+  p.ldc = d.n;
+  p.batch = static_cast<std::int32_t>(d.batch);
+  bool const batched = d.batch > 1;
+  p.stride_a = batched ? d.stride_b : 0;  // 0: shared by every product of the batch
+  p.stride_b = batched ? d.stride_a : 0;
+  p.stride_c = batched ? d.stride_c : 0;
+  p.align_a = gemm_alignment(b, p.stride_a * static_cast<std::int64_t>(sizeof(TB)));
+  p.align_b = gemm_alignment(a, p.stride_b * static_cast<std::int64_t>(sizeof(TA)));
+  p.align_c = gemm_alignment(c, p.stride_c * static_cast<std::int64_t>(sizeof(TC)));
+  if constexpr (half_sums) {
+    half const alpha_h = mpx::cast<half>(alpha), beta_h = mpx::cast<half>(beta);
+    lt_matmul(p, stream, &alpha_h, b, a, &beta_h, c);
+  } else {
+    lt_matmul(p, stream, &alpha, b, a, &beta, c);
+  }
+}
+#endif
+
+}  // namespace detail
+
+//! C = alpha * op(A) op(B) + beta * C, summed in Policy::accumulate_type.
+//!
+//! Shapes (row-major): A [M, K] ([K, M] with transpose_a), B [K, N] ([N, K] with
+//! transpose_b), C [M, N]; or batches [batch, ., .], where a matrix beside batches is
+//! shared by every product. A and B hold Policy::storage_type, C the storage type or
+//! float. Shapes that do not agree throw mpx::shape_error naming all three and the
+//! caller's file:line; tensors the executor cannot reach, wrong dtypes and a policy that
+//! sums in 16 bits are compile errors. C must not overlap A or B. Asynchronous on a
+//! cuda_executor (one cuBLASLt call on its stream; cuBLAS failures throw
+//! mpx::cublas_error). Error bounds: docs/gemm.md.
+template <class Policy, executor Exec, tensor_like A, tensor_like B, tensor_like C>
+void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options const& options = {},
+          std::source_location loc = std::source_location::current()) {
+  detail::check_gemm_types<Policy, value_t<A>, value_t<B>, value_t<C>>();
+  detail::require_access<Exec, space_t<A>, space_t<B>, space_t<C>>();
+  auto const av = mpx::view(a);
+  auto const bv = mpx::view(b);
+  auto const cv = mpx::view(c);
+  static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::gemm: C is const");
+  detail::gemm_dims const d = detail::gemm_shapes(av.shape(), bv.shape(), cv.shape(), options, loc);
+  if (cv.empty()) return;
+  using TC = value_t<C>;
+  if (d.k == 0 || options.alpha == 0.0f) {  // no products: C = beta * C, A and B unread
+    if (options.beta == 0.0f) fill(exec, cv, mpx::cast<TC>(0.0f));
+    else if (options.beta != 1.0f) scale(exec, cv, options.beta);
+    return;
+  }
+  using Acc = typename Policy::accumulate_type;
+  if constexpr (is_host_executor_v<Exec>) {
+    detail::host_gemm<Acc>(d, options.transpose_a, options.transpose_b, options.alpha, av.data(), bv.data(),
+                           options.beta, cv.data());
+  } else {
+#if MPX_HAS_CUDA
+    detail::cuda_gemm<Acc>(exec.stream(), d, options.transpose_a, options.transpose_b, options.alpha, av.data(),
+                           bv.data(), options.beta, cv.data());
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+}  // namespace mpx

@@ -1,0 +1,390 @@
+// mpx::gemm for every dtype on each executor: seeded random operands of awkward shapes,
+// all four transpose combinations, alpha/beta (beta = 0 over a NaN-poisoned C), batches
+// with and without a shared operand, checked against a float64 product with the
+// documented error bound; NaN propagation; shape errors and their messages.
+#include "../support/testing.hpp"
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+// A policy that sums in half, declared deliberate below: CUBLAS_COMPUTE_16F on the GPU.
+using half_sums = mpx::policy<mpx::half, mpx::half, mpx::half>;
+
+}  // namespace
+
+template <>
+inline constexpr bool mpx::enable_half_accumulation<half_sums> = true;
+
+namespace {
+
+template <class T>
+struct policy_for;
+template <>
+struct policy_for<float> {
+  using type = mpx::float32;
+};
+template <>
+struct policy_for<mpx::half> {
+  using type = mpx::mixed_float16;
+};
+template <>
+struct policy_for<mpx::bfloat16> {
+  using type = mpx::mixed_bfloat16;
+};
+
+//! The documented bound (docs/gemm.md): |C - exact| <= bound * (|alpha| sum_k |a||b| +
+//! |beta| |C0|) + min_subnormal(TC). u_acc is 2^-24 for float operands (fp32 FMA), 2^-23
+//! for 16-bit operands (tensor cores add with truncation), 2^-11 for half sums; u_out is
+//! the output's rounding (2^-24 float, 2^-11 half, 2^-8 bfloat16).
+template <class TIn, class TC, class Acc = float>
+double error_bound(std::int64_t k) {
+  double const u_out = std::ldexp(1.0, -(mpx::dtype_traits<TC>::mantissa_bits + 1));
+  double const u_acc = std::is_same_v<Acc, mpx::half>  ? std::ldexp(1.0, -11)
+                       : std::is_same_v<TIn, float> ? std::ldexp(1.0, -24)
+                                                    : std::ldexp(1.0, -23);
+  return u_out + static_cast<double>(k + 4) * u_acc;
+}
+
+struct problem {
+  std::int64_t batch = 0;  // 0: plain matrices; otherwise rank-3 tensors
+  std::int64_t m, n, k;
+  bool ta = false, tb = false;
+  bool share_a = false, share_b = false;  // a rank-2 operand beside batches
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+std::string describe(problem const& p) {
+  std::ostringstream os;
+  os << "batch=" << p.batch << " M=" << p.m << " N=" << p.n << " K=" << p.k << " ta=" << p.ta << " tb=" << p.tb
+     << " share_a=" << p.share_a << " share_b=" << p.share_b << " alpha=" << p.alpha << " beta=" << p.beta;
+  return os.str();
+}
+
+mpx::shape matrix_shape(std::int64_t batch, bool shared, std::int64_t rows, std::int64_t cols) {
+  if (batch == 0 || shared) return mpx::shape{rows, cols};
+  return mpx::shape{batch, rows, cols};
+}
+
+//! op(X)[i][j] of batch entry b, from row-major storage.
+template <class T>
+double element(std::vector<T> const& x, std::int64_t stride, std::int64_t b, bool transposed, std::int64_t rows,
+               std::int64_t cols, std::int64_t i, std::int64_t j) {
+  // Stored [rows, cols], or [cols, rows] when transposed.
+  std::size_t const at = static_cast<std::size_t>(b * stride + (transposed ? j * rows + i : i * cols + j));
+  return mpx::detail::to_double(x[at]);
+}
+
+struct outcome {
+  std::size_t worst = 0;      // index of the largest error relative to what is allowed
+  double worst_ratio = 0;     // error / allowed there (infinite for NaN)
+  std::size_t bad = 0;
+};
+
+//! Runs one product on `exec` and checks every element of C against float64.
+template <class Policy, class TC, class Exec>
+outcome run_and_check(Exec const& exec, problem const& p) {
+  using T = typename Policy::storage_type;
+  using Acc = typename Policy::accumulate_type;
+  std::int64_t const nb = p.batch == 0 ? 1 : p.batch;
+  auto const a_shape = p.ta ? matrix_shape(p.batch, p.share_a, p.k, p.m) : matrix_shape(p.batch, p.share_a, p.m, p.k);
+  auto const b_shape = p.tb ? matrix_shape(p.batch, p.share_b, p.n, p.k) : matrix_shape(p.batch, p.share_b, p.k, p.n);
+  auto const c_shape = matrix_shape(p.batch, false, p.m, p.n);
+  std::uint64_t const salt =
+      static_cast<std::uint64_t>(p.m * 1000003 + p.n * 1009 + p.k * 7 + nb) * 4 + p.ta * 2 + p.tb;
+  auto const a = mpx_test::random_values<T>(a_shape.size(), -1, 1, salt);
+  auto const b = mpx_test::random_values<T>(b_shape.size(), -1, 1, salt + 1);
+  std::vector<TC> c0 = p.beta == 0 ? std::vector<TC>(c_shape.size(), mpx_test::poison<TC>())
+                                   : mpx_test::random_values<TC>(c_shape.size(), -1, 1, salt + 2);
+
+  auto const ad = mpx_test::upload(exec, a, a_shape);
+  auto const bd = mpx_test::upload(exec, b, b_shape);
+  auto cd = mpx_test::upload(exec, c0, c_shape);
+  mpx::gemm<Policy>(exec, ad, bd, cd, {.transpose_a = p.ta, .transpose_b = p.tb, .alpha = p.alpha, .beta = p.beta});
+  auto const got = mpx_test::download(exec, cd);
+
+  std::int64_t const sa = p.share_a || p.batch == 0 ? 0 : p.m * p.k;
+  std::int64_t const sb = p.share_b || p.batch == 0 ? 0 : p.k * p.n;
+  double const bound = error_bound<T, TC, Acc>(p.k);
+  double const tiny = mpx::detail::to_double(mpx::dtype_traits<TC>::min_subnormal());
+  outcome out;
+  double nonzero = 0;
+  for (std::int64_t bi = 0; bi < nb; ++bi)
+    for (std::int64_t i = 0; i < p.m; ++i)
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        double exact = 0, scale = 0;
+        for (std::int64_t kk = 0; kk < p.k; ++kk) {
+          double const x = element(a, sa, bi, p.ta, p.m, p.k, i, kk);
+          double const y = element(b, sb, bi, p.tb, p.k, p.n, kk, j);
+          exact += x * y;
+          scale += std::abs(x * y);
+        }
+        std::size_t const at = static_cast<std::size_t>((bi * p.m + i) * p.n + j);
+        exact *= p.alpha;
+        scale *= std::abs(p.alpha);
+        if (p.beta != 0) {
+          double const old = mpx::detail::to_double(c0[at]);
+          exact += p.beta * old;
+          scale += std::abs(p.beta * old);
+        }
+        nonzero += std::abs(exact);
+        double const g = mpx::detail::to_double(got[at]);
+        double const error = std::abs(g - exact);
+        double const allowed = bound * scale + tiny;
+        double const ratio = std::isnan(error) ? std::numeric_limits<double>::infinity() : error / allowed;
+        if (!(ratio <= 1)) ++out.bad;
+        if (!(ratio <= out.worst_ratio)) {
+          out.worst = at;
+          out.worst_ratio = ratio;
+        }
+      }
+  // A reference of zeros would accept anything.
+  REQUIRE(nonzero > 0);
+  if (out.bad) {
+    INFO(describe(p) << ": " << out.bad << " elements beyond the bound " << bound << "; worst at " << out.worst
+                     << ": got " << mpx_test::describe(got[out.worst]) << " (error / allowed = " << out.worst_ratio
+                     << ")");
+    CHECK(out.bad == 0);
+  }
+  return out;
+}
+
+template <class T>
+using policy_of = typename policy_for<T>::type;
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("gemm is within its error bound of float64 for awkward shapes and every transpose", "[gemm]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::int64_t m : {1, 7, 31, 64, 129})
+      for (std::int64_t n : {1, 7, 31, 64, 129})
+        for (std::int64_t k : {1, 7, 31, 64, 129})
+          for (int t = 0; t < 4; ++t) {
+            problem p{.m = m, .n = n, .k = k, .ta = (t & 1) != 0, .tb = (t & 2) != 0};
+            // Alternate the two regimes so every shape and transpose meets each over the loop.
+            if ((m + n + k + t) % 2) {
+              p.alpha = -0.75f;
+              p.beta = 0.5f;
+            }
+            run_and_check<policy_of<T>, T>(exec, p);
+          }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm of 16-bit operands writes a float C when asked", "[gemm]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::int64_t s : {1, 31, 129})
+      for (int t = 0; t < 4; ++t)
+        for (float beta : {0.0f, -1.5f}) {
+          problem const p{.m = s, .n = s + 2, .k = 2 * s + 1, .ta = (t & 1) != 0, .tb = (t & 2) != 0, .alpha = 2,
+                          .beta = beta};
+          run_and_check<policy_of<T>, float>(exec, p);
+        }
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm over batches, with and without a shared operand", "[gemm]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::int64_t batch : {1, 3})
+      for (int share = 0; share < 3; ++share)  // none, A shared, B shared (the foldable case)
+        for (int t = 0; t < 4; ++t)
+          for (float beta : {0.0f, 0.25f}) {
+            problem const p{.batch = batch, .m = 31, .n = 7, .k = 64, .ta = (t & 1) != 0, .tb = (t & 2) != 0,
+                            .share_a = share == 1, .share_b = share == 2, .alpha = 1.5f, .beta = beta};
+            run_and_check<policy_of<T>, T>(exec, p);
+          }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm with K = 0 or alpha = 0 scales C by beta and reads neither A nor B", "[gemm]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    using P = policy_of<T>;
+    std::vector<T> const c0 = mpx_test::random_values<T>(6, -1, 1, 3);
+    // K = 0: op(A) op(B) is a matrix of zeros.
+    auto const a0 = mpx::make_tensor<T>(exec, {2, 0});
+    auto const b0 = mpx::make_tensor<T>(exec, {0, 3});
+    auto c = mpx_test::upload(exec, std::vector<T>(6, mpx_test::poison<T>()), {2, 3});
+    mpx::gemm<P>(exec, a0, b0, c);
+    REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, c), std::vector<T>(6, mpx::cast<T>(0.0f))).empty());
+    auto c2 = mpx_test::upload(exec, c0, {2, 3});
+    mpx::gemm<P>(exec, a0, b0, c2, {.beta = 2.0f});
+    std::vector<T> doubled(6);
+    for (std::size_t i = 0; i < 6; ++i) doubled[i] = mpx::cast<T>(2.0f * mpx::cast<float>(c0[i]));
+    REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, c2), doubled).empty());
+    // alpha = 0: A and B full of NaN are not read (as in BLAS).
+    auto const an = mpx_test::upload(exec, std::vector<T>(8, mpx_test::poison<T>()), {2, 4});
+    auto const bn = mpx_test::upload(exec, std::vector<T>(12, mpx_test::poison<T>()), {4, 3});
+    auto c3 = mpx_test::upload(exec, c0, {2, 3});
+    mpx::gemm<P>(exec, an, bn, c3, {.alpha = 0.0f, .beta = 2.0f});
+    REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, c3), doubled).empty());
+    // Empty C: nothing to do, nothing read.
+    auto empty = mpx::make_tensor<T>(exec, {0, 3});
+    mpx::gemm<P>(exec, mpx::make_tensor<T>(exec, {0, 4}), bn, empty);
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm propagates NaN from A and B into exactly the outputs they touch", "[gemm]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    std::int64_t const m = 33, n = 17, k = 65;
+    for (int t = 0; t < 4; ++t) {
+      bool const ta = t & 1, tb = t & 2;
+      auto a = mpx_test::random_values<T>(static_cast<std::size_t>(m * k), -1, 1, 10 + t);
+      auto b = mpx_test::random_values<T>(static_cast<std::size_t>(k * n), -1, 1, 20 + t);
+      std::int64_t const row = 5, col = 11, kk = 40;  // NaN at op(A)[row][kk] and op(B)[kk][col]
+      T const nan = mpx::dtype_traits<T>::quiet_nan();
+      a[static_cast<std::size_t>(ta ? kk * m + row : row * k + kk)] = nan;
+      b[static_cast<std::size_t>(tb ? col * k + kk : kk * n + col)] = nan;
+      auto const ad = mpx_test::upload(exec, a, ta ? mpx::shape{k, m} : mpx::shape{m, k});
+      auto const bd = mpx_test::upload(exec, b, tb ? mpx::shape{n, k} : mpx::shape{k, n});
+      auto c = mpx_test::upload(exec, std::vector<T>(static_cast<std::size_t>(m * n), mpx_test::poison<T>()), {m, n});
+      mpx::gemm<policy_of<T>>(exec, ad, bd, c, {.transpose_a = ta, .transpose_b = tb});
+      auto const got = mpx_test::download(exec, c);
+      std::size_t wrong = 0;
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          bool const should_be_nan = i == row || j == col;
+          if (mpx::is_nan(got[static_cast<std::size_t>(i * n + j)]) != should_be_nan) ++wrong;
+        }
+      INFO(mpx::dtype_name<T> << " ta=" << ta << " tb=" << tb);
+      REQUIRE(wrong == 0);
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm accepts views at any offset", "[gemm]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    std::int64_t const m = 64, n = 48, k = 72;
+    auto const a = mpx_test::random_values<T>(static_cast<std::size_t>(m * k + 1), -1, 1, 30);
+    auto const b = mpx_test::random_values<T>(static_cast<std::size_t>(k * n + 3), -1, 1, 31);
+    auto const ad = mpx_test::upload(exec, a);
+    auto const bd = mpx_test::upload(exec, b);
+    auto cd = mpx_test::upload(exec, std::vector<T>(static_cast<std::size_t>(m * n + 5), mpx_test::poison<T>()));
+    // Views one, three and five elements in: no longer 16-byte aligned.
+    auto const av = mpx::view(ad).flat(1, static_cast<std::size_t>(m * k)).reshape({m, k});
+    auto const bv = mpx::view(bd).flat(3, static_cast<std::size_t>(k * n)).reshape({k, n});
+    auto cv = mpx::view(cd).flat(5, static_cast<std::size_t>(m * n)).reshape({m, n});
+    mpx::gemm<policy_of<T>>(exec, av, bv, cv);
+    auto const got = mpx_test::download(exec, cd);
+    double const bound = error_bound<T, T>(k);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < 5; ++i) bad += !mpx::is_nan(got[i]);  // before the view: untouched
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        double exact = 0, scale = 0;
+        for (std::int64_t kk = 0; kk < k; ++kk) {
+          double const x = mpx::detail::to_double(a[static_cast<std::size_t>(1 + i * k + kk)]);
+          double const y = mpx::detail::to_double(b[static_cast<std::size_t>(3 + kk * n + j)]);
+          exact += x * y;
+          scale += std::abs(x * y);
+        }
+        double const g = mpx::detail::to_double(got[static_cast<std::size_t>(5 + i * n + j)]);
+        bad += !(std::abs(g - exact) <= bound * scale + 1e-30);
+      }
+    INFO(mpx::dtype_name<T>);
+    REQUIRE(bad == 0);
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm under a deliberate half-accumulating policy", "[gemm]", mpx_test::executors) {
+  TestType exec;
+  for (std::int64_t s : {1, 7, 64, 129})
+    for (int t = 0; t < 4; ++t) {
+      problem const p{.m = s, .n = s, .k = s, .ta = (t & 1) != 0, .tb = (t & 2) != 0, .alpha = 1, .beta = 0.5f};
+      run_and_check<half_sums, mpx::half>(exec, p);
+    }
+}
+
+TEMPLATE_LIST_TEST_CASE("gemm refuses shapes that do not agree and names them", "[gemm]", mpx_test::executors) {
+  TestType exec;
+  using P = mpx::float32;
+  auto a = mpx::make_tensor<float>(exec, {3, 4});
+  auto b = mpx::make_tensor<float>(exec, {5, 6});
+  auto c = mpx::make_tensor<float>(exec, {3, 6});
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b, c), mpx::shape_error,
+                         Contains("mpx::gemm: shapes do not agree: A [3, 4], B [5, 6], C [3, 6]: the inner extents "
+                                  "differ (4 in A, 5 in B)"));
+  // Transposes are named: A [3, 4] transposed is 4 x 3, B [6, 5] transposed is 5 x 6.
+  auto b2 = mpx::make_tensor<float>(exec, {6, 5});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b2, c, {.transpose_a = true, .transpose_b = true}), mpx::shape_error,
+                         Contains("A [3, 4] transposed, B [6, 5] transposed, C [3, 6]: the inner extents differ (3 in "
+                                  "A, 5 in B)"));
+  auto b3 = mpx::make_tensor<float>(exec, {4, 7});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b3, c), mpx::shape_error,
+                         Contains("A [3, 4], B [4, 7], C [3, 6]: C must be 3 x 7 (M x N) per product"));
+  auto v = mpx::make_tensor<float>(exec, {4});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, v, c), mpx::shape_error,
+                         Contains("each must be a matrix [rows, cols] or a batch of them [batch, rows, cols]"));
+  auto a3 = mpx::make_tensor<float>(exec, {2, 3, 4});
+  auto b36 = mpx::make_tensor<float>(exec, {4, 6});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a3, b36, c), mpx::shape_error,
+                         Contains("A [2, 3, 4], B [4, 6], C [3, 6]: C must be a batch [batch, M, N] when A or B is "
+                                  "one"));
+  auto c3 = mpx::make_tensor<float>(exec, {3, 3, 6});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a3, b36, c3), mpx::shape_error, Contains("the batch extents differ"));
+  auto c23 = mpx::make_tensor<float>(exec, {2, 3, 6});
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b36, c23), mpx::shape_error,
+                         Contains("C is a batch but neither A nor B is one"));
+  CHECK_NOTHROW(mpx::gemm<P>(exec, a3, b36, c23));
+  CHECK_NOTHROW(mpx::gemm<P>(exec, a, b36, c));
+}
+
+TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]") {
+  auto widen = [](auto tag) {
+    using T = decltype(tag);
+    std::size_t bad = 0;
+    for (std::uint32_t p = 0; p < 0x10000u; ++p) {
+      T const x = mpx::detail::from_bits<T>(static_cast<std::uint16_t>(p));
+      bad += !mpx_test::same_value(mpx::detail::widen_to_float_fast(x), mpx::cast<float>(x));
+      // NaN payloads too: the widened NaN keeps them, as mpx::cast does.
+      bad += mpx::bits(mpx::detail::widen_to_float_fast(x)) != mpx::bits(mpx::cast<float>(x));
+    }
+    INFO(mpx::dtype_name<T>);
+    REQUIRE(bad == 0);
+  };
+  widen(mpx::half{});
+  widen(mpx::bfloat16{});
+
+  auto for_type = [](auto tag) {
+    using T = decltype(tag);
+    std::size_t bad = 0;
+    std::uint32_t first = 0;
+    auto check = [&](std::uint32_t pattern) {
+      float const x = mpx::detail::bit_cast<float>(pattern);
+      if (!mpx_test::same_value(mpx::detail::round_from_float<T>(x), mpx::cast<T>(x)) && bad++ == 0) first = pattern;
+    };
+    // Every 61st float pattern (70 million: every exponent, both signs, NaN and inf),
+    // and every pattern near the edges: half's subnormals, its max, the rounding ties.
+    for (std::uint64_t p = 0; p <= 0xFFFF'FFFFull; p += 61) check(static_cast<std::uint32_t>(p));
+    for (std::uint32_t p = 0; p < (1u << 24); ++p) check(0x3300'0000u + p);  // 2^-25 .. 2^-14 and beyond
+    for (std::uint32_t p = 0x477F'E000u; p < 0x4780'2000u; ++p) check(p);      // 65504 .. 65536
+    for (std::uint32_t p = 0x7F7F'0000u; p <= 0x7FFF'FFFFu; ++p) check(p);    // float max .. NaN
+    INFO(mpx::dtype_name<T> << ": first mismatch at float bits 0x" << std::hex << first);
+    REQUIRE(bad == 0);
+  };
+  for_type(mpx::half{});
+  for_type(mpx::bfloat16{});
+}

@@ -1,0 +1,209 @@
+// softmax and log_softmax over the last axis, forward and backward, for every dtype on
+// each executor, against float64 (the reference's backward checked by finite
+// differences), over row lengths that take every kernel path; outputs poisoned first.
+//
+// Bounds asserted per element (u_T storage's unit roundoff, u_f = 2^-24, k = cols/32 + 48
+// for the float row sums, d = |x - max|):
+//   softmax      |y - ref| <= (u_T + (k + 2d) u_f) |ref| + min_subnormal_T
+//   log_softmax  |y - ref| <= u_T |ref| + (k + 2d + |log S|) u_f
+//   backward     |dx - ref| <= u_T |ref| + k u_f (terms of the formula in absolute value)
+#include "../support/nn_reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+using mpx_test::to_d;
+using mpx_test::uf;
+
+struct row_stats {
+  double max, sum;  // sum of exp(x - max)
+};
+
+template <class T>
+row_stats ref_row(std::vector<T> const& x, std::size_t base, std::size_t cols) {
+  double m = -INFINITY;
+  for (std::size_t c = 0; c < cols; ++c) m = std::max(m, to_d(x[base + c]));
+  double s = 0;
+  for (std::size_t c = 0; c < cols; ++c) s += std::exp(to_d(x[base + c]) - m);
+  return {m, s};
+}
+
+// The reference backward passes (float64), from exact or stored outputs y.
+std::vector<double> ref_softmax_backward(std::vector<double> const& y, std::vector<double> const& dy, bool log) {
+  double dot = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) dot += log ? dy[i] : dy[i] * y[i];
+  std::vector<double> dx(y.size());
+  for (std::size_t i = 0; i < y.size(); ++i) dx[i] = log ? dy[i] - std::exp(y[i]) * dot : y[i] * (dy[i] - dot);
+  return dx;
+}
+std::vector<double> ref_softmax(std::vector<double> const& x, bool log) {
+  double m = -INFINITY, s = 0;
+  for (double v : x) m = std::max(m, v);
+  for (double v : x) s += std::exp(v - m);
+  std::vector<double> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = log ? (x[i] - m) - std::log(s) : std::exp(x[i] - m) / s;
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("the float64 softmax backward references agree with finite differences", "[softmax]") {
+  auto const x = mpx_test::random_values<double>(7, -3, 3, 1);
+  auto const dy = mpx_test::random_values<double>(7, -1, 1, 2);
+  for (bool log : {false, true}) {
+    auto const dx = ref_softmax_backward(ref_softmax(x, log), dy, log);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      // L(x) = sum_k dy_k y_k(x); dL/dx_i by central differences.
+      auto loss = [&](double xi) {
+        auto xs = x;
+        xs[i] = xi;
+        auto const y = ref_softmax(xs, log);
+        double l = 0;
+        for (std::size_t k = 0; k < y.size(); ++k) l += dy[k] * y[k];
+        return l;
+      };
+      INFO("log=" << log << " i=" << i);
+      REQUIRE(std::fabs(mpx_test::finite_difference(loss, x[i]) - dx[i]) <= 1e-8);
+    }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("softmax and log_softmax forward and backward are within the bound of float64",
+                        "[softmax]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    double const uT = mpx_test::unit_roundoff<T>();
+    for (auto [rows, cols] : mpx_test::awkward_matrices()) {
+      mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+      std::size_t const n = rows * cols;
+      auto const x = mpx_test::random_values<T>(n, -8, 8, 31 + n);
+      auto const dy = mpx_test::random_values<T>(n, -1, 1, 32 + n);
+      auto const xd = mpx_test::upload(exec, x, s);
+      auto const dyd = mpx_test::upload(exec, dy, s);
+      double const k = static_cast<double>(cols) / 32 + 48;
+      for (bool log : {false, true}) {
+        auto y = mpx::make_tensor<T>(exec, s);
+        auto dx = mpx::make_tensor<T>(exec, s);
+        mpx::fill(exec, y, mpx_test::poison<T>());
+        mpx::fill(exec, dx, mpx_test::poison<T>());
+        if (log) mpx::log_softmax<mpx::mixed_float16>(exec, xd, y);
+        else mpx::softmax<mpx::mixed_bfloat16>(exec, xd, y);
+        // The backward pass from the output the forward pass stored, as a layer runs it.
+        if (log) mpx::log_softmax_backward(exec, y, dyd, dx);
+        else mpx::softmax_backward(exec, y, dyd, dx);
+        auto const got_y = mpx_test::download(exec, y);
+        auto const got_dx = mpx_test::download(exec, dx);
+
+        std::string const name = std::string(log ? "log_softmax " : "softmax ") + std::string(mpx::dtype_name<T>);
+        mpx_test::bound_checker fwd(name + " forward"), bwd(name + " backward");
+        double row_total = 0;
+        for (std::size_t r = 0; r < rows; ++r) {
+          std::size_t const base = r * cols;
+          row_stats const st = ref_row(x, base, cols);
+          double const log_s = std::log(st.sum);
+          double dot = 0, abs_dot = 0;
+          for (std::size_t c = 0; c < cols; ++c) {
+            double const yv = to_d(got_y[base + c]), g = to_d(dy[base + c]);
+            dot += log ? g : g * yv;
+            abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
+          }
+          for (std::size_t c = 0; c < cols; ++c) {
+            std::size_t const i = base + c;
+            double const d = std::fabs(to_d(x[i]) - st.max);
+            double const ref = log ? (to_d(x[i]) - st.max) - log_s : std::exp(to_d(x[i]) - st.max) / st.sum;
+            double const tol = log ? uT * std::fabs(ref) + (k + 2 * d + std::fabs(log_s)) * uf
+                                   : (uT + (k + 2 * d) * uf) * std::fabs(ref) + mpx_test::min_subnormal<T>();
+            fwd.check(i, to_d(got_y[i]), ref, tol);
+            if (!log) row_total += ref;
+            double const yv = to_d(got_y[i]), g = to_d(dy[i]);
+            double const ref_dx = log ? g - std::exp(yv) * dot : yv * (g - dot);
+            double const terms = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
+                                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
+            bwd.check(i, to_d(got_dx[i]), ref_dx, uT * std::fabs(ref_dx) + k * uf * terms + mpx_test::min_subnormal<T>());
+          }
+        }
+        INFO("rows=" << rows << " cols=" << cols);
+        MPX_REQUIRE_WITHIN(fwd);
+        MPX_REQUIRE_WITHIN(bwd);
+        if (!log) REQUIRE(std::fabs(row_total - static_cast<double>(rows)) < 1e-9 * static_cast<double>(rows));
+      }
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("softmax stays finite for extreme and masked logits and keeps NaN", "[softmax]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t cols : {std::size_t{5}, std::size_t{1000}, std::size_t{4099}, std::size_t{12000}}) {
+      // Rows: 0 extremes +-1e4; 1 all equal; 2 masked (-inf) but for two entries;
+      // 3 a NaN; 4 all masked (undefined: NaN).
+      std::size_t const rows = 5;
+      std::vector<T> x(rows * cols);
+      for (std::size_t c = 0; c < cols; ++c) {
+        x[c] = mpx::cast<T>(c % 2 ? 1e4f : -1e4f);
+        x[cols + c] = mpx::cast<T>(3.25f);
+        x[2 * cols + c] = mpx::cast<T>(c == 1 ? 2.0f : c == cols - 1 ? 1.0f : -INFINITY);
+        x[3 * cols + c] = mpx::cast<T>(c == cols / 2 ? NAN : 0.5f);
+        x[4 * cols + c] = mpx::cast<T>(-INFINITY);
+      }
+      mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+      auto const xd = mpx_test::upload(exec, x, s);
+      auto y = mpx::make_tensor<T>(exec, s);
+      auto ly = mpx::make_tensor<T>(exec, s);
+      mpx::fill(exec, y, mpx_test::poison<T>());
+      mpx::fill(exec, ly, mpx_test::poison<T>());
+      mpx::softmax(exec, xd, y);
+      mpx::log_softmax(exec, xd, ly);
+      auto const p = mpx_test::download(exec, y);
+      auto const lp = mpx_test::download(exec, ly);
+      INFO(mpx::dtype_name<T> << " cols=" << cols);
+      std::size_t const highs = cols / 2;  // entries at +1e4 in row 0
+      double const e = std::exp(-1.0);     // row 2: exp(1 - 2)
+      for (std::size_t c = 0; c < cols; ++c) {
+        INFO("c=" << c);
+        double const p0 = c % 2 ? 1.0 / static_cast<double>(highs) : 0.0;
+        REQUIRE(std::fabs(to_d(p[c]) - p0) <= 2 * mpx_test::unit_roundoff<T>() * p0 + 1e-6 * p0);
+        REQUIRE(mpx::is_finite(lp[c]));
+        REQUIRE(std::fabs(to_d(p[cols + c]) * static_cast<double>(cols) - 1.0) <= 2 * mpx_test::unit_roundoff<T>() + 1e-5);
+        double const p2 = c == 1 ? 1 / (1 + e) : c == cols - 1 && cols > 1 ? e / (1 + e) : 0.0;
+        REQUIRE(std::fabs(to_d(p[2 * cols + c]) - p2) <= 2 * mpx_test::unit_roundoff<T>() * p2 + 1e-6);
+        if (p2 == 0) REQUIRE(to_d(lp[2 * cols + c]) == -INFINITY);
+        else REQUIRE(mpx::is_finite(lp[2 * cols + c]));
+        REQUIRE(mpx::is_nan(p[3 * cols + c]));
+        REQUIRE(mpx::is_nan(lp[3 * cols + c]));
+        REQUIRE(mpx::is_nan(p[4 * cols + c]));
+      }
+      // The backward pass through the masked row stays finite and gives the masked entries 0.
+      auto dy = mpx::make_tensor<T>(exec, s);
+      mpx::fill(exec, dy, mpx::cast<T>(0.5f));
+      auto dx = mpx::make_tensor<T>(exec, s);
+      mpx::fill(exec, dx, mpx_test::poison<T>());
+      mpx::softmax_backward(exec, y, dy, dx);
+      auto const g = mpx_test::download(exec, dx);
+      for (std::size_t c = 0; c < cols; ++c) {
+        REQUIRE(mpx::is_finite(g[2 * cols + c]));
+        REQUIRE(mpx::is_nan(g[3 * cols + c]));
+      }
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("softmax refuses mismatched shapes, naming both", "[softmax]", mpx_test::executors) {
+  TestType exec;
+  auto x = mpx::make_tensor<float>(exec, {3, 4});
+  auto y = mpx::make_tensor<mpx::half>(exec, {4, 3});
+  auto dy = mpx::make_tensor<float>(exec, {3, 5});
+  CHECK_THROWS_TYPE_WITH(mpx::softmax(exec, x, y), mpx::shape_error,
+                         Catch::Contains("[3, 4]") && Catch::Contains("[4, 3]"));
+  CHECK_THROWS_TYPE_WITH(mpx::log_softmax_backward(exec, x, dy, x), mpx::shape_error,
+                         Catch::Contains("[3, 4]") && Catch::Contains("[3, 5]"));
+  auto empty = mpx::make_tensor<float>(exec, {0, 4});
+  mpx::softmax(exec, empty, empty);  // nothing to do, no error
+}
