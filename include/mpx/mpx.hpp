@@ -16,8 +16,11 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/exec/tensor_ref.hpp>
 #include <mpx/kernels/activation.hpp>
+#include <mpx/kernels/batch_norm.hpp>
+#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/gemm.hpp>
+#include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/kernels/reduce.hpp>
 #include <mpx/kernels/row_reduce.hpp>

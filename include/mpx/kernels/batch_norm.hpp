@@ -1,0 +1,324 @@
+// Batch normalisation over [N, C] (channels last: an NHWC tensor is [N*H*W, C]) in
+// training mode (batch statistics, running statistics updated) and inference mode
+// (running statistics), forward and backward, on any executor. Statistics in float.
+#pragma once
+
+#include <mpx/kernels/layer_norm.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+// Conventions. Momentum is Keras's: running = momentum * running + (1 - momentum) *
+// batch, default 0.99 (PyTorch's momentum m is Keras's 1 - m: PyTorch's 0.1 is 0.9
+// here). The batch is normalised with the biased variance (divided by N), and the
+// running variance is updated with the unbiased one (divided by N - 1), as PyTorch
+// does; Keras updates its moving variance with the biased one. Training therefore
+// needs N >= 2 rows (PyTorch refuses N == 1 too).
+
+namespace mpx {
+
+//! Hyper-parameters of batch normalisation; the defaults are Keras's.
+struct batch_norm_options {
+  float momentum = 0.99f;  //!< running = momentum * running + (1 - momentum) * batch, in [0, 1].
+  float eps = 1e-3f;       //!< Added to the variance before the square root; > 0.
+};
+
+namespace detail {
+
+template <class X>
+struct column_values {  // a = x
+  X const* x;
+  std::size_t cols;
+  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
+    a = cast<float>(x[r * cols + j]);
+    b = 0.0f;
+  }
+};
+
+template <class X>
+struct column_squared_deviations {  // a = (x - mean)^2
+  X const* x;
+  float const* mean;
+  std::size_t cols;
+  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
+    float const d = cast<float>(x[r * cols + j]) - mean[j];
+    a = d * d;
+    b = 0.0f;
+  }
+};
+
+struct store_mean {
+  float* mean;
+  float inv_n;
+  MPX_HD void operator()(std::size_t j, float sa, float) const { mean[j] = sa * inv_n; }
+};
+
+struct finish_batch_statistics {
+  float const* mean;
+  float* invstd;
+  float* running_mean;
+  float* running_var;
+  float n;
+  float momentum;
+  float eps;
+  MPX_HD void operator()(std::size_t j, float sa, float) const {
+    float const var = sa / n;
+    invstd[j] = 1.0f / ::sqrtf(var + eps);
+    running_mean[j] = momentum * running_mean[j] + (1.0f - momentum) * mean[j];
+    running_var[j] = momentum * running_var[j] + (1.0f - momentum) * (sa / (n - 1.0f));
+  }
+};
+
+template <class X, class DY>
+struct batch_norm_param_terms {  // a = dy * xhat, b = dy
+  X const* x;
+  DY const* dy;
+  float const* mean;
+  float const* invstd;
+  std::size_t cols;
+  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
+    std::size_t const i = r * cols + j;
+    float const g = cast<float>(dy[i]);
+    a = g * ((cast<float>(x[i]) - mean[j]) * invstd[j]);
+    b = g;
+  }
+};
+
+// y = (x - mean) * invstd * gamma + beta; with FromVariance, invstd = 1 / sqrt(var + eps).
+template <bool FromVariance, class X, class Y>
+MPX_HD inline void batch_norm_apply_one(X const* x, float const* gamma, float const* beta, float const* mean,
+                                        float const* scale, Y* y, std::size_t i, std::size_t cols, float eps) {
+  std::size_t const j = i % cols;
+  float const s = FromVariance ? 1.0f / ::sqrtf(scale[j] + eps) : scale[j];
+  y[i] = cast<Y>((cast<float>(x[i]) - mean[j]) * s * gamma[j] + beta[j]);
+}
+
+// dx = gamma * invstd * (dy - dbeta / N - xhat * dgamma / N)
+template <class X, class DY, class DX>
+MPX_HD inline void batch_norm_backward_one(X const* x, DY const* dy, float const* gamma, float const* mean,
+                                           float const* invstd, float const* dgamma, float const* dbeta, DX* dx,
+                                           std::size_t i, std::size_t cols, float inv_n) {
+  std::size_t const j = i % cols;
+  float const xh = (cast<float>(x[i]) - mean[j]) * invstd[j];
+  dx[i] = cast<DX>(gamma[j] * invstd[j] * (cast<float>(dy[i]) - dbeta[j] * inv_n - xh * (dgamma[j] * inv_n)));
+}
+
+#if MPX_HAS_CUDA
+template <bool FromVariance, class X, class Y>
+__global__ void __launch_bounds__(block_size)
+    batch_norm_apply_kernel(X const* x, float const* __restrict__ gamma, float const* __restrict__ beta,
+                            float const* __restrict__ mean, float const* __restrict__ scale, Y* y, std::size_t n,
+                            std::size_t cols, float eps) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    batch_norm_apply_one<FromVariance>(x, gamma, beta, mean, scale, y, i, cols, eps);
+}
+
+template <class X, class DY, class DX>
+__global__ void __launch_bounds__(block_size)
+    batch_norm_backward_kernel(X const* x, DY const* dy, float const* __restrict__ gamma,
+                               float const* __restrict__ mean, float const* __restrict__ invstd,
+                               float const* __restrict__ dgamma, float const* __restrict__ dbeta, DX* dx,
+                               std::size_t n, std::size_t cols, float inv_n) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    batch_norm_backward_one(x, dy, gamma, mean, invstd, dgamma, dbeta, dx, i, cols, inv_n);
+}
+#endif
+
+template <bool FromVariance, class Exec, class X, class Y>
+void batch_norm_apply([[maybe_unused]] Exec const& exec, X const* x, float const* gamma, float const* beta,
+                      float const* mean, float const* scale, Y* y, std::size_t n, std::size_t cols, float eps) {
+  if (n == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::size_t i = 0; i < n; ++i)
+      batch_norm_apply_one<FromVariance>(x, gamma, beta, mean, scale, y, i, cols, eps);
+  } else {
+#if MPX_HAS_CUDA
+    batch_norm_apply_kernel<FromVariance>
+        <<<grid_for(n), block_size, 0, exec.stream()>>>(x, gamma, beta, mean, scale, y, n, cols, eps);
+    MPX_CUDA_CHECK_LAUNCH("mpx::batch_norm_apply_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! Checks x, y and the per-channel float tensors; returns [rows, channels].
+template <class XV, class YV>
+void batch_norm_layout(std::string_view op, XV const& xv, YV const& yv, std::size_t& rows, std::size_t& cols) {
+  last_axis_layout(op, xv.shape(), rows, cols);
+  require_same_shape(op, xv.shape(), yv.shape());
+}
+
+inline void require_channels(std::string_view op, std::string_view what, shape const& s, shape const& x,
+                             std::size_t cols) {
+  require_extent(op, what, s, "x", x, static_cast<std::int64_t>(cols),
+                 std::string(what) + " must be [C], x's last (channel) extent");
+}
+
+}  // namespace detail
+
+//! Training-mode forward over x of shape [..., C] (rows = N = x.size() / C): per
+//! channel, the batch mean and biased variance in float (two passes), then
+//! y = (x - mean) / sqrt(var + eps) * gamma + beta rounded once to y's dtype. Writes
+//! save_mean and save_invstd (1 / sqrt(var + eps)) for the backward pass and updates
+//! running_mean and running_var (Keras's momentum; the unbiased variance, as PyTorch).
+//! gamma, beta, running_*, save_*: float [C]. Needs N >= 2 (mpx::invalid_argument
+//! otherwise). y may be x. Asynchronous on a cuda_executor (allocates partial sums).
+template <class Policy = float32, executor Exec, tensor_like X, tensor_like G, tensor_like B, tensor_like Y,
+          tensor_like RM, tensor_like RV, tensor_like SM, tensor_like SI>
+void batch_norm_forward_training(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, RM&& running_mean,
+                                 RV&& running_var, SM&& save_mean, SI&& save_invstd,
+                                 batch_norm_options const& options = {}) {
+  detail::require_float_norm<Policy>();
+  auto xv = mpx::view(x);
+  auto gv = mpx::view(gamma);
+  auto bv = mpx::view(beta);
+  auto yv = mpx::view(y);
+  auto rmv = mpx::view(running_mean);
+  auto rvv = mpx::view(running_var);
+  auto smv = mpx::view(save_mean);
+  auto siv = mpx::view(save_invstd);
+  detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<Y>, space_t<RM>, space_t<RV>,
+                         space_t<SM>, space_t<SI>>();
+  detail::require_float_tensor<decltype(gv)>("gamma");
+  detail::require_float_tensor<decltype(bv)>("beta");
+  detail::require_float_tensor<decltype(rmv)>("running_mean");
+  detail::require_float_tensor<decltype(rvv)>("running_var");
+  detail::require_float_tensor<decltype(smv)>("save_mean");
+  detail::require_float_tensor<decltype(siv)>("save_invstd");
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type> &&
+                    !std::is_const_v<typename decltype(rmv)::element_type> &&
+                    !std::is_const_v<typename decltype(rvv)::element_type> &&
+                    !std::is_const_v<typename decltype(smv)::element_type> &&
+                    !std::is_const_v<typename decltype(siv)::element_type>,
+                "mpx::batch_norm_forward_training: y, the running and the saved statistics are written");
+  constexpr std::string_view op = "batch_norm_forward_training";
+  std::size_t rows = 0, cols = 0;
+  detail::batch_norm_layout(op, xv, yv, rows, cols);
+  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "beta", bv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "running_mean", rmv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "running_var", rvv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "save_mean", smv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "save_invstd", siv.shape(), xv.shape(), cols);
+  if (!(options.eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(options.eps));
+  if (!(options.momentum >= 0.0f && options.momentum <= 1.0f))
+    detail::fail<invalid_argument>(op, "momentum must be in [0, 1], got " + detail::to_text(options.momentum));
+  if (cols == 0) return;
+  if (rows < 2)
+    detail::fail<invalid_argument>(op, "training needs at least 2 rows per channel for the unbiased running "
+                                       "variance; x has shape " + xv.shape().to_string());
+  using x_t = value_t<X>;
+  float const n = static_cast<float>(rows);
+  detail::column_sums(exec, detail::column_values<x_t>{xv.data(), cols}, detail::store_mean{smv.data(), 1.0f / n},
+                      rows, cols);
+  detail::column_sums(exec, detail::column_squared_deviations<x_t>{xv.data(), smv.data(), cols},
+                      detail::finish_batch_statistics{smv.data(), siv.data(), rmv.data(), rvv.data(), n,
+                                                      options.momentum, options.eps},
+                      rows, cols);
+  detail::batch_norm_apply<false>(exec, xv.data(), gv.data(), bv.data(), smv.data(), siv.data(), yv.data(),
+                                  rows * cols, cols, options.eps);
+}
+
+//! Inference-mode forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma +
+//! beta, in float, rounded once; nothing is updated. y may be x. Asynchronous.
+template <class Policy = float32, executor Exec, tensor_like X, tensor_like G, tensor_like B, tensor_like RM,
+          tensor_like RV, tensor_like Y>
+void batch_norm_forward_inference(Exec const& exec, X&& x, G&& gamma, B&& beta, RM&& running_mean,
+                                  RV&& running_var, Y&& y, float eps = batch_norm_options{}.eps) {
+  detail::require_float_norm<Policy>();
+  auto xv = mpx::view(x);
+  auto gv = mpx::view(gamma);
+  auto bv = mpx::view(beta);
+  auto rmv = mpx::view(running_mean);
+  auto rvv = mpx::view(running_var);
+  auto yv = mpx::view(y);
+  detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<RM>, space_t<RV>, space_t<Y>>();
+  detail::require_float_tensor<decltype(gv)>("gamma");
+  detail::require_float_tensor<decltype(bv)>("beta");
+  detail::require_float_tensor<decltype(rmv)>("running_mean");
+  detail::require_float_tensor<decltype(rvv)>("running_var");
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::batch_norm_forward_inference: y is const");
+  constexpr std::string_view op = "batch_norm_forward_inference";
+  std::size_t rows = 0, cols = 0;
+  detail::batch_norm_layout(op, xv, yv, rows, cols);
+  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "beta", bv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "running_mean", rmv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "running_var", rvv.shape(), xv.shape(), cols);
+  if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
+  if (cols == 0) return;
+  detail::batch_norm_apply<true>(exec, xv.data(), gv.data(), bv.data(), rmv.data(), rvv.data(), yv.data(),
+                                 rows * cols, cols, eps);
+}
+
+//! Training-mode backward, from x and the saved batch statistics:
+//!   xhat = (x - mean) * invstd, dbeta[j] = sum_rows dy, dgamma[j] = sum_rows dy * xhat,
+//!   dx = gamma * invstd * (dy - dbeta / N - xhat * dgamma / N), rounded once to dx's dtype.
+//! dgamma and dbeta (float [C]) are deterministic column reductions in float. dx may be
+//! dy. Asynchronous on a cuda_executor.
+template <class Policy = float32, executor Exec, tensor_like X, tensor_like DY, tensor_like G, tensor_like SM,
+          tensor_like SI, tensor_like DX, tensor_like DG, tensor_like DB>
+void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_mean, SI&& save_invstd, DX&& dx,
+                         DG&& dgamma, DB&& dbeta) {
+  detail::require_float_norm<Policy>();
+  auto xv = mpx::view(x);
+  auto dyv = mpx::view(dy);
+  auto gv = mpx::view(gamma);
+  auto smv = mpx::view(save_mean);
+  auto siv = mpx::view(save_invstd);
+  auto dxv = mpx::view(dx);
+  auto dgv = mpx::view(dgamma);
+  auto dbv = mpx::view(dbeta);
+  detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<G>, space_t<SM>, space_t<SI>, space_t<DX>,
+                         space_t<DG>, space_t<DB>>();
+  detail::require_float_tensor<decltype(gv)>("gamma");
+  detail::require_float_tensor<decltype(smv)>("save_mean");
+  detail::require_float_tensor<decltype(siv)>("save_invstd");
+  detail::require_float_tensor<decltype(dgv)>("dgamma");
+  detail::require_float_tensor<decltype(dbv)>("dbeta");
+  static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
+                    !std::is_const_v<typename decltype(dgv)::element_type> &&
+                    !std::is_const_v<typename decltype(dbv)::element_type>,
+                "mpx::batch_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");
+  constexpr std::string_view op = "batch_norm_backward";
+  std::size_t rows = 0, cols = 0;
+  detail::batch_norm_layout(op, xv, dyv, rows, cols);
+  detail::require_same_shape(op, xv.shape(), dxv.shape());
+  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "save_mean", smv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "save_invstd", siv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "dgamma", dgv.shape(), xv.shape(), cols);
+  detail::require_channels(op, "dbeta", dbv.shape(), xv.shape(), cols);
+  if (cols == 0) return;
+  using x_t = value_t<X>;
+  using dy_t = value_t<DY>;
+  detail::column_sums(exec,
+                      detail::batch_norm_param_terms<x_t, dy_t>{xv.data(), dyv.data(), smv.data(), siv.data(), cols},
+                      detail::store_two_sums{dgv.data(), dbv.data()}, rows, cols);
+  std::size_t const n = rows * cols;
+  if (n == 0) return;
+  float const inv_n = 1.0f / static_cast<float>(rows);
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::size_t i = 0; i < n; ++i)
+      detail::batch_norm_backward_one(xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(),
+                                      dbv.data(), dxv.data(), i, cols, inv_n);
+  } else {
+#if MPX_HAS_CUDA
+    detail::batch_norm_backward_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(
+        xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(), dbv.data(), dxv.data(), n, cols,
+        inv_n);
+    MPX_CUDA_CHECK_LAUNCH("mpx::batch_norm_backward_kernel");
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+}  // namespace mpx

@@ -1,0 +1,215 @@
+// Dropout with a counter-based generator: Philox4x32-10 (Salmon et al., SC'11, as in
+// Random123, cuRAND and PyTorch) is an MPX_HD function, so the host and the GPU draw the
+// same mask bit for bit from (seed, offset, element index), and backward can regenerate
+// the mask instead of storing it.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/config.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/launch.hpp>
+#include <mpx/exec/tensor.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace mpx {
+
+//! Philox's 128-bit counter, four 32-bit words (word 0 least significant).
+struct philox_counter {
+  std::uint32_t v[4];
+};
+//! Philox's 64-bit key, two 32-bit words.
+struct philox_key {
+  std::uint32_t v[2];
+};
+
+//! Philox4x32 with 10 rounds: four random 32-bit words for a (counter, key). Matches
+//! Random123's philox4x32_10 known-answer vectors on host and device.
+MPX_HD constexpr philox_counter philox4x32_10(philox_counter ctr, philox_key key) noexcept {
+  constexpr std::uint32_t m0 = 0xD2511F53u, m1 = 0xCD9E8D57u;
+  constexpr std::uint32_t w0 = 0x9E3779B9u, w1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      key.v[0] += w0;
+      key.v[1] += w1;
+    }
+    std::uint64_t const p0 = static_cast<std::uint64_t>(m0) * ctr.v[0];
+    std::uint64_t const p1 = static_cast<std::uint64_t>(m1) * ctr.v[2];
+    auto const hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
+    auto const hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    ctr = philox_counter{{hi1 ^ ctr.v[1] ^ key.v[0], lo1, hi0 ^ ctr.v[3] ^ key.v[1], lo0}};
+  }
+  return ctr;
+}
+
+//! Which elements dropout keeps and how much it scales them by.
+struct dropout_options {
+  float rate = 0.5f;          //!< Probability of dropping an element; in [0, 1).
+  std::uint64_t seed = 0;     //!< Philox key.
+  std::uint64_t offset = 0;   //!< Upper 64 bits of the Philox counter: a fresh value per step or layer.
+};
+
+namespace detail {
+
+//! The keep test for 4 consecutive elements 4g .. 4g+3: the Philox output for counter
+//! (g, offset) and key seed, word k < threshold. threshold = round((1 - rate) * 2^32).
+struct dropout_mask_source {
+  philox_key key;
+  std::uint32_t offset_lo, offset_hi;
+  std::uint64_t threshold;
+  MPX_HD philox_counter draw(std::uint64_t group) const noexcept {
+    return philox4x32_10(philox_counter{{static_cast<std::uint32_t>(group), static_cast<std::uint32_t>(group >> 32),
+                                         offset_lo, offset_hi}},
+                         key);
+  }
+  MPX_HD bool keep(std::uint32_t word) const noexcept { return static_cast<std::uint64_t>(word) < threshold; }
+};
+
+inline dropout_mask_source make_mask_source(std::string_view op, dropout_options const& o) {
+  if (!(o.rate >= 0.0f && o.rate < 1.0f))
+    fail<invalid_argument>(op, "rate must be in [0, 1), got " + to_text(o.rate) +
+                                   " (rate 1 would drop everything and scale by 1 / 0)");
+  auto const keep = 1.0 - static_cast<double>(o.rate);
+  auto const threshold = static_cast<std::uint64_t>(std::llround(keep * 4294967296.0));
+  return {philox_key{{static_cast<std::uint32_t>(o.seed), static_cast<std::uint32_t>(o.seed >> 32)}},
+          static_cast<std::uint32_t>(o.offset), static_cast<std::uint32_t>(o.offset >> 32), threshold};
+}
+
+// Mode: 0 forward writing the mask, 1 forward without it, 2 backward regenerating the
+// mask, 3 backward from a stored mask (no generator). y = x * (kept ? scale : 0), so a
+// NaN in x stays NaN even where it is dropped.
+template <int Mode, class In, class Out>
+MPX_HD inline void dropout_group(dropout_mask_source const& src, In const* in, Out* out, std::uint8_t* mask_out,
+                                 std::uint8_t const* mask_in, float scale, std::size_t group, std::size_t n) {
+  std::size_t const base = group * 4;
+  philox_counter r{};
+  if constexpr (Mode != 3) r = src.draw(group);
+  MPX_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    std::size_t const i = base + static_cast<std::size_t>(k);
+    if (i < n) {
+      bool kept;
+      if constexpr (Mode == 3) kept = mask_in[i] != 0;
+      else kept = src.keep(r.v[k]);
+      if constexpr (Mode == 0) mask_out[i] = kept ? 1 : 0;
+      out[i] = cast<Out>(cast<float>(in[i]) * (kept ? scale : 0.0f));
+    }
+  }
+}
+
+#if MPX_HAS_CUDA
+template <int Mode, class In, class Out>
+__global__ void __launch_bounds__(block_size)
+    dropout_kernel(dropout_mask_source src, In const* in, Out* out, std::uint8_t* mask_out,
+                   std::uint8_t const* mask_in, float scale, std::size_t groups, std::size_t n) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
+    dropout_group<Mode>(src, in, out, mask_out, mask_in, scale, g, n);
+}
+#endif
+
+template <int Mode, class Exec, class In, class Out>
+void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& src, In const* in, Out* out,
+                 std::uint8_t* mask_out, std::uint8_t const* mask_in, float scale, std::size_t n) {
+  if (n == 0) return;
+  std::size_t const groups = (n + 3) / 4;
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::size_t g = 0; g < groups; ++g) dropout_group<Mode>(src, in, out, mask_out, mask_in, scale, g, n);
+  } else {
+#if MPX_HAS_CUDA
+    dropout_kernel<Mode><<<grid_for(groups), block_size, 0, exec.stream()>>>(src, in, out, mask_out, mask_in, scale,
+                                                                              groups, n);
+    MPX_CUDA_CHECK_LAUNCH("mpx::dropout_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+inline float dropout_scale(float rate) { return 1.0f / (1.0f - rate); }
+
+}  // namespace detail
+
+//! Whether dropout with these options keeps element `index` of a tensor: what
+//! dropout_forward writes into its mask, on either executor. Throws as dropout_forward
+//! does for a rate outside [0, 1).
+inline bool dropout_keeps(dropout_options const& options, std::uint64_t index) {
+  auto const src = detail::make_mask_source("dropout_keeps", options);
+  return src.keep(src.draw(index / 4).v[index % 4]);
+}
+
+//! y = x * mask / (1 - rate), mask[i] = 1 with probability 1 - rate, drawn by Philox from
+//! (seed, offset, i); computed in float, rounded once to y's dtype. Writes the mask
+//! (uint8, 0 or 1, same shape as x) when one is given. rate 0 is the identity; rate
+//! outside [0, 1) throws mpx::invalid_argument. y may be x. A NaN in x stays NaN (0 * NaN).
+//! Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like X, tensor_like Y>
+void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&& y) {
+  auto xv = mpx::view(x);
+  auto yv = mpx::view(y);
+  detail::require_access<Exec, space_t<X>, space_t<Y>>();
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
+  detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
+  auto const src = detail::make_mask_source("dropout_forward", options);
+  detail::dropout_run<1>(exec, src, xv.data(), yv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
+                         xv.size());
+}
+
+//! As above, and writes the mask (uint8 of x's shape) for dropout_backward.
+template <executor Exec, tensor_like X, tensor_like Y, tensor_like M>
+void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&& y, M&& mask) {
+  auto xv = mpx::view(x);
+  auto yv = mpx::view(y);
+  auto mv = mpx::view(mask);
+  detail::require_access<Exec, space_t<X>, space_t<Y>, space_t<M>>();
+  static_assert(std::is_same_v<typename decltype(mv)::element_type, std::uint8_t>,
+                "mpx::dropout_forward: the mask is a mutable tensor of std::uint8_t");
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
+  detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
+  detail::require_same_shape("dropout_forward", xv.shape(), mv.shape());
+  auto const src = detail::make_mask_source("dropout_forward", options);
+  detail::dropout_run<0>(exec, src, xv.data(), yv.data(), mv.data(), nullptr, detail::dropout_scale(options.rate),
+                         xv.size());
+}
+
+//! dx = dy * mask / (1 - rate), the mask regenerated from options (which must be the
+//! forward pass's). dx may be dy. Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like DY, tensor_like DX>
+void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy, DX&& dx) {
+  auto dyv = mpx::view(dy);
+  auto dxv = mpx::view(dx);
+  detail::require_access<Exec, space_t<DY>, space_t<DX>>();
+  static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
+  detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
+  auto const src = detail::make_mask_source("dropout_backward", options);
+  detail::dropout_run<2>(exec, src, dyv.data(), dxv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
+                         dyv.size());
+}
+
+//! dx = dy * mask / (1 - rate) from the mask dropout_forward stored (only options.rate
+//! is used). dx may be dy. Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like DY, tensor_like DX, tensor_like M>
+void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy, DX&& dx, M&& mask) {
+  auto dyv = mpx::view(dy);
+  auto dxv = mpx::view(dx);
+  auto mv = mpx::view(mask);
+  detail::require_access<Exec, space_t<DY>, space_t<DX>, space_t<M>>();
+  static_assert(std::is_same_v<typename decltype(mv)::value_type, std::uint8_t>,
+                "mpx::dropout_backward: the mask is a tensor of std::uint8_t");
+  static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
+  detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
+  detail::require_same_shape("dropout_backward", dyv.shape(), mv.shape());
+  auto const src = detail::make_mask_source("dropout_backward", options);
+  detail::dropout_run<3>(exec, src, dyv.data(), dxv.data(), nullptr, mv.data(), detail::dropout_scale(options.rate),
+                         dyv.size());
+}
+
+}  // namespace mpx
