@@ -12,6 +12,8 @@
 // CUDA rows; bench/NOTES.md has the predictions and the results.
 #include <mpx/mpx.hpp>
 
+#include "timing.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -61,39 +63,6 @@ std::vector<shape_case> cases(options const& opt, bool gpu) {
     if (gpu) out.push_back({"batched 32x512x512x64", 32, 512, 512, 64, false, true});
   }
   return out;
-}
-
-//! Median of `repeat` timed runs of `inner` calls each, in seconds per call.
-template <class Exec, class F>
-double seconds_per_call(Exec const& exec, int repeat, int inner, F&& run) {
-  run();  // warm-up: plan creation, first-touch page faults, thread start-up
-  exec.synchronize();
-  std::vector<double> times;
-  for (int r = 0; r < repeat; ++r) {
-#if MPX_HAS_CUDA
-    if constexpr (mpx::is_cuda_executor_v<Exec>) {
-      cudaEvent_t start, stop;
-      MPX_CUDA_CHECK(cudaEventCreate(&start));
-      MPX_CUDA_CHECK(cudaEventCreate(&stop));
-      MPX_CUDA_CHECK(cudaEventRecord(start, exec.stream()));
-      for (int i = 0; i < inner; ++i) run();
-      MPX_CUDA_CHECK(cudaEventRecord(stop, exec.stream()));
-      MPX_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0;
-      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      MPX_CUDA_CHECK(cudaEventDestroy(start));
-      MPX_CUDA_CHECK(cudaEventDestroy(stop));
-      times.push_back(ms / 1e3 / inner);
-      continue;
-    }
-#endif
-    auto const t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < inner; ++i) run();
-    exec.synchronize();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / inner);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 //! Fast seeded values in [-1, 1): a large operand's worth in well under a second.
@@ -212,7 +181,7 @@ void run_all(Exec const& exec, options const& opt) {
       double const flops = 2.0 * static_cast<double>(c.batch * c.m) * static_cast<double>(c.n * c.k);
       int const inner = gpu ? static_cast<int>(std::clamp(2e10 / flops, 1.0, 1000.0)) : 1;
       mpx::gemm_options const o{.transpose_a = c.ta, .transpose_b = c.tb};
-      double const s = seconds_per_call(exec, opt.repeat, inner, [&] { mpx::gemm<P>(exec, a, b, out, o); });
+      double const s = mpx_bench::median_seconds(exec, opt.repeat, [&] { mpx::gemm<P>(exec, a, b, out, o); }, inner);
       auto host_out = mpx::to_host(exec, out);
       spot_check(c, ha, hb, std::vector<T>(host_out.begin(), host_out.end()), "mpx::gemm");
       double const rate = flops / s / (gpu ? 1e12 : 1e9);
@@ -223,8 +192,8 @@ void run_all(Exec const& exec, options const& opt) {
 #if MPX_HAS_CUDA
       if constexpr (gpu) {
         auto ref = mpx::make_tensor<T>(exec, c_shape);
-        double const rs = seconds_per_call(exec, opt.repeat, inner,
-                                           [&] { cublas_reference(handle, c, a.data(), b.data(), ref.data()); });
+        double const rs = mpx_bench::median_seconds(
+            exec, opt.repeat, [&] { cublas_reference(handle, c, a.data(), b.data(), ref.data()); }, inner);
         auto host_ref = mpx::to_host(exec, ref);
         spot_check(c, ha, hb, std::vector<T>(host_ref.begin(), host_ref.end()), "cublasGemmEx");
         double const ref_rate = flops / rs / 1e12;

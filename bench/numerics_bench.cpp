@@ -9,6 +9,8 @@
 // predictions and the results.
 #include <mpx/mpx.hpp>
 
+#include "timing.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,45 +22,13 @@
 
 namespace {
 
+using mpx_bench::median_seconds;
+
 struct options {
   std::size_t elements = std::size_t{1} << 26;
   int repeat = 10;
   std::string executor = "all";
 };
-
-// Median of `repeat` timed runs, in seconds; host timing with a steady clock, device
-// timing with events on the executor's stream.
-template <class Exec, class F>
-double median_seconds(Exec const& exec, int repeat, F&& run) {
-  run();  // warm-up: first-touch page faults, module loading, pool growth
-  exec.synchronize();
-  std::vector<double> times;
-  for (int r = 0; r < repeat; ++r) {
-#if MPX_HAS_CUDA
-    if constexpr (mpx::is_cuda_executor_v<Exec>) {
-      cudaEvent_t start, stop;
-      MPX_CUDA_CHECK(cudaEventCreate(&start));
-      MPX_CUDA_CHECK(cudaEventCreate(&stop));
-      MPX_CUDA_CHECK(cudaEventRecord(start, exec.stream()));
-      run();
-      MPX_CUDA_CHECK(cudaEventRecord(stop, exec.stream()));
-      MPX_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0;
-      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      MPX_CUDA_CHECK(cudaEventDestroy(start));
-      MPX_CUDA_CHECK(cudaEventDestroy(stop));
-      times.push_back(ms / 1e3);
-      continue;
-    }
-#endif
-    auto const t0 = std::chrono::steady_clock::now();
-    run();
-    exec.synchronize();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 void print_row(std::string_view exec, std::string_view op, std::string_view dtype, double bytes, double seconds,
                double copy_gbps) {

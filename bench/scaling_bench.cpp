@@ -13,6 +13,8 @@
 // for the CUDA rows; bench/NOTES.md has the byte counts, predictions and results.
 #include <mpx/mpx.hpp>
 
+#include "timing.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,6 +30,8 @@
 
 namespace {
 
+using mpx_bench::median_seconds;
+
 struct options {
   std::size_t elements = std::size_t{1} << 26;
   std::vector<std::size_t> tensors = {200};
@@ -41,57 +45,6 @@ struct options {
 struct bench_failure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// ---- timing ------------------------------------------------------------------------
-
-#if MPX_HAS_CUDA
-//! One CUDA event, destroyed with its owner.
-class cuda_event {
- public:
-  cuda_event() { MPX_CUDA_CHECK(cudaEventCreate(&event_)); }
-  cuda_event(cuda_event const&) = delete;
-  cuda_event& operator=(cuda_event const&) = delete;
-  ~cuda_event() { cudaEventDestroy(event_); }
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-#endif
-
-// Median of `repeat` timed runs after one warm-up, in seconds: events on the stream for
-// a cuda_executor (what the GPU spent, not the launch overhead of an idle host), a
-// steady clock for the host.
-template <class Exec, class F>
-double median_seconds(Exec const& exec, int repeat, F&& run) {
-  run();  // warm-up: first-touch page faults, module loading, pool growth
-  exec.synchronize();
-  std::vector<double> times;
-#if MPX_HAS_CUDA
-  if constexpr (mpx::is_cuda_executor_v<Exec>) {
-    cuda_event start, stop;
-    for (int r = 0; r < repeat; ++r) {
-      MPX_CUDA_CHECK(cudaEventRecord(start.get(), exec.stream()));
-      run();
-      MPX_CUDA_CHECK(cudaEventRecord(stop.get(), exec.stream()));
-      MPX_CUDA_CHECK(cudaEventSynchronize(stop.get()));
-      float ms = 0;
-      MPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
-      times.push_back(ms / 1e3);
-    }
-  } else
-#endif
-  {
-    for (int r = 0; r < repeat; ++r) {
-      auto const t0 = std::chrono::steady_clock::now();
-      run();
-      exec.synchronize();
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 // ---- the gradient list -------------------------------------------------------------
 
