@@ -243,7 +243,7 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check never raises a false alarm", "[scalin
 TEMPLATE_LIST_TEST_CASE("unscale_and_check over more gradients than one launch holds", "[scaling]",
                         mpx_test::executors) {
   TestType exec;
-  // 1,611 single-pointer rows fit one launch's parameters: 4,000 tiny gradients need
+  // 1,610 single-pointer rows fit one launch's parameters: 4,000 tiny gradients need
   // three launches per dtype, each gradient in exactly one.
   mixed_gradients<TestType> g(exec, 4000, 7, 1.0, 40);
   g.plant(exec, 3901, 0, std::numeric_limits<float>::infinity());
