@@ -12,12 +12,14 @@
 // CUDA rows; bench/NOTES.md has the predictions and the results.
 #include <mpx/mpx.hpp>
 
+#include "executors.hpp"
 #include "timing.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <cstdlib>
 #include <string>
 #include <string_view>
@@ -229,31 +231,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    std::printf("median of %d runs; host path: %s\n", opt.repeat,
-                mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
-    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
-#if MPX_HAS_CUDA
-    int devices = 0;
-    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
-    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
-      cudaDeviceProp prop{};
-      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-      std::printf("GPU: %s\n", prop.name);
-      run_all(mpx::cuda_executor{}, opt);
-    } else if (opt.executor == "cuda") {
-      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
-      return 1;
-    }
-#else
-    if (opt.executor == "cuda") {
-      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
-      return 1;
-    }
-#endif
-  } catch (mpx::error const& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  std::printf("median of %d runs; host path: %s\n", opt.repeat,
+              mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
+  return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 }

@@ -9,11 +9,13 @@
 // predictions and the results.
 #include <mpx/mpx.hpp>
 
+#include "executors.hpp"
 #include "timing.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -95,31 +97,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    std::printf("%zu elements, median of %d runs\n", opt.elements, opt.repeat);
-    std::printf("%-6s %-22s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
-    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
-#if MPX_HAS_CUDA
-    int devices = 0;
-    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
-    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
-      cudaDeviceProp prop{};
-      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-      std::printf("GPU: %s\n", prop.name);
-      run_all(mpx::cuda_executor{}, opt);
-    } else if (opt.executor == "cuda") {
-      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
-      return 1;
-    }
-#else
-    if (opt.executor == "cuda") {
-      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
-      return 1;
-    }
-#endif
-  } catch (mpx::error const& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  std::printf("%zu elements, median of %d runs\n", opt.elements, opt.repeat);
+  std::printf("%-6s %-22s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
+  return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 }

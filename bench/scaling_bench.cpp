@@ -13,6 +13,7 @@
 // for the CUDA rows; bench/NOTES.md has the byte counts, predictions and results.
 #include <mpx/mpx.hpp>
 
+#include "executors.hpp"
 #include "timing.hpp"
 
 #include <algorithm>
@@ -360,25 +361,6 @@ int main(int argc, char** argv) {
                 "master, m, v): 16-bit T reads g, master, m, v and writes master, m, v, value = 28; float reads "
                 "value, g, m, v and writes value, m, v = 28.\n");
     print_header();
-    if (opt.executor == "host" || opt.executor == "all") run_all(mpx::host_executor{}, opt);
-#if MPX_HAS_CUDA
-    int devices = 0;
-    bool const gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
-    if (gpu && (opt.executor == "cuda" || opt.executor == "all")) {
-      cudaDeviceProp prop{};
-      MPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-      std::printf("GPU: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-      cudaStream_t stream = nullptr;
-      MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      run_all(mpx::cuda_executor{stream}, opt);
-      MPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-      MPX_CUDA_CHECK(cudaStreamDestroy(stream));
-      MPX_CUDA_CHECK(cudaGetLastError());
-    } else if (opt.executor == "cuda") {
-      std::fprintf(stderr, "no GPU visible: no CUDA rows\n");
-      return 1;
-    }
-#endif
   } catch (bench_failure const& e) {
     std::fprintf(stderr, "scaling_bench: %s\n", e.what());
     return 1;
@@ -389,5 +371,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }
-  return 0;
+  return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 }
