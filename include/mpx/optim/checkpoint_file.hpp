@@ -231,10 +231,12 @@ class checkpoint_reader {
     return out;
   }
 
- private:
+  //! Throws checkpoint_error "refusing <path>: <why>" (for callers' own checks too).
   [[noreturn]] void refuse(std::string const& why) const {
     fail<checkpoint_error>("checkpoint", "refusing '" + path_.string() + "': " + why);
   }
+
+ private:
   template <class T>
   T take(std::size_t& at, std::size_t limit = static_cast<std::size_t>(-1)) const {
     limit = std::min(limit, file_.size());

@@ -1,0 +1,162 @@
+// mpx::dense<Policy>: y = act(x W + b) over the last axis, like keras.layers.Dense.
+// W [in, units] and b [units] are stored in the policy's storage type (an optimizer
+// keeps their float master copies); the product accumulates in the policy's
+// accumulate type (mpx::gemm), the bias add and activation run in float in one pass.
+#pragma once
+
+#include <mpx/kernels/activation.hpp>
+#include <mpx/kernels/gemm.hpp>
+#include <mpx/layers/initializers.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpx {
+
+struct dense_config {
+  std::int64_t units = 0;
+  mpx::activation activation = mpx::activation::linear;
+  initializer kernel_initializer = initializer::glorot_uniform;
+  initializer bias_initializer = initializer::zeros;
+  std::int64_t in_features = 0;  //!< 0: taken from the input shape at build
+};
+
+template <class Policy = model_policy>
+class dense : public layer_base {
+ public:
+  using policy = Policy;
+  using config_type = dense_config;
+  using input_type = typename Policy::storage_type;
+  using output_type = typename Policy::storage_type;
+  static constexpr std::string_view kind = "Dense";
+
+  explicit dense(dense_config config) : config_(config) {
+    if (config_.units <= 0)
+      detail::fail<invalid_argument>("mpx::dense", "units must be positive, got " + std::to_string(config_.units));
+  }
+  //! Keras's Dense(units, activation): the input width is taken at build.
+  explicit dense(std::int64_t units, mpx::activation act = mpx::activation::linear)
+      : dense(dense_config{.units = units, .activation = act}) {}
+  //! With the input width stated, checked at build.
+  dense(std::int64_t in_features, std::int64_t units, mpx::activation act)
+      : dense(dense_config{.units = units, .activation = act, .in_features = in_features}) {}
+
+  [[nodiscard]] dense_config const& config() const noexcept { return config_; }
+
+  [[nodiscard]] shape compute_output_shape(shape const& in) const {
+    if (in.rank() < 1 || in[in.rank() - 1] <= 0)
+      detail::fail<shape_error>(name_or_kind(), "expects inputs of shape [..., features], got " + in.to_string());
+    if (config_.in_features && in[in.rank() - 1] != config_.in_features)
+      detail::fail<shape_error>(name_or_kind(), "was declared with " + std::to_string(config_.in_features) +
+                                                    " input features but receives shape " + in.to_string());
+    std::vector<std::int64_t> e(in.extents().begin(), in.extents().end());
+    e.back() = config_.units;
+    return shape(std::span<std::int64_t const>(e.data(), e.size()));
+  }
+
+  template <executor Exec>
+  void build(Exec const& exec, shape const& in, std::uint64_t seed) {
+    detail::require_layer_policy<Policy>();
+    shape const out = compute_output_shape(in);
+    std::int64_t const fan_in = in[in.rank() - 1];
+    kernel_.allocate(exec, {fan_in, config_.units});
+    bias_.allocate(exec, {config_.units});
+    kernel_grad_.allocate(exec, {fan_in, config_.units});
+    bias_grad_.allocate(exec, {config_.units});
+    using Space = memory_space_t<Exec>;
+    initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, fan_in, config_.units, seed);
+    initialize(exec, bias_.template view<Space>(), config_.bias_initializer, fan_in, config_.units, seed + 1);
+    mark_built(in, out);
+  }
+
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    std::int64_t const rows = batch * static_cast<std::int64_t>(output_shape_.size() / config_.units);
+    pre_activation_.ensure(exec, {rows, config_.units});  // x W, kept for the activation's derivative
+    reserved_batch_ = batch;
+  }
+
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+               bool /*training*/) {
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    auto const [rows, in] = matrix_of(batch);
+    auto const xm = x.reshape({rows, in});
+    auto const ym = y.reshape({rows, config_.units});
+    auto const w = kernel_.template view<Space>();
+    auto const b = bias_.template view<Space>();
+    if (config_.activation == activation::linear) {
+      gemm<Policy>(exec, xm, w, ym);
+      bias_activation_forward(exec, act::identity{}, ym, b, ym);
+      return;
+    }
+    auto const z = pre_activation_.template view<Space>({rows, config_.units});
+    gemm<Policy>(exec, xm, w, z);
+    with_activation(config_.activation, [&](auto a) { bias_activation_forward(exec, a, z, b, ym); });
+  }
+
+  //! Writes the parameter gradients (overwriting) and, unless dx is empty, dx.
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
+                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
+    auto const [rows, in] = matrix_of(batch);
+    auto const xm = x.reshape({rows, in});
+    auto const dym = dy.reshape({rows, config_.units});
+    auto const w = kernel_.template view<Space>();
+    auto const b = bias_.template view<Space>();
+    auto const dw = kernel_grad_.template view<Space>();
+    auto const db = bias_grad_.template view<Space>();
+    tensor_view<output_type const, Space> dz = dym;
+    if (config_.activation == activation::linear) {
+      mpx::bias_gradient(exec, dym, db);
+    } else {
+      // d(pre-activation) overwrites the saved pre-activation: it is not needed again.
+      auto const z = pre_activation_.template view<Space>({rows, config_.units});
+      with_activation(config_.activation, [&](auto a) { bias_activation_backward(exec, a, z, b, dym, z, db); });
+      dz = z;
+    }
+    gemm<Policy>(exec, xm, dz, dw, {.transpose_a = true});
+    if (dx.data() != nullptr) {
+      detail::require_batch_shape(name(), "input gradient", dx.shape(), input_shape_);
+      gemm<Policy>(exec, dz, w, dx.reshape({rows, in}), {.transpose_b = true});
+    }
+  }
+
+  template <memory_space Space>
+  void append_parameters(std::vector<parameter<Space>>& out) {
+    require_built("parameters");
+    out.push_back({name() + "/kernel", kernel_.template view<Space>(), kernel_grad_.template view<Space>()});
+    out.push_back({name() + "/bias", bias_.template view<Space>(), bias_grad_.template view<Space>()});
+  }
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return kernel_.size() + bias_.size(); }
+
+  //! The trainable tensors, for inspection, tests and a user's own update rules.
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> kernel() const { return kernel_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> bias() const { return bias_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> kernel_gradient() const { return kernel_grad_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> bias_gradient() const { return bias_grad_.template view<Space>(); }
+
+ private:
+  std::string name_or_kind() const { return name().empty() ? std::string("mpx::dense") : name(); }
+  struct rows_in {
+    std::int64_t rows, in;
+  };
+  rows_in matrix_of(std::int64_t batch) const {
+    std::int64_t const in = input_shape_[input_shape_.rank() - 1];
+    return {batch * static_cast<std::int64_t>(input_shape_.size()) / in, in};
+  }
+
+  dense_config config_;
+  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, pre_activation_;
+};
+
+}  // namespace mpx

@@ -1,0 +1,83 @@
+// mpx::dropout<Policy>: in training, zeroes each element with probability `rate` and
+// scales the rest by 1 / (1 - rate) (keras.layers.Dropout); in inference, the identity.
+// The mask comes from Philox4x32-10 keyed by the layer's seed, with a fresh counter
+// offset per training forward, so a run is reproducible from its seeds on either
+// executor. (A CUDA graph captures one offset: a replayed step reuses its mask.)
+#pragma once
+
+#include <mpx/exec/copy.hpp>
+#include <mpx/kernels/dropout.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <cstdint>
+
+namespace mpx {
+
+struct dropout_config {
+  float rate = 0.5f;
+};
+
+template <class Policy = model_policy>
+class dropout : public layer_base {
+ public:
+  using policy = Policy;
+  using config_type = dropout_config;
+  using input_type = typename Policy::storage_type;
+  using output_type = typename Policy::storage_type;
+  static constexpr std::string_view kind = "Dropout";
+
+  explicit dropout(dropout_config config) : config_(config) {
+    if (!(config_.rate >= 0.0f && config_.rate < 1.0f))
+      detail::fail<invalid_argument>("mpx::dropout", "rate must be in [0, 1), got " + detail::to_text(config_.rate));
+  }
+  explicit dropout(float rate) : dropout(dropout_config{rate}) {}
+  [[nodiscard]] dropout_config const& config() const noexcept { return config_; }
+
+  [[nodiscard]] shape compute_output_shape(shape const& in) const { return in; }
+  template <executor Exec>
+  void build(Exec const&, shape const& in, std::uint64_t seed) {
+    detail::require_layer_policy<Policy>();
+    seed_ = seed;
+    mark_built(in, in);
+  }
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    mask_.ensure(exec, detail::with_batch(batch, input_shape_));
+    reserved_batch_ = batch;
+  }
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+               bool training) {
+    check_input(x.shape(), y.shape());
+    if (!training || config_.rate == 0.0f) {
+      copy(exec, x, y);
+      last_forward_trained_ = false;
+      return;
+    }
+    options_ = dropout_options{config_.rate, seed_, step_++};
+    dropout_forward(exec, options_, x, y, mask_.template view<Space>(x.shape()));
+    last_forward_trained_ = true;
+  }
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
+                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+    check_input(x.shape(), y.shape());
+    if (dx.data() == nullptr) return;
+    if (!last_forward_trained_) copy(exec, dy, dx);
+    else dropout_backward(exec, options_, dy, dx, mask_.template view<Space>(x.shape()));
+  }
+  template <memory_space Space>
+  void append_parameters(std::vector<parameter<Space>>&) {}
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return 0; }
+
+ private:
+  dropout_config config_;
+  std::uint64_t seed_ = 0;
+  std::uint64_t step_ = 0;
+  dropout_options options_{};
+  bool last_forward_trained_ = false;
+  detail::layer_tensor<std::uint8_t> mask_;
+};
+
+}  // namespace mpx

@@ -1,0 +1,231 @@
+// What every typed layer shares: the placeholder for "the model's policy", the
+// activation a layer may fuse, the memory a layer owns once built, and the `layer`
+// concept a model checks at compile time.
+//
+// A layer is a value you construct from its configuration alone
+// (`mpx::dense<mpx::mixed_float16> fc(128, mpx::activation::relu)`); `build(exec,
+// sample_shape, seed)` then allocates and initialises its parameters where `exec`
+// computes, and `reserve(exec, batch)` its per-batch workspace, so a training step
+// allocates nothing. Shapes given to build are per sample (no batch axis), as Keras
+// prints them; tensors given to forward and backward carry the batch axis first.
+#pragma once
+
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/activation.hpp>
+#include <mpx/optim/parameter.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+//! A layer's policy when it should take the model's: `mpx::dense<>(128)` inside
+//! `mpx::sequential<mpx::mixed_float16>(...)` is a `dense<mixed_float16>`.
+//! Its member types only let such a layer be declared; building one is refused.
+struct model_policy {
+  using storage_type = float;
+  using compute_type = float;
+  using accumulate_type = float;
+  using param_type = float;
+  static constexpr std::string_view name = "(the model's policy)";
+};
+
+//! The activation a layer applies to its output, fused with its bias add.
+enum class activation { linear, relu, sigmoid, tanh, gelu };
+
+[[nodiscard]] constexpr std::string_view to_string(activation a) noexcept {
+  switch (a) {
+    case activation::linear: return "linear";
+    case activation::relu: return "relu";
+    case activation::sigmoid: return "sigmoid";
+    case activation::tanh: return "tanh";
+    case activation::gelu: return "gelu";
+  }
+  return "?";
+}
+
+//! Calls f with the mpx::act functor for `a` (one instantiation of f per activation).
+template <class F>
+decltype(auto) with_activation(activation a, F&& f) {
+  switch (a) {
+    case activation::relu: return f(act::relu{});
+    case activation::sigmoid: return f(act::sigmoid{});
+    case activation::tanh: return f(act::tanh{});
+    case activation::gelu: return f(act::gelu{});
+    case activation::linear: break;
+  }
+  return f(act::identity{});
+}
+
+namespace detail {
+
+//! Owns one tensor of T in whichever memory space the layer was built for, so a layer's
+//! type does not depend on the executor. Move-only, like mpx::tensor.
+template <class T>
+class layer_tensor {
+ public:
+  layer_tensor() = default;
+
+  template <executor Exec>
+  void allocate(Exec const& exec, mpx::shape s) {
+    using Space = memory_space_t<Exec>;
+    auto t = std::make_unique<tensor<T, Space>>(exec, s);
+    data_ = t->data();
+    shape_ = s;
+    on_device_ = std::is_same_v<Space, device_space>;
+    owner_ = std::unique_ptr<void, void (*)(void*)>(t.release(),
+                                                    [](void* p) { delete static_cast<tensor<T, Space>*>(p); });
+  }
+  //! Allocates unless it already holds at least `s.size()` elements; then views them as s.
+  template <executor Exec>
+  void ensure(Exec const& exec, mpx::shape s) {
+    if (!owner_ || capacity_ < s.size()) {
+      allocate(exec, s);
+      capacity_ = s.size();
+    }
+    shape_ = s;
+  }
+
+  [[nodiscard]] bool allocated() const noexcept { return owner_ != nullptr; }
+  [[nodiscard]] mpx::shape const& shape() const noexcept { return shape_; }
+  [[nodiscard]] std::size_t size() const noexcept { return shape_.size(); }
+
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<T, Space> view() const {
+    require<Space>();
+    return {data_, shape_};
+  }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<T, Space> view(mpx::shape s) const {
+    require<Space>();
+    if (s.size() > capacity_)
+      fail<shape_error>("layer workspace", "a view of shape " + s.to_string() + " needs " + std::to_string(s.size()) +
+                                               " elements, but " + std::to_string(capacity_) +
+                                               " were reserved (call reserve with the larger batch)");
+    return {data_, s};
+  }
+
+ private:
+  template <memory_space Space>
+  void require() const {
+    if (!owner_) fail<invalid_argument>("mpx layer", "used before it was built (call build, or build the model)");
+    if (on_device_ != std::is_same_v<Space, device_space>)
+      fail<invalid_argument>("mpx layer", std::string("built in ") + (on_device_ ? "device" : "host") +
+                                              " memory but used with an executor of " + std::string(Space::name));
+  }
+
+  std::unique_ptr<void, void (*)(void*)> owner_{nullptr, [](void*) {}};
+  T* data_ = nullptr;
+  mpx::shape shape_{0};
+  std::size_t capacity_ = 0;
+  bool on_device_ = false;
+};
+
+//! The static_assert every layer makes about its policy.
+template <class P>
+constexpr void require_layer_policy() {
+  static_assert(!std::is_same_v<P, model_policy>,
+                "this layer was given mpx::model_policy (or no policy) but is used outside a model that sets one: "
+                "give it a policy, e.g. mpx::dense<mpx::mixed_float16>, or put it in "
+                "mpx::sequential<mpx::mixed_float16>(...)");
+  static_assert(policy_type<P>,
+                "an mpx layer's template argument must be a policy: mpx::float32, mpx::mixed_float16, "
+                "mpx::mixed_bfloat16 or an mpx::policy<Storage, Compute, Accumulate, Param>");
+}
+
+//! "dense_2: <what>" for a layer's errors.
+inline std::string layer_op(std::string const& name, std::string_view what) { return name + ": " + std::string(what); }
+
+//! Throws shape_error unless x has `batch` rows of the per-sample shape `sample`.
+inline void require_batch_shape(std::string const& layer, std::string_view what, mpx::shape const& got,
+                                mpx::shape const& sample) {
+  bool ok = got.rank() == sample.rank() + 1 && got[0] > 0;
+  for (std::size_t i = 0; ok && i < sample.rank(); ++i) ok = got[i + 1] == sample[i];
+  if (!ok)
+    fail<shape_error>(layer, std::string(what) + " has shape " + got.to_string() + ", expected [batch" +
+                                 (sample.rank() ? ", " : "") + sample.to_string().substr(1) +
+                                 (got.rank() >= 1 && got[0] == 0 ? " (the batch is empty)" : ""));
+}
+
+//! [batch, sample...] as one shape.
+inline mpx::shape with_batch(std::int64_t batch, mpx::shape const& sample) {
+  std::vector<std::int64_t> e{batch};
+  for (std::size_t i = 0; i < sample.rank(); ++i) e.push_back(sample[i]);
+  return mpx::shape(std::span<std::int64_t const>(e.data(), e.size()));
+}
+
+}  // namespace detail
+
+//! What a layer's code shares: its name in the model ("dense_1"), the per-sample input
+//! and output shapes it was built for, and the batch its workspace holds.
+class layer_base {
+ public:
+  [[nodiscard]] std::string const& name() const noexcept { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+  [[nodiscard]] mpx::shape const& input_shape() const noexcept { return input_shape_; }
+  [[nodiscard]] mpx::shape const& output_shape() const noexcept { return output_shape_; }
+  [[nodiscard]] bool built() const noexcept { return built_; }
+  [[nodiscard]] std::int64_t reserved_batch() const noexcept { return reserved_batch_; }
+
+ protected:
+  void mark_built(mpx::shape in, mpx::shape out) {
+    input_shape_ = in;
+    output_shape_ = out;
+    built_ = true;
+  }
+  void require_built(std::string_view what) const {
+    if (!built_) detail::fail<invalid_argument>(name_, std::string(what) + " before build(exec, input_shape, seed)");
+  }
+  //! Checks x against the built input shape; returns the batch.
+  std::int64_t check_input(mpx::shape const& x, mpx::shape const& y) const {
+    require_built("forward");
+    detail::require_batch_shape(name_, "input", x, input_shape_);
+    detail::require_batch_shape(name_, "output", y, output_shape_);
+    if (x[0] != y[0])
+      detail::fail<shape_error>(name_, "input " + x.to_string() + " and output " + y.to_string() +
+                                           " hold different batches");
+    return x[0];
+  }
+
+  std::string name_;
+  mpx::shape input_shape_{0};
+  mpx::shape output_shape_{0};
+  std::int64_t reserved_batch_ = 0;
+  bool built_ = false;
+};
+
+//! What mpx::sequential asks of a layer (the built-in layers and a user's own):
+//! a policy, the dtypes it reads and writes, a kind for summaries, and
+//! build / reserve / forward / backward / parameters on host_executor.
+template <class L>
+concept layer = std::move_constructible<L> && requires(L& l, L const& cl, host_executor const& exec, shape const& s,
+                                                       std::vector<parameter<host_space>>& params) {
+  typename L::policy;
+  typename L::input_type;
+  typename L::output_type;
+  { L::kind } -> std::convertible_to<std::string_view>;
+  { cl.compute_output_shape(s) } -> std::same_as<shape>;
+  l.build(exec, s, std::uint64_t{});
+  l.reserve(exec, std::int64_t{});
+  l.forward(exec, tensor_view<typename L::input_type const>{}, tensor_view<typename L::output_type>{}, true);
+  l.backward(exec, tensor_view<typename L::input_type const>{}, tensor_view<typename L::output_type const>{},
+             tensor_view<typename L::output_type const>{}, tensor_view<typename L::input_type>{});
+  l.append_parameters(params);
+  { cl.parameter_count() } -> std::convertible_to<std::size_t>;
+  { cl.name() } -> std::convertible_to<std::string>;
+  l.set_name(std::string{});
+};
+
+}  // namespace mpx

@@ -1,0 +1,91 @@
+// mpx::layer_norm<Policy>: normalisation over the last axis of each sample, like
+// keras.layers.LayerNormalization (axis -1). gamma and beta are float whatever the
+// storage, and the mean and variance are computed in float (kernels/layer_norm.hpp).
+#pragma once
+
+#include <mpx/kernels/layer_norm.hpp>
+#include <mpx/layers/initializers.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <vector>
+
+namespace mpx {
+
+struct layer_norm_config {
+  float eps = 1e-3f;  //!< Keras's default
+};
+
+template <class Policy = model_policy>
+class layer_norm : public layer_base {
+ public:
+  using policy = Policy;
+  using config_type = layer_norm_config;
+  using input_type = typename Policy::storage_type;
+  using output_type = typename Policy::storage_type;
+  static constexpr std::string_view kind = "LayerNormalization";
+
+  layer_norm() = default;
+  explicit layer_norm(layer_norm_config config) : config_(config) {}
+  [[nodiscard]] layer_norm_config const& config() const noexcept { return config_; }
+
+  [[nodiscard]] shape compute_output_shape(shape const& in) const {
+    if (in.rank() < 1 || in[in.rank() - 1] < 1)
+      detail::fail<shape_error>(name().empty() ? "mpx::layer_norm" : name(),
+                                "expects inputs of shape [..., features], got " + in.to_string());
+    return in;
+  }
+  template <executor Exec>
+  void build(Exec const& exec, shape const& in, std::uint64_t) {
+    detail::require_layer_policy<Policy>();
+    detail::require_float_norm<Policy>();
+    std::int64_t const c = compute_output_shape(in)[in.rank() - 1];
+    using Space = memory_space_t<Exec>;
+    for (auto* t : {&gamma_, &beta_, &dgamma_, &dbeta_}) t->allocate(exec, {c});
+    initialize(exec, gamma_.template view<Space>(), initializer::ones, 1, 1, 0);
+    initialize(exec, beta_.template view<Space>(), initializer::zeros, 1, 1, 0);
+    mark_built(in, in);
+  }
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    std::int64_t const rows = batch * static_cast<std::int64_t>(input_shape_.size()) / input_shape_[input_shape_.rank() - 1];
+    mean_.ensure(exec, {rows});
+    rstd_.ensure(exec, {rows});
+    dx_scratch_.ensure(exec, detail::with_batch(batch, input_shape_));
+    reserved_batch_ = batch;
+  }
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
+    check_input(x.shape(), y.shape());
+    std::int64_t const rows = rows_of(x.shape());
+    layer_norm_forward<Policy>(exec, x, gamma_.template view<Space>(), beta_.template view<Space>(), y,
+                               mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);
+  }
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
+                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+    check_input(x.shape(), y.shape());
+    std::int64_t const rows = rows_of(x.shape());
+    auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
+    layer_norm_backward<Policy>(exec, x, dy, gamma_.template view<Space>(), mean_.template view<Space>({rows}),
+                                rstd_.template view<Space>({rows}), dx_out, dgamma_.template view<Space>(),
+                                dbeta_.template view<Space>());
+  }
+  template <memory_space Space>
+  void append_parameters(std::vector<parameter<Space>>& out) {
+    require_built("parameters");
+    out.push_back({name() + "/gamma", gamma_.template view<Space>(), dgamma_.template view<Space>()});
+    out.push_back({name() + "/beta", beta_.template view<Space>(), dbeta_.template view<Space>()});
+  }
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return 2 * gamma_.size(); }
+
+ private:
+  std::int64_t rows_of(shape const& x) const {
+    return static_cast<std::int64_t>(x.size()) / input_shape_[input_shape_.rank() - 1];
+  }
+  layer_norm_config config_;
+  detail::layer_tensor<float> gamma_, beta_, dgamma_, dbeta_, mean_, rstd_;
+  detail::layer_tensor<input_type> dx_scratch_;
+};
+
+}  // namespace mpx

@@ -1,0 +1,223 @@
+// mpx::fit and mpx::evaluate: epochs of mini-batches through a classifier_trainer, with
+// validation, a progress display and a CSV log, like Keras's model.fit.
+//
+// A batch source is anything with `start_epoch(std::size_t epoch)` and `next()`
+// returning a pointer-like (std::optional, pointer) to a batch with `images` and
+// `labels` tensor views in the executor's memory (mpx::batch_loader is one).
+//
+// Progress: on a terminal one line redrawn in place (steps/s, loss, accuracy, loss
+// scale, skipped steps); otherwise plain lines, a few per epoch, that a log file keeps.
+// The CSV log has one row per step: epoch, step, loss, loss_scale, skipped,
+// gradient_norm, accuracy, seconds since the start.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/losses/cross_entropy.hpp>
+#include <mpx/losses/loss_value.hpp>
+#include <mpx/model/train_step.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+namespace mpx {
+
+struct fit_options {
+  std::size_t epochs = 1;
+  //! Redraw a progress line (-1: when stdout is a terminal), print plain lines (0), or
+  //! print nothing (a negative value other than -1 is treated as 0... use `quiet`).
+  int progress = -1;
+  bool quiet = false;
+  std::filesystem::path csv_log;  //!< empty: no log
+  //! Host seconds between progress updates. Each update reads the step records, which
+  //! on a GPU waits for the queued steps; the default keeps that rare.
+  double progress_interval_s = 0.25;
+  //! Called after every epoch with its summary (e.g. to save a checkpoint).
+  std::function<void(struct epoch_summary const&)> on_epoch_end;
+};
+
+struct evaluation {
+  double loss = 0;       //!< mean cross-entropy over the samples
+  double accuracy = 0;   //!< share of samples whose arg-max was the label
+  std::size_t samples = 0;
+};
+
+struct epoch_summary {
+  std::size_t epoch = 0;  //!< from 1
+  std::size_t steps = 0;
+  std::size_t skipped_steps = 0;
+  double loss = 0;       //!< mean training loss over the epoch's finite steps
+  double accuracy = 0;   //!< training accuracy (with dropout etc. active)
+  float loss_scale = 0;  //!< at the end of the epoch
+  double seconds = 0;
+  bool validated = false;
+  evaluation validation;
+};
+
+namespace detail {
+
+inline bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) == 1; }
+
+struct epoch_meter {
+  std::size_t steps = 0, skipped = 0, samples = 0, correct = 0, finite = 0;
+  double loss_sum = 0;
+  float scale = 0;
+  void add(step_record const& r) {
+    ++steps;
+    skipped += r.skipped;
+    samples += r.samples;
+    correct += r.correct;
+    if (std::isfinite(r.loss)) {
+      loss_sum += r.loss;
+      ++finite;
+    }
+    scale = r.loss_scale;
+  }
+  [[nodiscard]] double loss() const { return finite ? loss_sum / static_cast<double>(finite) : NAN; }
+  [[nodiscard]] double accuracy() const { return samples ? static_cast<double>(correct) / static_cast<double>(samples) : 0; }
+};
+
+inline std::string progress_line(std::size_t epoch, std::size_t epochs, std::size_t step, std::size_t steps,
+                                 double seconds, epoch_meter const& m, bool bar) {
+  char buf[320];
+  std::string b;
+  if (bar && steps) {
+    constexpr int width = 24;
+    int const done = static_cast<int>(static_cast<double>(width) * static_cast<double>(step) / static_cast<double>(steps));
+    b = "[" + std::string(static_cast<std::size_t>(done), '=') + (done < width ? ">" : "") +
+        std::string(static_cast<std::size_t>(width - done - (done < width ? 1 : 0)), ' ') + "] ";
+  }
+  std::snprintf(buf, sizeof buf, "epoch %zu/%zu %s%zu/%zu  %.0f steps/s  loss %.4f  acc %.2f%%  scale %g  skipped %zu",
+                epoch, epochs, b.c_str(), step, steps, seconds > 0 ? static_cast<double>(step) / seconds : 0.0,
+                m.loss(), 100 * m.accuracy(), static_cast<double>(m.scale), m.skipped);
+  return buf;
+}
+
+}  // namespace detail
+
+//! Loss and accuracy of a classifier over every batch of `data` (inference mode:
+//! dropout off, batch norm on its running statistics). Synchronises once per batch.
+template <executor Exec, class Model, class Source>
+evaluation evaluate(Exec const& exec, Model& model, Source& data) {
+  using Space = memory_space_t<Exec>;
+  using logits_type = typename Model::logits_type;
+  loss_value<Space> loss(exec);
+  tensor<logits_type, Space> grad;
+  tensor<step_record, Space> counter(exec, shape{1});
+  evaluation out;
+  double loss_sum = 0;
+  std::size_t correct = 0;
+  data.start_epoch(0);
+  while (auto batch = data.next()) {
+    model.forward(exec, batch->images, false);
+    auto const logits = model.template logits<Space>();
+    if (!(grad.shape() == logits.shape())) grad = tensor<logits_type, Space>(exec, logits.shape());
+    sparse_categorical_cross_entropy<float32>(exec, logits, batch->labels, grad, loss);
+    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(counter.data()), shape{sizeof(step_record)}),
+         std::uint8_t{0});
+    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch->labels), counter.data());
+    auto const n = static_cast<std::size_t>(logits.shape()[0]);
+    loss_sum += static_cast<double>(loss.read(exec)) * static_cast<double>(n);
+    correct += to_host(exec, counter)[0].correct;
+    out.samples += n;
+  }
+  if (out.samples) {
+    out.loss = loss_sum / static_cast<double>(out.samples);
+    out.accuracy = static_cast<double>(correct) / static_cast<double>(out.samples);
+  }
+  return out;
+}
+
+//! Trains for options.epochs epochs over `train`, evaluating on `validation` (when not
+//! null) after each; returns one summary per epoch.
+template <executor Exec, class Model, class Optimizer, class Source, class ValidationSource = Source>
+std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimizer, Source& train,
+                               fit_options const& options = {}, ValidationSource* validation = nullptr) {
+  using clock = std::chrono::steady_clock;
+  classifier_trainer trainer(exec, model, optimizer);
+  bool const redraw = !options.quiet && (options.progress > 0 || (options.progress == -1 && detail::stdout_is_terminal()));
+  bool const plain = !options.quiet && !redraw;
+  std::ofstream csv;
+  if (!options.csv_log.empty()) {
+    csv.open(options.csv_log);
+    if (!csv) detail::fail<invalid_argument>("mpx::fit", "cannot write the CSV log " + options.csv_log.string());
+    csv << "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds\n";
+  }
+  auto const start = clock::now();
+  std::vector<epoch_summary> history;
+  for (std::size_t epoch = 1; epoch <= options.epochs; ++epoch) {
+    auto const epoch_start = clock::now();
+    auto last_shown = epoch_start;
+    detail::epoch_meter meter;
+    std::size_t const steps = train.steps_per_epoch();
+    std::size_t step = 0, next_plain = std::max<std::size_t>(1, steps / 4);
+    auto drain = [&] {
+      double const now = std::chrono::duration<double>(clock::now() - start).count();
+      for (auto const& r : trainer.history(exec)) {
+        meter.add(r);
+        if (csv)
+          csv << epoch << ',' << meter.steps << ',' << r.loss << ',' << r.loss_scale << ',' << r.skipped << ','
+              << r.gradient_norm << ',' << (r.samples ? static_cast<double>(r.correct) / r.samples : 0.0) << ','
+              << now << '\n';
+      }
+    };
+    train.start_epoch(epoch - 1);
+    while (auto batch = train.next()) {
+      trainer.step(exec, batch->images, batch->labels);
+      ++step;
+      auto const now = clock::now();
+      bool const show_redraw = redraw && std::chrono::duration<double>(now - last_shown).count() >= options.progress_interval_s;
+      bool const show_plain = plain && step >= next_plain && step < steps;
+      if (show_redraw || show_plain || trainer.pending() >= 1024) {
+        drain();
+        double const s = std::chrono::duration<double>(now - epoch_start).count();
+        if (show_redraw) {
+          std::printf("\r%s\033[K", detail::progress_line(epoch, options.epochs, step, steps, s, meter, true).c_str());
+          std::fflush(stdout);
+          last_shown = now;
+        } else if (show_plain) {
+          std::printf("%s\n", detail::progress_line(epoch, options.epochs, step, steps, s, meter, false).c_str());
+          next_plain += std::max<std::size_t>(1, steps / 4);
+        }
+      }
+    }
+    drain();
+    epoch_summary summary;
+    summary.epoch = epoch;
+    summary.steps = meter.steps;
+    summary.skipped_steps = meter.skipped;
+    summary.loss = meter.loss();
+    summary.accuracy = meter.accuracy();
+    summary.loss_scale = optimizer.scaler().scale(exec);
+    summary.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
+    if (!options.quiet) {
+      std::printf("%s%s  (%.1f s)", redraw ? "\r" : "",
+                  detail::progress_line(epoch, options.epochs, meter.steps, steps, summary.seconds, meter, redraw).c_str(),
+                  summary.seconds);
+    }
+    if (validation) {
+      summary.validated = true;
+      summary.validation = evaluate(exec, model, *validation);
+      if (!options.quiet)
+        std::printf("  val_loss %.4f  val_acc %.2f%%", summary.validation.loss, 100 * summary.validation.accuracy);
+    }
+    if (!options.quiet) {
+      std::printf("%s\n", redraw ? "\033[K" : "");
+      std::fflush(stdout);
+    }
+    if (csv) csv.flush();
+    history.push_back(summary);
+    if (options.on_epoch_end) options.on_epoch_end(summary);
+  }
+  return history;
+}
+
+}  // namespace mpx

@@ -1,0 +1,393 @@
+// mpx::sequential: a stack of typed layers held in a boost::hana::tuple, each with its
+// own policy, like keras.Sequential under a mixed-precision policy.
+//
+//   auto model = mpx::sequential<mpx::mixed_float16>(          // the model-wide policy
+//       mpx::dense<>(128, mpx::activation::relu),              // takes it: mixed_float16
+//       mpx::dense<>(10),
+//       mpx::softmax_layer<mpx::float32>());                   // overrides it, as Keras advises
+//   model.build(exec, {784}, /*seed=*/1);                      // per-sample input shape
+//
+// Where one layer writes a dtype its successor does not read (half logits into a
+// float32 softmax), the model casts between them itself; the summary shows the cast.
+// A layer that declares `accepts_cast = false` refuses that at compile time, naming
+// both layer types. Activations and gradients live in buffers the model reserves for a
+// batch size once, so a training step allocates nothing and (on CUDA) never waits for
+// the host.
+#pragma once
+
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/exec/copy.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <boost/hana/at.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/length.hpp>
+#include <boost/hana/tuple.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+namespace detail {
+
+//! L with model_policy replaced by P (L itself when it has a policy of its own).
+template <class L, class P>
+struct resolve_policy {
+  using type = L;
+};
+template <template <class> class L, class P>
+struct resolve_policy<L<model_policy>, P> {
+  using type = L<P>;
+};
+
+template <class L, class P>
+auto with_model_policy(L&& layer) {
+  using R = typename resolve_policy<std::remove_cvref_t<L>, P>::type;
+  if constexpr (std::is_same_v<R, std::remove_cvref_t<L>>) return R(std::forward<L>(layer));
+  else return R(layer.config());
+}
+
+template <class L>
+constexpr bool accepts_cast() {
+  if constexpr (requires { L::accepts_cast; }) return L::accepts_cast;
+  else return true;
+}
+template <class L>
+constexpr bool is_softmax_layer() {
+  if constexpr (requires { L::is_softmax; }) return L::is_softmax;
+  else return false;
+}
+
+//! Instantiated for each pair of neighbours; a refusal's note names both layer types.
+template <class Previous, class Next>
+struct neighbouring_layers {
+  static constexpr bool same_dtype = std::is_same_v<typename Previous::output_type, typename Next::input_type>;
+  static_assert(same_dtype || accepts_cast<Next>(),
+                "mpx::sequential: these neighbouring layers cannot work together: the second reads its input in "
+                "a dtype the first does not write, and it declares accepts_cast = false, so the model may not "
+                "insert a cast. Give both layers policies with the same storage type (the layer types, with "
+                "their policies, are in the 'required from' note below)");
+  static constexpr bool needs_cast = !same_dtype;
+};
+
+//! One layer and the buffers the model keeps around it.
+template <class L>
+struct model_node {
+  using input_type = typename L::input_type;
+  using output_type = typename L::output_type;
+  L layer;
+  bool casts_input = false;                 //!< the previous layer writes another dtype
+  layer_tensor<input_type> input_cast;      //!< the previous output in this layer's dtype
+  layer_tensor<output_type> output;         //!< y
+  layer_tensor<output_type> output_grad;    //!< dL/dy, when the next layer's dx is another dtype
+  layer_tensor<input_type> input_grad;      //!< dL/dx (not for the first layer)
+
+  explicit model_node(L&& l) : layer(std::move(l)) {}
+};
+
+inline std::string lowercase_kind(std::string_view kind) {
+  std::string out;
+  for (std::size_t i = 0; i < kind.size(); ++i) {
+    char const c = kind[i];
+    bool const upper = c >= 'A' && c <= 'Z';
+    // "MaxPool2D" -> "max_pool2d", "LayerNormalization" -> "layer_normalization"
+    if (upper && i > 0 && !(kind[i - 1] >= 'A' && kind[i - 1] <= 'Z') && !(kind[i - 1] >= '0' && kind[i - 1] <= '9'))
+      out += '_';
+    out += upper ? static_cast<char>(c - 'A' + 'a') : c;
+  }
+  return out;
+}
+
+}  // namespace detail
+
+template <class... Layers>
+class sequential_model {
+  static_assert(sizeof...(Layers) > 0, "mpx::sequential needs at least one layer");
+  static_assert((layer<Layers> && ...),
+                "mpx::sequential: every argument must be an mpx layer (mpx::dense, mpx::conv2d, ...) or a type "
+                "that models mpx::layer (policy, input_type, output_type, kind, build, reserve, forward, backward, "
+                "append_parameters, parameter_count)");
+
+  static constexpr std::size_t count = sizeof...(Layers);
+  using nodes_type = boost::hana::tuple<detail::model_node<Layers>...>;
+  template <std::size_t I>
+  using layer_at = std::tuple_element_t<I, std::tuple<Layers...>>;
+
+ public:
+  using first_layer = layer_at<0>;
+  using last_layer = layer_at<count - 1>;
+  using input_type = typename first_layer::input_type;
+  using output_type = typename last_layer::output_type;
+  //! When the last layer is a softmax, the loss reads its input: the logits.
+  static constexpr bool ends_in_softmax = detail::is_softmax_layer<last_layer>() && count > 1;
+  using logits_type = std::conditional_t<ends_in_softmax, typename last_layer::input_type, output_type>;
+
+  explicit sequential_model(Layers... layers) : nodes_(detail::model_node<Layers>(std::move(layers))...) {
+    check_neighbours(std::make_index_sequence<count - 1>{});
+  }
+
+  static constexpr std::size_t size() noexcept { return count; }
+
+  //! Layer I, to inspect or to call directly.
+  template <std::size_t I>
+  [[nodiscard]] auto& layer() noexcept {
+    return boost::hana::at_c<I>(nodes_).layer;
+  }
+
+  //! Names the layers like Keras ("conv2d", "conv2d_1", "dense"), computes every shape
+  //! from the per-sample input shape, and allocates and initialises the parameters where
+  //! exec computes. Layer i is initialised from seed + 1000 * i. A shape a layer cannot
+  //! take throws mpx::shape_error naming the layer and the shape.
+  template <executor Exec>
+  void build(Exec const& exec, shape const& sample_input, std::uint64_t seed) {
+    std::vector<std::string> used;
+    shape in = sample_input;
+    std::size_t i = 0;
+    boost::hana::for_each(nodes_, [&](auto& node) {
+      std::string const base = detail::lowercase_kind(std::remove_cvref_t<decltype(node.layer)>::kind);
+      std::size_t same = 0;
+      for (auto const& u : used) same += u == base;
+      used.push_back(base);
+      node.layer.set_name(same ? base + "_" + std::to_string(same) : base);
+      node.layer.build(exec, in, seed + 1000 * i);
+      in = node.layer.output_shape();
+      ++i;
+    });
+    input_shape_ = sample_input;
+    built_ = true;
+    batch_ = 0;
+  }
+
+  //! Allocates activations, gradients and every layer's workspace for batches of up to
+  //! `batch` samples. Called by forward when a larger batch arrives; call it yourself
+  //! before capturing a CUDA graph.
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    if (batch <= 0) detail::fail<invalid_argument>("mpx::sequential::reserve", "the batch must be positive");
+    std::size_t i = 0;
+    boost::hana::for_each(nodes_, [&](auto& node) {
+      node.layer.reserve(exec, batch);
+      node.output.ensure(exec, detail::with_batch(batch, node.layer.output_shape()));
+      node.output_grad.ensure(exec, detail::with_batch(batch, node.layer.output_shape()));
+      if (node.casts_input) node.input_cast.ensure(exec, detail::with_batch(batch, node.layer.input_shape()));
+      if (i > 0) node.input_grad.ensure(exec, detail::with_batch(batch, node.layer.input_shape()));
+      ++i;
+    });
+    batch_ = batch;
+  }
+
+  //! Runs every layer on x ([batch, input shape...], any float dtype: cast when it is not
+  //! the first layer's) and returns a view of the last layer's output, valid until the
+  //! next forward. `training` selects dropout's and batch norm's training behaviour.
+  template <executor Exec, class T, class Space = memory_space_t<Exec>>
+  tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T const, Space> x, bool training) {
+    require_built("forward");
+    detail::require_batch_shape("mpx::sequential", "the model's input", x.shape(), input_shape_);
+    std::int64_t const batch = x.shape()[0];
+    if (batch > batch_) reserve(exec, batch);
+    forward_from<0>(exec, x, batch, training);
+    auto& last = boost::hana::at_c<count - 1>(nodes_);
+    return last.output.template view<Space>(detail::with_batch(batch, last.layer.output_shape()));
+  }
+  template <executor Exec, class T, class Space>
+  tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T, Space> x, bool training) {
+    return forward(exec, tensor_view<T const, Space>(x), training);
+  }
+
+  //! The logits of the latest forward: the softmax's input when the model ends in a
+  //! softmax, else the model's output.
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<logits_type const, Space> logits() const {
+    if constexpr (ends_in_softmax) return input_of<count - 1, Space>(batch_in_flight_);
+    else {
+      auto const& last = boost::hana::at_c<count - 1>(nodes_);
+      return last.output.template view<Space>(detail::with_batch(batch_in_flight_, last.layer.output_shape()));
+    }
+  }
+
+  //! Backpropagates dL/d(output) (any float dtype, the output's shape) through every
+  //! layer after forward(..., training = true): each layer's parameter gradients are
+  //! overwritten.
+  template <executor Exec, class G, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<G const, Space> d_output) {
+    backward_into<count - 1>(exec, d_output);
+  }
+  //! Backpropagates dL/d(logits) (see logits()): a model ending in a softmax skips its
+  //! backward pass, as the loss was computed from the logits.
+  template <executor Exec, class G, class Space = memory_space_t<Exec>>
+  void backward_from_logits(Exec const& exec, tensor_view<G const, Space> d_logits) {
+    if constexpr (ends_in_softmax) backward_into<count - 2>(exec, d_logits);
+    else backward_into<count - 1>(exec, d_logits);
+  }
+
+  //! Every trainable tensor and its gradient, named "<layer>/<tensor>", for an optimizer.
+  template <memory_space Space>
+  [[nodiscard]] std::vector<parameter<Space>> parameters() {
+    require_built("parameters");
+    std::vector<parameter<Space>> out;
+    boost::hana::for_each(nodes_, [&](auto& node) { node.layer.template append_parameters<Space>(out); });
+    return out;
+  }
+  template <executor Exec>
+  [[nodiscard]] std::vector<parameter<memory_space_t<Exec>>> parameters(Exec const&) {
+    return parameters<memory_space_t<Exec>>();
+  }
+
+  [[nodiscard]] std::size_t parameter_count() const {
+    std::size_t n = 0;
+    boost::hana::for_each(nodes_, [&](auto const& node) { n += node.layer.parameter_count(); });
+    return n;
+  }
+
+  [[nodiscard]] shape const& input_shape() const noexcept { return input_shape_; }
+  [[nodiscard]] shape output_shape() const { return boost::hana::at_c<count - 1>(nodes_).layer.output_shape(); }
+
+  //! A table like Keras's model.summary(): layer, output shape, policy, parameters, and
+  //! the casts the model inserted.
+  [[nodiscard]] std::string summary() const {
+    require_built("summary");
+    std::string out;
+    auto row = [&](std::string a, std::string b, std::string c, std::string d) {
+      char line[256];
+      std::snprintf(line, sizeof line, "%-40s %-20s %-22s %10s\n", a.c_str(), b.c_str(), c.c_str(), d.c_str());
+      out += line;
+    };
+    std::string const rule(95, '-');
+    row("Layer (type)", "Output shape", "Policy", "Param #");
+    out += rule + "\n";
+    boost::hana::for_each(nodes_, [&](auto const& node) {
+      using L = std::remove_cvref_t<decltype(node.layer)>;
+      if (node.casts_input)
+        row("  (cast to " + std::string(dtype_name<typename L::input_type>) + ")", "", "inserted by the model", "0");
+      std::string shp = node.layer.output_shape().to_string();
+      shp = "(None, " + shp.substr(1, shp.size() - 2) + ")";
+      row(node.layer.name() + " (" + std::string(L::kind) + ")", shp, std::string(L::policy::name),
+          std::to_string(node.layer.parameter_count()));
+    });
+    out += rule + "\n";
+    out += "Total params: " + std::to_string(parameter_count()) + "\n";
+    return out;
+  }
+
+  //! Visits every layer in order (for save/load, diagnostics, a user's own walk).
+  template <class F>
+  void for_each_layer(F&& f) {
+    boost::hana::for_each(nodes_, [&](auto& node) { f(node.layer); });
+  }
+  template <class F>
+  void for_each_layer(F&& f) const {
+    boost::hana::for_each(nodes_, [&](auto const& node) { f(node.layer); });
+  }
+
+ private:
+  template <std::size_t... I>
+  void check_neighbours(std::index_sequence<I...>) {
+    ((boost::hana::at_c<I + 1>(nodes_).casts_input = detail::neighbouring_layers<layer_at<I>, layer_at<I + 1>>::needs_cast),
+     ...);
+  }
+
+  void require_built(std::string_view what) const {
+    if (!built_)
+      detail::fail<invalid_argument>("mpx::sequential", std::string(what) +
+                                                            " before build(exec, input_shape, seed)");
+  }
+
+  //! The input layer I read in the latest forward (a view of the cast buffer when it
+  //! casts, else of layer I-1's output).
+  template <std::size_t I, class Space>
+  auto input_of(std::int64_t batch) const {
+    auto const& node = boost::hana::at_c<I>(nodes_);
+    using In = typename layer_at<I>::input_type;
+    shape const s = detail::with_batch(batch, node.layer.input_shape());
+    if constexpr (I == 0) {
+      return tensor_view<In const, Space>(static_cast<In const*>(first_input_), s);
+    } else {
+      if (node.casts_input) return tensor_view<In const, Space>(node.input_cast.template view<Space>(s));
+      if constexpr (std::is_same_v<typename layer_at<I - 1>::output_type, In>)
+        return tensor_view<In const, Space>(boost::hana::at_c<I - 1>(nodes_).output.template view<Space>(s));
+      else return tensor_view<In const, Space>{};  // unreachable: a dtype change always casts
+    }
+  }
+
+  template <std::size_t I, class Exec, class T, class Space>
+  void forward_from(Exec const& exec, tensor_view<T const, Space> x, std::int64_t batch, bool training) {
+    auto& node = boost::hana::at_c<I>(nodes_);
+    using In = typename layer_at<I>::input_type;
+    shape const in_shape = detail::with_batch(batch, node.layer.input_shape());
+    tensor_view<In const, Space> in;
+    if constexpr (std::is_same_v<T, In>) {
+      in = x.reshape(in_shape);
+    } else {
+      if constexpr (I == 0) node.input_cast.ensure(exec, in_shape);  // the caller's dtype is known only now
+      auto cast_buffer = node.input_cast.template view<Space>(in_shape);
+      cast(exec, x.reshape(in_shape), cast_buffer);
+      in = cast_buffer;
+    }
+    if constexpr (I == 0) {
+      first_input_ = in.data();
+      batch_in_flight_ = batch;
+    }
+    auto out = node.output.template view<Space>(detail::with_batch(batch, node.layer.output_shape()));
+    node.layer.forward(exec, in, out, training);
+    if constexpr (I + 1 < count) forward_from<I + 1>(exec, tensor_view<typename layer_at<I>::output_type const, Space>(out), batch, training);
+  }
+
+  //! Runs layer I's backward from dy (any dtype: cast to the layer's output type if it
+  //! differs), then continues with layer I-1.
+  template <std::size_t I, class Exec, class G, class Space>
+  void backward_into(Exec const& exec, tensor_view<G const, Space> dy) {
+    auto& node = boost::hana::at_c<I>(nodes_);
+    using L = layer_at<I>;
+    using Out = typename L::output_type;
+    using In = typename L::input_type;
+    std::int64_t const batch = batch_in_flight_;
+    shape const out_shape = detail::with_batch(batch, node.layer.output_shape());
+    tensor_view<Out const, Space> dy_typed;
+    if constexpr (std::is_same_v<G, Out>) {
+      dy_typed = dy.reshape(out_shape);
+    } else {
+      auto buf = node.output_grad.template view<Space>(out_shape);
+      cast(exec, dy.reshape(out_shape), buf);
+      dy_typed = buf;
+    }
+    auto const x = input_of<I, Space>(batch);
+    auto const y = tensor_view<Out const, Space>(node.output.template view<Space>(out_shape));
+    tensor_view<In, Space> dx;
+    if constexpr (I > 0) dx = node.input_grad.template view<Space>(detail::with_batch(batch, node.layer.input_shape()));
+    node.layer.backward(exec, x, y, dy_typed, dx);
+    if constexpr (I > 0) backward_into<I - 1>(exec, tensor_view<In const, Space>(dx));
+  }
+
+  nodes_type nodes_;
+  shape input_shape_{0};
+  std::int64_t batch_ = 0;
+  std::int64_t batch_in_flight_ = 0;
+  void const* first_input_ = nullptr;
+  bool built_ = false;
+};
+
+
+//! A model of the given layers, each with its own policy; the layers are moved in.
+template <class Policy = model_policy, class... Layers>
+auto sequential(Layers&&... layers) {
+  if constexpr (std::is_same_v<Policy, model_policy>) {
+    return sequential_model<std::remove_cvref_t<Layers>...>(std::forward<Layers>(layers)...);
+  } else {
+    static_assert(policy_type<Policy>, "mpx::sequential<Policy>: Policy must be an mpx policy such as "
+                                       "mpx::mixed_float16");
+    return sequential_model<typename detail::resolve_policy<std::remove_cvref_t<Layers>, Policy>::type...>(
+        detail::with_model_policy<Layers, Policy>(std::forward<Layers>(layers))...);
+  }
+}
+
+}  // namespace mpx

@@ -1,0 +1,189 @@
+// mpx::classifier_trainer: one loss-scaled training step of a classifier, wired from a
+// sequential model, sparse categorical cross-entropy and a loss_scale_optimizer:
+//
+//   forward (training) -> cross-entropy from the logits, its gradient multiplied by the
+//   loss scale in the same pass -> backward -> unscale, check, clip, step or skip,
+//   update the scale -> record (loss, scale, skipped, correct predictions)
+//
+// On a cuda_executor all of it is enqueued without a host synchronisation: the loss,
+// the scale and the verdict stay on the GPU in a per-step record that is read when you
+// ask (history()), so the host runs ahead of the GPU.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/launch.hpp>
+#include <mpx/exec/resident.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/losses/cross_entropy.hpp>
+#include <mpx/losses/loss_value.hpp>
+#include <mpx/model/sequential.hpp>
+#include <mpx/optim/loss_scale_optimizer.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace mpx {
+
+//! What one training step leaves behind, read with classifier_trainer::history().
+struct step_record {
+  float loss = 0;                 //!< mean cross-entropy of the batch (unscaled)
+  float loss_scale = 0;           //!< the scale the step's gradients were computed with
+  std::uint32_t skipped = 0;      //!< 1 when a gradient was NaN or inf and the update was skipped
+  std::uint32_t correct = 0;      //!< samples whose arg-max logit was the label
+  std::uint32_t samples = 0;      //!< batch size
+  float gradient_norm = 0;        //!< global L2 norm of the unscaled gradients
+};
+
+namespace detail {
+
+//! Index of the largest of n values, the first on ties; a NaN logit never counts as correct.
+template <class T>
+MPX_HD std::int32_t argmax_row(T const* row, std::int64_t n) {
+  std::int32_t best = 0;
+  float bv = cast<float>(row[0]);
+  for (std::int64_t j = 1; j < n; ++j) {
+    float const v = cast<float>(row[j]);
+    if (v > bv || (bv != bv)) {
+      bv = v;
+      best = static_cast<std::int32_t>(j);
+    }
+  }
+  return bv == bv ? best : -1;
+}
+
+template <class T>
+MPX_HD void write_step_record(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
+                              std::uint32_t samples) {
+  out->loss = *loss;
+  out->loss_scale = *scale;
+  out->skipped = s->found_nonfinite ? 1u : 0u;
+  out->samples = samples;
+  out->gradient_norm = s->norm;
+}
+
+#if MPX_HAS_CUDA
+template <class T>
+__global__ void count_correct_kernel(T const* logits, std::int32_t const* labels, std::int64_t rows, std::int64_t cols,
+                                     step_record* out) {
+  std::int64_t const r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r < rows && argmax_row(logits + r * cols, cols) == labels[r]) atomicAdd(&out->correct, 1u);
+}
+template <class T>
+__global__ void step_record_kernel(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
+                                   std::uint32_t samples) {
+  write_step_record<T>(out, loss, scale, s, samples);
+}
+#endif
+
+}  // namespace detail
+
+//! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label.
+template <executor Exec, class T, class Space = memory_space_t<Exec>>
+void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space> logits, tensor_view<std::int32_t const, Space> labels,
+                   step_record* record) {
+  std::int64_t const rows = logits.shape()[0];
+  std::int64_t const cols = static_cast<std::int64_t>(logits.size()) / (rows ? rows : 1);
+  if (labels.size() != static_cast<std::size_t>(rows))
+    detail::fail<shape_error>("mpx::count_correct", "logits " + logits.shape().to_string() + " and labels " +
+                                                        labels.shape().to_string() + " hold different batches");
+  if (rows == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::int64_t r = 0; r < rows; ++r) record->correct += detail::argmax_row(logits.data() + r * cols, cols) == labels[r];
+  } else {
+#if MPX_HAS_CUDA
+    auto const blocks = static_cast<unsigned>((rows + 255) / 256);
+    detail::count_correct_kernel<<<blocks, 256, 0, exec.stream()>>>(logits.data(), labels.data(), rows, cols, record);
+    MPX_CUDA_CHECK_LAUNCH("mpx::count_correct_kernel");
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! Trains a classifier (a sequential model whose output, or whose final softmax's input,
+//! holds one logit per class) with a loss_scale_optimizer. Keeps a record per step on the
+//! executor for up to `capacity` steps between calls to history().
+template <class Exec, class Model, class LossScaleOptimizer>
+class classifier_trainer {
+  using Space = memory_space_t<Exec>;
+  using logits_type = typename Model::logits_type;
+
+ public:
+  classifier_trainer(Exec const& exec, Model& model, LossScaleOptimizer& optimizer, std::size_t capacity = 4096)
+      : model_(model), optimizer_(optimizer), loss_(exec), records_(exec, shape{static_cast<std::int64_t>(capacity * sizeof(step_record))}),
+        capacity_(capacity) {}
+
+  //! One step on images [batch, sample shape...] and labels [batch] (int32 in [0, classes)).
+  template <class T>
+  void step(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels) {
+    if (pending_ == capacity_)
+      detail::fail<invalid_argument>("mpx::classifier_trainer::step",
+                                     "the step log is full (" + std::to_string(capacity_) +
+                                         " steps): read history() at least that often");
+    model_.forward(exec, images, true);
+    auto const logits = model_.template logits<Space>();
+    if (!(d_logits_.shape() == logits.shape())) d_logits_ = tensor<logits_type, Space>(exec, logits.shape());
+    step_record* const rec = record(pending_);
+    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
+         std::uint8_t{0});
+    count_correct(exec, logits, labels, rec);
+    float const* scale = optimizer_.scale_data();
+    copy(exec, tensor_view<float const, Space>(scale, shape{1}),
+         tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
+    sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits_, loss_, scale);
+    model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits_));
+    optimizer_.step(exec);
+    write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
+    ++pending_;
+  }
+  template <class T>
+  void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
+    step(exec, tensor_view<T const, Space>(images), tensor_view<std::int32_t const, Space>(labels));
+  }
+
+  //! The records of the steps since the last call (synchronises), oldest first.
+  std::vector<step_record> history(Exec const& exec) {
+    std::vector<step_record> out(pending_);
+    if (pending_) {
+      auto host = to_host(exec, records_.view().flat(0, pending_ * sizeof(step_record)));
+      std::memcpy(out.data(), host.data(), pending_ * sizeof(step_record));
+    }
+    pending_ = 0;
+    return out;
+  }
+  [[nodiscard]] std::size_t pending() const noexcept { return pending_; }
+  [[nodiscard]] loss_value<Space>& loss() noexcept { return loss_; }
+
+ private:
+  step_record* record(std::size_t i) const { return reinterpret_cast<step_record*>(records_.data()) + i; }
+
+  void write_record([[maybe_unused]] Exec const& exec, step_record* rec, std::uint32_t samples) {
+    gradient_summary const* s = optimizer_.optimizer().gradients().summary_data();
+    if constexpr (is_host_executor_v<Exec>) {
+      float const scale_used = rec->loss_scale;
+      detail::write_step_record<float>(rec, loss_.data(), &scale_used, s, samples);
+    } else {
+#if MPX_HAS_CUDA
+      // loss_scale was captured before the step; keep it, the scaler may have moved on.
+      detail::step_record_kernel<float><<<1, 1, 0, exec.stream()>>>(rec, loss_.data(), &rec->loss_scale, s, samples);
+      MPX_CUDA_CHECK_LAUNCH("mpx::step_record_kernel");
+#else
+      detail::kernels_need_nvcc<Exec>();
+#endif
+    }
+  }
+
+  Model& model_;
+  LossScaleOptimizer& optimizer_;
+  loss_value<Space> loss_;
+  tensor<std::uint8_t, Space> records_;
+  tensor<logits_type, Space> d_logits_;
+  std::size_t capacity_;
+  std::size_t pending_ = 0;
+};
+
+template <class Exec, class Model, class Opt>
+classifier_trainer(Exec const&, Model&, Opt&, std::size_t = 4096) -> classifier_trainer<Exec, Model, Opt>;
+
+}  // namespace mpx
