@@ -45,29 +45,31 @@ MPX_HD constexpr std::uint32_t round_double_to_format(double x) noexcept {
   return sign | static_cast<std::uint32_t>(pattern);
 }
 
-// Exact widening of a 16-bit pattern to float (every half and bfloat16 is a float).
+// Exact widening of a 16-bit pattern to float (every half and bfloat16 is a float);
+// half's subnormals are normalised by one float subtraction, not a loop (F. Giesen's
+// half_to_float).
 template <class T>
-MPX_HD constexpr float widen_to_float(T x) noexcept {
+MPX_HD constexpr float widen_16_to_float(T x) noexcept {
   if constexpr (std::is_same_v<T, bfloat16>) {
     return bit_cast<float>(static_cast<std::uint32_t>(bits(x)) << 16);
   } else {
+    constexpr std::uint32_t shifted_exponent = 0x7C00u << 13;
     std::uint32_t const h = bits(x);
-    std::uint32_t const sign = (h & 0x8000u) << 16;
-    std::uint32_t exponent = (h >> 10) & 0x1Fu;
-    std::uint32_t mantissa = h & 0x3FFu;
-    if (exponent == 0x1F) return bit_cast<float>(sign | 0x7F80'0000u | (mantissa << 13));
-    if (exponent == 0) {
-      if (mantissa == 0) return bit_cast<float>(sign);
-      // Subnormal half: normalise into float's wider exponent range.
-      exponent = 1;
-      while ((mantissa & 0x400u) == 0) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      mantissa &= 0x3FFu;
+    std::uint32_t u = (h & 0x7FFFu) << 13;
+    std::uint32_t const exponent = u & shifted_exponent;
+    u += (127u - 15u) << 23;
+    if (exponent == shifted_exponent) {
+      u += (128u - 16u) << 23;  // inf, NaN (payload kept)
+    } else if (exponent == 0) {  // zero, subnormal: let a float subtraction normalise
+      u += 1u << 23;
+      u = bit_cast<std::uint32_t>(bit_cast<float>(u) - bit_cast<float>(113u << 23));
     }
-    return bit_cast<float>(sign | ((exponent + 127 - 15) << 23) | (mantissa << 13));
+    return bit_cast<float>(u | ((h & 0x8000u) << 16));
   }
+}
+template <class T>
+MPX_HD constexpr float widen_to_float(T x) noexcept {
+  return widen_16_to_float(x);
 }
 
 template <class T>
@@ -76,6 +78,35 @@ MPX_HD constexpr double to_double(T x) noexcept {
     return static_cast<double>(widen_to_float(x));
   } else {
     return static_cast<double>(x);
+  }
+}
+
+// float -> 16 bits rounded to nearest even, bit for bit what the double-based rounding
+// gives (overflow to inf, subnormals kept, NaN to the canonical quiet NaN), in a few
+// integer and float operations: the host kernels round every element they write.
+// (For half: F. Giesen's float_to_half_fast3_rtne.) tests/core/test_cast checks it on
+// every pattern and 10^7 random floats, and tests/kernels/test_gemm again.
+template <class T>
+MPX_HD inline T round_float_to_16(float x) noexcept {
+  std::uint32_t u = bit_cast<std::uint32_t>(x);
+  if ((u & 0x7FFF'FFFFu) > 0x7F80'0000u) return dtype_traits<T>::quiet_nan();
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    u += 0x7FFFu + ((u >> 16) & 1u);  // carries into the exponent, up to inf, as it should
+    return from_bits<bfloat16>(static_cast<std::uint16_t>(u >> 16));
+  } else {
+    std::uint32_t const sign = u & 0x8000'0000u;
+    u ^= sign;
+    std::uint32_t h;
+    if (u >= (127u + 16u) << 23) {  // >= 65536: inf (a NaN was handled above)
+      h = 0x7C00u;
+    } else if (u < 113u << 23) {  // below half's smallest normal: let a float addition round
+      constexpr std::uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+      h = bit_cast<std::uint32_t>(bit_cast<float>(u) + bit_cast<float>(magic)) - magic;
+    } else {  // rebias the exponent and round the 13 dropped bits to nearest even
+      u += ((15u - 127u) << 23) + 0xFFFu + ((u >> 13) & 1u);
+      h = u >> 13;
+    }
+    return from_bits<half>(static_cast<std::uint16_t>(h | (sign >> 16)));
   }
 }
 
@@ -93,6 +124,9 @@ MPX_HD constexpr To narrow_to_16(From x) noexcept {
       else return __float2bfloat16_rn(static_cast<float>(x));
     }
   }
+#else
+  if constexpr (std::is_same_v<From, float>)
+    if (!__builtin_is_constant_evaluated()) return round_float_to_16<To>(x);
 #endif
   using tr = dtype_traits<To>;
   return from_bits<To>(static_cast<bits_t<To>>(

@@ -165,61 +165,18 @@ inline float* scratch_floats(int which, std::size_t n) {
   return v.data();
 }
 
-//! T -> float, exact, bit for bit what mpx::cast<float> gives, without a loop for half's
-//! subnormals (F. Giesen's half_to_float): the BLAS path widens every operand element.
+//! T -> float, exact (mpx::cast<float>'s fast path; the BLAS path widens every operand).
 template <class T>
 float widen_to_float_fast(T x) noexcept {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, bfloat16>) {
-    return bit_cast<float>(static_cast<std::uint32_t>(bits(x)) << 16);
-  } else {
-    constexpr std::uint32_t shifted_exponent = 0x7C00u << 13;
-    std::uint32_t const h = bits(x);
-    std::uint32_t u = (h & 0x7FFFu) << 13;
-    std::uint32_t const exponent = u & shifted_exponent;
-    u += (127u - 15u) << 23;
-    if (exponent == shifted_exponent) {
-      u += (128u - 16u) << 23;  // inf, NaN (payload kept)
-    } else if (exponent == 0) {  // zero, subnormal: let a float subtraction normalise
-      u += 1u << 23;
-      u = bit_cast<std::uint32_t>(bit_cast<float>(u) - bit_cast<float>(113u << 23));
-    }
-    return bit_cast<float>(u | ((h & 0x8000u) << 16));
-  }
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return widen_16_to_float(x);
 }
 
-//! float -> T rounded to nearest even, bit for bit what mpx::cast<T> gives (overflow to
-//! inf, subnormals kept, NaN to the canonical quiet NaN), in a few integer and float
-//! operations instead of mpx::cast's portable double-based rounding: the epilogue of a
-//! product with small K rounds as many values as it multiplies. (For half: F. Giesen's
-//! float_to_half_fast3_rtne.) tests/kernels/test_gemm checks it against mpx::cast.
+//! float -> T rounded to nearest even, bit for bit mpx::cast<T> (its host fast path).
 template <class T>
 T round_from_float(float x) noexcept {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    std::uint32_t u = bit_cast<std::uint32_t>(x);
-    if ((u & 0x7FFF'FFFFu) > 0x7F80'0000u) return dtype_traits<T>::quiet_nan();
-    if constexpr (std::is_same_v<T, bfloat16>) {
-      u += 0x7FFFu + ((u >> 16) & 1u);  // carries into the exponent, up to inf, as it should
-      return from_bits<bfloat16>(static_cast<std::uint16_t>(u >> 16));
-    } else {
-      std::uint32_t const sign = u & 0x8000'0000u;
-      u ^= sign;
-      std::uint32_t h;
-      if (u >= (127u + 16u) << 23) {  // >= 65536: inf (a NaN was handled above)
-        h = 0x7C00u;
-      } else if (u < 113u << 23) {  // below half's smallest normal: let a float addition round
-        constexpr std::uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-        h = bit_cast<std::uint32_t>(bit_cast<float>(u) + bit_cast<float>(magic)) - magic;
-      } else {  // rebias the exponent and round the 13 dropped bits to nearest even
-        u += ((15u - 127u) << 23) + 0xFFFu + ((u >> 13) & 1u);
-        h = u >> 13;
-      }
-      return from_bits<half>(static_cast<std::uint16_t>(h | (sign >> 16)));
-    }
-  }
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return round_float_to_16<T>(x);
 }
 
 //! out = alpha * product + beta * out, rounded once to TC (out is not read when beta == 0).

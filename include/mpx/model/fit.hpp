@@ -2,7 +2,7 @@
 // validation, a progress display and a CSV log, like Keras's model.fit.
 //
 // A batch source is anything with `start_epoch(std::size_t epoch)` and `next()`
-// returning a pointer-like (std::optional, pointer) to a batch with `images` and
+// returning a pointer-like (std::optional, pointer) to a batch, and `batches_per_epoch()`, with `images` and
 // `labels` tensor views in the executor's memory (mpx::batch_loader is one).
 //
 // Progress: on a terminal one line redrawn in place (steps/s, loss, accuracy, loss
@@ -157,7 +157,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     auto const epoch_start = clock::now();
     auto last_shown = epoch_start;
     detail::epoch_meter meter;
-    std::size_t const steps = train.steps_per_epoch();
+    std::size_t const steps = train.batches_per_epoch();
     std::size_t step = 0, next_plain = std::max<std::size_t>(1, steps / 4);
     auto drain = [&] {
       double const now = std::chrono::duration<double>(clock::now() - start).count();

@@ -1,0 +1,267 @@
+// The main job: the classic small CNN on Fashion-MNIST, in mixed_float16,
+// mixed_bfloat16 or float32, the way tf.keras.mixed_precision users write it:
+//
+//   model = Sequential([Conv2D(32, 3, activation="relu"), MaxPool2D(),
+//                       Conv2D(64, 3, activation="relu"), MaxPool2D(), Flatten(),
+//                       Dense(128, activation="relu"), Dense(10),
+//                       Activation("softmax", dtype="float32")])   # under mixed_float16
+//
+// Under mixed_float16 the optimizer is wrapped in a loss_scale_optimizer with Keras's
+// dynamic loss scale (as keras's Model.compile does); under mixed_bfloat16 and float32
+// the scale stays 1 (bfloat16 has float32's range), but every step is still checked
+// for NaN/inf and skipped if it holds one.
+//
+//   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N]
+//                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
+//                 [--test-limit N] [--data DIR] [--csv FILE] [--seed N]
+//
+// Without a GPU the default is one epoch on 20,000 training images on the host, about
+// two minutes on two cores; on a GPU, five epochs on all 60,000.
+#include <mpx/mpx.hpp>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct settings {
+  std::string policy = "mixed_float16";
+  std::string executor = "auto";
+  std::size_t epochs = 0;      // 0: 5 on a GPU, 1 on the host
+  std::size_t batch_size = 128;
+  std::size_t train_limit = 0; // 0: all on a GPU, 20000 on the host
+  std::size_t test_limit = 0;  // 0: all 10,000
+  std::string data = std::string(mpx::fashion_mnist_default_directory);
+  std::string csv;
+  std::uint64_t seed = 1;
+};
+
+struct outcome {
+  std::string policy;
+  double seconds_per_epoch = 0;
+  double test_accuracy = 0;
+  double test_loss = 0;
+  std::size_t skipped_steps = 0;
+  float final_scale = 0;
+  double peak_memory_mib = 0;
+  std::string memory_kind;
+};
+
+// The model of the header comment, under policy P, with Keras's float32 softmax.
+template <class P>
+auto make_cnn() {
+  using mpx::activation;
+  return mpx::sequential<P>(mpx::conv2d<>(32, 3, activation::relu), mpx::max_pool2d<>(2),
+                            mpx::conv2d<>(64, 3, activation::relu), mpx::max_pool2d<>(2), mpx::flatten<>(),
+                            mpx::dense<>(128, activation::relu), mpx::dense<>(10),
+                            mpx::softmax_layer<mpx::float32>());
+}
+
+double host_peak_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // kilobytes on Linux
+}
+
+template <class P, class Exec>
+outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& train_set,
+              mpx::image_dataset const& test_set) {
+  using storage = typename P::storage_type;
+  constexpr bool on_gpu = !mpx::is_host_executor_v<Exec>;
+#if MPX_HAS_CUDA
+  cudaMemPool_t pool{};
+  if constexpr (on_gpu) {
+    int device = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&device));
+    MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    std::uint64_t zero = 0;
+    MPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  }
+#endif
+
+  auto model = make_cnn<P>();
+  model.build(exec, {28, 28, 1}, s.seed);
+  std::printf("\n== %s on the %s executor\n%s", std::string(P::name).c_str(), on_gpu ? "cuda" : "host",
+              model.summary().c_str());
+
+  mpx::batch_loader<Exec, storage> train_batches(exec, train_set, {.batch_size = s.batch_size, .shuffle = true, .seed = s.seed});
+  mpx::batch_loader<Exec, storage> test_batches(exec, test_set, {.batch_size = 500, .shuffle = false});
+
+  // Keras scales the loss only for float16; a static scale of 1 keeps the check and skip.
+  constexpr bool float16 = std::is_same_v<storage, mpx::half>;
+  auto adam = mpx::adam(exec, model.parameters(exec), 1e-3f);
+  outcome o;
+  o.policy = std::string(P::name);
+  auto run = [&](auto& optimizer) {
+    mpx::fit_options options;
+    options.epochs = s.epochs;
+    if (!s.csv.empty()) options.csv_log = s.csv + "." + o.policy + ".csv";
+    auto const history = mpx::fit(exec, model, optimizer, train_batches, options, &test_batches);
+    double total = 0;
+    for (auto const& e : history) {
+      total += e.seconds;
+      o.skipped_steps += e.skipped_steps;
+    }
+    o.seconds_per_epoch = total / static_cast<double>(history.size());
+    o.test_accuracy = history.back().validation.accuracy;
+    o.test_loss = history.back().validation.loss;
+    o.final_scale = history.back().loss_scale;
+  };
+  if constexpr (float16) {
+    mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    run(optimizer);
+  } else {
+    mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::static_loss_scaler(exec, 1.0f));
+    run(optimizer);
+  }
+
+  if constexpr (on_gpu) {
+#if MPX_HAS_CUDA
+    std::uint64_t high = 0;
+    MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+    o.peak_memory_mib = static_cast<double>(high) / (1024.0 * 1024.0);
+    o.memory_kind = "GPU (pool high-water)";
+#endif
+  } else {
+    o.peak_memory_mib = host_peak_mib();
+    o.memory_kind = "host (process peak RSS)";
+  }
+  return o;
+}
+
+template <class Exec>
+std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::image_dataset const& train_set,
+                                    mpx::image_dataset const& test_set) {
+  std::vector<outcome> out;
+  std::vector<std::string> names = {s.policy};
+  if (s.policy == "all") names = {"mixed_float16", "mixed_bfloat16", "float32"};
+  for (auto const& name : names)
+    mpx::with_policy(name, [&](auto p) { out.push_back(train<typename decltype(p)::type>(exec, s, train_set, test_set)); });
+  return out;
+}
+
+[[noreturn]] void usage(char const* program, int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N] [--batch-size N]\n"
+               "          [--executor auto|host|cuda] [--train-limit N] [--test-limit N] [--data DIR] [--csv FILE]\n"
+               "          [--seed N]\n",
+               program);
+  std::exit(code);
+}
+
+settings parse(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    std::string const a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(argv[0], 2);
+      return argv[++i];
+    };
+    auto number = [&]() -> std::size_t {
+      std::string const v = value();
+      char* end = nullptr;
+      unsigned long long const n = std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0') {
+        std::fprintf(stderr, "%s expects a number, got '%s'\n", a.c_str(), v.c_str());
+        std::exit(2);
+      }
+      return static_cast<std::size_t>(n);
+    };
+    if (a == "--policy") s.policy = value();
+    else if (a == "--epochs") s.epochs = number();
+    else if (a == "--batch-size") s.batch_size = number();
+    else if (a == "--executor") s.executor = value();
+    else if (a == "--train-limit") s.train_limit = number();
+    else if (a == "--test-limit") s.test_limit = number();
+    else if (a == "--data") s.data = value();
+    else if (a == "--csv") s.csv = value();
+    else if (a == "--seed") s.seed = number();
+    else if (a == "--help" || a == "-h") usage(argv[0], 0);
+    else {
+      std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());
+      usage(argv[0], 2);
+    }
+  }
+  if (s.policy != "all" && s.policy != "mixed_float16" && s.policy != "mixed_bfloat16" && s.policy != "float32") {
+    std::fprintf(stderr, "unknown policy '%s': expected mixed_float16, mixed_bfloat16, float32 or all\n",
+                 s.policy.c_str());
+    std::exit(2);
+  }
+  if (s.executor != "auto" && s.executor != "host" && s.executor != "cuda") {
+    std::fprintf(stderr, "unknown executor '%s': expected auto, host or cuda\n", s.executor.c_str());
+    std::exit(2);
+  }
+  if (s.batch_size == 0) {
+    std::fprintf(stderr, "--batch-size must be positive\n");
+    std::exit(2);
+  }
+  return s;
+}
+
+bool gpu_available() {
+#if MPX_HAS_CUDA
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  settings s = parse(argc, argv);
+  bool const gpu = gpu_available();
+  if (s.executor == "cuda" && !gpu) {
+#if MPX_HAS_CUDA
+    throw mpx::error("--executor cuda: no GPU is visible to this process");
+#else
+    throw mpx::error("--executor cuda: this binary was built without nvcc; rebuild with -Dcuda=enabled");
+#endif
+  }
+  bool const use_gpu = s.executor == "cuda" || (s.executor == "auto" && gpu);
+  if (s.epochs == 0) s.epochs = use_gpu ? 5 : 1;
+  if (s.train_limit == 0) s.train_limit = use_gpu ? 60000 : 20000;
+
+  auto const t0 = std::chrono::steady_clock::now();
+  mpx::image_dataset const train_set =
+      mpx::load_fashion_mnist(s.data, mpx::dataset_split::train, {.limit = s.train_limit});
+  mpx::image_dataset const test_set =
+      mpx::load_fashion_mnist(s.data, mpx::dataset_split::test, {.limit = s.test_limit ? s.test_limit : 10000});
+  std::printf("Fashion-MNIST: %zu training and %zu test images of 28x28 from %s (%.1f s to load)\n", train_set.size(),
+              test_set.size(), s.data.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("policy %s, %zu epoch(s), batch %zu, Adam(1e-3), %s executor\n", s.policy.c_str(), s.epochs,
+              s.batch_size, use_gpu ? "cuda" : "host");
+
+  std::vector<outcome> results;
+  if (use_gpu) {
+#if MPX_HAS_CUDA
+    results = train_policies(mpx::cuda_executor{}, s, train_set, test_set);
+#endif
+  } else {
+    results = train_policies(mpx::host_executor{}, s, train_set, test_set);
+  }
+
+  std::printf("\n%-16s %14s %14s %12s %10s %12s  %s\n", "policy", "s / epoch", "test accuracy", "test loss",
+              "skipped", "final scale", "peak memory");
+  for (auto const& r : results)
+    std::printf("%-16s %14.2f %13.2f%% %12.4f %10zu %12g  %.0f MiB %s\n", r.policy.c_str(), r.seconds_per_epoch,
+                100 * r.test_accuracy, r.test_loss, r.skipped_steps, static_cast<double>(r.final_scale),
+                r.peak_memory_mib, r.memory_kind.c_str());
+  if (!use_gpu)
+    std::printf("\nNo GPU was used: this ran on the host executor, on %zu of the 60,000 training images for %zu "
+                "epoch(s).\nOn a GPU the same program (built with nvcc) trains on all of them for 5 epochs with "
+                "cuBLASLt\ntensor-core products and reaches about 90%% test accuracy under each policy; "
+                "docs/performance.md has the figures.\n",
+                s.train_limit, s.epochs);
+  return 0;
+} catch (mpx::error const& e) {
+  std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,163 @@
+// mpx::conv2d<Policy>: a 2-D convolution over NHWC images with a bias and a fused
+// activation, like keras.layers.Conv2D (kernel [KH, KW, Cin, Cout], 'valid' or 'same'
+// padding, strides, dilation). im2col into a workspace the layer reserves once, one
+// mpx::gemm (accumulating in the policy's accumulate type), and the bias add with the
+// activation in one float pass (kernels/conv2d.hpp, kernels/activation.hpp). The
+// backward pass reuses the forward pass's columns for the weight gradient.
+#pragma once
+
+#include <mpx/kernels/activation.hpp>
+#include <mpx/kernels/conv2d.hpp>
+#include <mpx/layers/initializers.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mpx {
+
+enum class padding { valid, same };
+
+struct conv2d_config {
+  std::int64_t filters = 0;
+  std::int64_t kernel_h = 3, kernel_w = 3;
+  mpx::activation activation = mpx::activation::linear;
+  mpx::padding padding = mpx::padding::valid;
+  std::int64_t stride_h = 1, stride_w = 1;
+  std::int64_t dilation_h = 1, dilation_w = 1;
+  initializer kernel_initializer = initializer::glorot_uniform;
+  initializer bias_initializer = initializer::zeros;
+};
+
+template <class Policy = model_policy>
+class conv2d : public layer_base {
+ public:
+  using policy = Policy;
+  using config_type = conv2d_config;
+  using input_type = typename Policy::storage_type;
+  using output_type = typename Policy::storage_type;
+  static constexpr std::string_view kind = "Conv2D";
+
+  explicit conv2d(conv2d_config config) : config_(config) {
+    if (config_.filters <= 0 || config_.kernel_h <= 0 || config_.kernel_w <= 0)
+      detail::fail<invalid_argument>("mpx::conv2d", "filters and kernel extents must be positive, got " +
+                                                        std::to_string(config_.filters) + " filters of " +
+                                                        std::to_string(config_.kernel_h) + "x" +
+                                                        std::to_string(config_.kernel_w));
+  }
+  //! Keras's Conv2D(filters, kernel_size, activation=..., padding=...).
+  conv2d(std::int64_t filters, std::int64_t kernel_size, mpx::activation act = mpx::activation::linear,
+         mpx::padding pad = mpx::padding::valid)
+      : conv2d(conv2d_config{.filters = filters, .kernel_h = kernel_size, .kernel_w = kernel_size, .activation = act,
+                             .padding = pad}) {}
+  [[nodiscard]] conv2d_config const& config() const noexcept { return config_; }
+
+  [[nodiscard]] shape compute_output_shape(shape const& in) const {
+    if (in.rank() != 3)
+      detail::fail<shape_error>(display_name(), "expects images of shape [height, width, channels], got " + in.to_string());
+    shape const out = conv2d_output_shape(shape{1, in[0], in[1], in[2]}, kernel_shape(in[2]), options_for(in));
+    return shape{out[1], out[2], out[3]};
+  }
+
+  template <executor Exec>
+  void build(Exec const& exec, shape const& in, std::uint64_t seed) {
+    detail::require_layer_policy<Policy>();
+    shape const out = compute_output_shape(in);
+    options_ = options_for(in);
+    shape const k = kernel_shape(in[2]);
+    kernel_.allocate(exec, k);
+    kernel_grad_.allocate(exec, k);
+    bias_.allocate(exec, {config_.filters});
+    bias_grad_.allocate(exec, {config_.filters});
+    using Space = memory_space_t<Exec>;
+    std::int64_t const taps = config_.kernel_h * config_.kernel_w;
+    initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters, seed);
+    initialize(exec, bias_.template view<Space>(), config_.bias_initializer, 1, 1, seed + 1);
+    mark_built(in, out);
+  }
+
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    columns_.ensure(exec, conv2d_workspace_shape(batched(batch, input_shape_), kernel_.shape(), options_));
+    pre_activation_.ensure(exec, batched(batch, output_shape_));
+    reserved_batch_ = batch;
+  }
+
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    if (batch > reserved_batch_) reserve(exec, batch);
+    auto const w = kernel_.template view<Space>();
+    auto const b = bias_.template view<Space>();
+    auto const cols = columns_.template view<Space>();
+    auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
+    if (config_.activation == activation::linear) {
+      conv2d_forward<Policy>(exec, x, w, y, cols, options_);
+      bias_activation_forward(exec, act::identity{}, y.reshape(rows), b, y.reshape(rows));
+      return;
+    }
+    auto const z = pre_activation_.template view<Space>(y.shape());
+    conv2d_forward<Policy>(exec, x, w, z, cols, options_);
+    with_activation(config_.activation, [&](auto a) { bias_activation_forward(exec, a, z.reshape(rows), b, y.reshape(rows)); });
+  }
+
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
+                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+    check_input(x.shape(), y.shape());
+    detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
+    auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
+    auto const w = kernel_.template view<Space>();
+    auto const b = bias_.template view<Space>();
+    auto const dw = kernel_grad_.template view<Space>();
+    auto const db = bias_grad_.template view<Space>();
+    auto const cols = columns_.template view<Space>();
+    tensor_view<output_type const, Space> dz = dy;
+    if (config_.activation == activation::linear) {
+      mpx::bias_gradient(exec, dy.reshape(rows), db);
+    } else {
+      auto const z = pre_activation_.template view<Space>(y.shape());  // overwritten by d(pre-activation)
+      with_activation(config_.activation, [&](auto a) {
+        bias_activation_backward(exec, a, z.reshape(rows), b, dy.reshape(rows), z.reshape(rows), db);
+      });
+      dz = z;
+    }
+    // The columns still hold the forward pass's im2col of x: the weight gradient reuses them.
+    conv2d_backward_weights<Policy>(exec, x, dz, dw, cols, options_, conv2d_columns::reuse_forward);
+    if (dx.data() != nullptr) conv2d_backward_data<Policy>(exec, dz, w, dx, cols, options_);
+  }
+
+  template <memory_space Space>
+  void append_parameters(std::vector<parameter<Space>>& out) {
+    require_built("parameters");
+    out.push_back({name() + "/kernel", kernel_.template view<Space>(), kernel_grad_.template view<Space>()});
+    out.push_back({name() + "/bias", bias_.template view<Space>(), bias_grad_.template view<Space>()});
+  }
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return kernel_.size() + bias_.size(); }
+
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> kernel() const { return kernel_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> bias() const { return bias_.template view<Space>(); }
+
+ private:
+  std::string display_name() const { return name().empty() ? std::string("mpx::conv2d") : name(); }
+  shape kernel_shape(std::int64_t channels) const {
+    return shape{config_.kernel_h, config_.kernel_w, channels, config_.filters};
+  }
+  conv2d_options options_for(shape const& in) const {
+    conv2d_options o{.stride_h = config_.stride_h, .stride_w = config_.stride_w, .dilation_h = config_.dilation_h,
+                     .dilation_w = config_.dilation_w};
+    if (config_.padding == padding::same) o = conv2d_padding_same(shape{1, in[0], in[1], in[2]}, kernel_shape(in[2]), o);
+    return o;
+  }
+  static shape batched(std::int64_t batch, shape const& s) { return detail::with_batch(batch, s); }
+
+  conv2d_config config_;
+  conv2d_options options_{};
+  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, columns_, pre_activation_;
+};
+
+}  // namespace mpx

@@ -1,0 +1,364 @@
+// mpx::sequential, classifier_trainer, fit/evaluate and model files, on each executor:
+// names and shapes, the casts the model inserts between policies (checked against the
+// same layers run by hand), backpropagation through the whole stack against finite
+// differences of the model's own float32 forward, training that learns, per-step
+// records, the CSV log, and save/load round trips and refusals.
+#include "../support/testing.hpp"
+
+#include <mpx/layers/conv2d.hpp>
+#include <mpx/layers/dense.hpp>
+#include <mpx/layers/flatten.hpp>
+#include <mpx/layers/max_pool2d.hpp>
+#include <mpx/layers/softmax_layer.hpp>
+#include <mpx/model/fit.hpp>
+#include <mpx/model/model_file.hpp>
+#include <mpx/model/sequential.hpp>
+#include <mpx/optim/adam.hpp>
+#include <mpx/optim/sgd.hpp>
+#include <mpx/scaling/loss_scaler.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include <unistd.h>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path scratch_dir(std::string const& name) {
+  fs::path const d = fs::temp_directory_path() / ("mpx_test_model_" + name + "_" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  return d;
+}
+
+// A batch source over fixed tensors, cut into batches of `batch` samples.
+template <class Exec, class T>
+struct fixed_batches {
+  using space = mpx::memory_space_t<Exec>;
+  mpx::tensor<T, space> images;
+  mpx::tensor<std::int32_t, space> labels;
+  std::int64_t batch;
+  std::int64_t next_ = 0;
+  struct batch_t {
+    mpx::tensor_view<T const, space> images;
+    mpx::tensor_view<std::int32_t const, space> labels;
+  };
+  std::size_t batches_per_epoch() const {
+    return static_cast<std::size_t>((labels.shape()[0] + batch - 1) / batch);
+  }
+  void start_epoch(std::size_t) { next_ = 0; }
+  std::optional<batch_t> next() {
+    std::int64_t const n = labels.shape()[0];
+    if (next_ >= n) return std::nullopt;
+    std::int64_t const b = std::min(batch, n - next_);
+    std::int64_t const per = static_cast<std::int64_t>(images.size()) / n;
+    mpx::shape s = images.shape();
+    std::vector<std::int64_t> e(s.extents().begin(), s.extents().end());
+    e[0] = b;
+    batch_t out{mpx::tensor_view<T const, space>(images.data() + next_ * per, mpx::shape(std::span<std::int64_t const>(e))),
+                mpx::tensor_view<std::int32_t const, space>(labels.data() + next_, mpx::shape{b})};
+    next_ += b;
+    return out;
+  }
+};
+
+// Points in 2-D, the class the quadrant they fall in: a dense net separates them.
+template <class Exec, class T>
+fixed_batches<Exec, T> quadrants(Exec const& exec, std::int64_t n, std::int64_t batch, std::uint64_t stream) {
+  auto xy = mpx_test::random_values<float>(static_cast<std::size_t>(2 * n), -1.0, 1.0, stream);
+  std::vector<T> images(xy.size());
+  std::vector<std::int32_t> labels(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    float const x = xy[2 * i], y = xy[2 * i + 1];
+    labels[i] = (x > 0 ? 1 : 0) + (y > 0 ? 2 : 0);
+    images[2 * i] = mpx::cast<T>(x);
+    images[2 * i + 1] = mpx::cast<T>(y);
+  }
+  return {mpx_test::upload(exec, images, {n, 2}), mpx_test::upload(exec, labels, {n}), batch};
+}
+
+template <class P>
+auto quadrant_model() {
+  return mpx::sequential<P>(mpx::dense<>(16, mpx::activation::tanh), mpx::dense<>(4),
+                            mpx::softmax_layer<mpx::float32>());
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("sequential names layers like Keras, computes shapes and prints a summary", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::conv2d<>(4, 3, mpx::activation::relu), mpx::max_pool2d<>(2), mpx::conv2d<>(5, 2), mpx::flatten<>(),
+      mpx::dense<>(7, mpx::activation::relu), mpx::dense<>(3), mpx::softmax_layer<mpx::float32>());
+  static_assert(std::is_same_v<decltype(model)::input_type, mpx::half>);
+  static_assert(std::is_same_v<decltype(model)::output_type, float>);
+  static_assert(std::is_same_v<decltype(model)::logits_type, float>);  // the softmax's input, after the cast
+  static_assert(decltype(model)::ends_in_softmax);
+  model.build(exec, {9, 10, 2}, 5);
+  CHECK(model.layer<0>().name() == "conv2d");
+  CHECK(model.layer<2>().name() == "conv2d_1");
+  CHECK(model.layer<1>().name() == "max_pool2d");
+  CHECK(model.layer<5>().name() == "dense_1");
+  CHECK(model.layer<6>().name() == "softmax");
+  CHECK(model.layer<0>().output_shape() == mpx::shape{7, 8, 4});
+  CHECK(model.layer<1>().output_shape() == mpx::shape{3, 4, 4});
+  CHECK(model.layer<2>().output_shape() == mpx::shape{2, 3, 5});
+  CHECK(model.layer<3>().output_shape() == mpx::shape{30});
+  CHECK(model.output_shape() == mpx::shape{3});
+  std::size_t const expected = (3 * 3 * 2 * 4 + 4) + (2 * 2 * 4 * 5 + 5) + (30 * 7 + 7) + (7 * 3 + 3);
+  CHECK(model.parameter_count() == expected);
+  auto params = model.parameters(exec);
+  REQUIRE(params.size() == 8);
+  CHECK(params[0].name == "conv2d/kernel");
+  CHECK(params[7].name == "dense_1/bias");
+  std::string const s = model.summary();
+  INFO(s);
+  CHECK(s.find("conv2d_1 (Conv2D)") != std::string::npos);
+  CHECK(s.find("(None, 7, 8, 4)") != std::string::npos);
+  CHECK(s.find("(cast to float32)") != std::string::npos);
+  CHECK(s.find("mixed_float16") != std::string::npos);
+  CHECK(s.find("Total params: " + std::to_string(expected)) != std::string::npos);
+  // Only the softmax, whose policy differs, gets a cast.
+  CHECK(s.find("(cast") == s.rfind("(cast"));
+}
+
+TEMPLATE_LIST_TEST_CASE("the cast sequential inserts gives what the layers give by hand", "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  // bfloat16 dense layers, a float32 dense after them: the model casts bf16 -> float.
+  auto model = mpx::sequential(mpx::dense<mpx::mixed_bfloat16>(6, mpx::activation::relu),
+                               mpx::dense<mpx::float32>(3));
+  model.build(exec, {5}, 11);
+  std::int64_t const n = 7;
+  auto const xs = mpx_test::random_values<float>(n * 5, -2, 2, 3);
+  auto x = mpx_test::upload(exec, xs, {n, 5});  // float input: cast to bfloat16 for the first layer
+  auto const y = mpx_test::download(exec, model.forward(exec, mpx::view(std::as_const(x)), false));
+  auto const w0 = mpx_test::download(exec, model.layer<0>().template kernel<space>());
+  auto const b0 = mpx_test::download(exec, model.layer<0>().template bias<space>());
+  auto const w1 = mpx_test::download(exec, model.layer<1>().template kernel<space>());
+  auto const b1 = mpx_test::download(exec, model.layer<1>().template bias<space>());
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<float> h(6);
+    for (int j = 0; j < 6; ++j) {
+      float acc = 0;
+      for (int k = 0; k < 5; ++k)
+        acc += mpx::cast<float>(mpx::cast<mpx::bfloat16>(xs[i * 5 + k])) * mpx::cast<float>(w0[k * 6 + j]);
+      // the layer rounds x W to bfloat16, adds the bias in float, rounds the relu once
+      float const z = mpx::cast<float>(mpx::cast<mpx::bfloat16>(acc)) + mpx::cast<float>(b0[j]);
+      h[j] = mpx::cast<float>(mpx::cast<mpx::bfloat16>(z > 0 ? z : 0.0f));  // the inserted cast widens exactly
+    }
+    for (int j = 0; j < 3; ++j) {
+      double acc = 0;
+      for (int k = 0; k < 6; ++k) acc += static_cast<double>(h[k]) * w1[k * 3 + j];
+      acc += b1[j];
+      CHECK(std::fabs(y[i * 3 + j] - acc) <= 1e-5 * (1 + std::fabs(acc)));
+    }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("backpropagation through a conv net matches finite differences of its forward", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::float32>(mpx::conv2d<>(3, 3, mpx::activation::tanh, mpx::padding::same),
+                                             mpx::max_pool2d<>(2), mpx::flatten<>(), mpx::dense<>(4, mpx::activation::sigmoid),
+                                             mpx::dense<>(2));
+  model.build(exec, {6, 5, 2}, 3);
+  std::int64_t const n = 3;
+  auto x = mpx_test::upload(exec, mpx_test::random_values<float>(n * 60, -1, 1, 9), {n, 6, 5, 2});
+  auto const xc = mpx::tensor_view<float const, space>(mpx::view(x));
+  // L = sum(out * r) for a fixed random r: dL/dout = r.
+  auto const r = mpx_test::random_values<float>(n * 2, -1, 1, 10);
+  auto loss = [&] {
+    auto const out = mpx_test::download(exec, model.forward(exec, xc, true));
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += static_cast<double>(out[i]) * r[i];
+    return l;
+  };
+  loss();
+  auto dout = mpx_test::upload(exec, r, {n, 2});
+  model.backward(exec, mpx::tensor_view<float const, space>(mpx::view(dout)));
+  auto params = model.parameters(exec);
+  REQUIRE(params.size() == 6);
+  int checked = 0;
+  for (auto& p : params) {
+    auto value = p.value.template as<float>();
+    auto const grad = mpx_test::download(exec, p.gradient.template as<float>());
+    auto host = mpx_test::download(exec, value);
+    for (std::size_t i = 0; i < host.size(); i += 1 + host.size() / 7) {
+      float const keep = host[i];
+      float const h = 1e-3f;
+      auto set = [&](float v) {
+        host[i] = v;
+        mpx::copy(exec, mpx::tensor_view<float const, mpx::host_space>(host.data(), value.shape()), value);
+      };
+      set(keep + h);
+      double const up = loss();
+      set(keep - h);
+      double const down = loss();
+      set(keep);
+      double const fd = (up - down) / (2 * h);
+      INFO(p.name << "[" << i << "]: backprop " << grad[i] << ", finite difference " << fd);
+      CHECK(std::fabs(grad[i] - fd) <= 5e-3 * (1 + std::fabs(fd)));
+      ++checked;
+    }
+  }
+  CHECK(checked > 20);
+}
+
+TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is recorded", "[model]", mpx_test::executors) {
+  TestType exec;
+  auto data = quadrants<TestType, mpx::half>(exec, 512, 64, 21);
+  auto model = quadrant_model<mpx::mixed_float16>();
+  model.build(exec, {2}, 1);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 2e-2f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  auto const before = mpx::evaluate(exec, model, data);
+  fs::path const dir = scratch_dir("fit");
+  mpx::fit_options options;
+  options.epochs = 6;
+  options.quiet = true;
+  options.csv_log = dir / "log.csv";
+  auto const history = mpx::fit(exec, model, optimizer, data, options, &data);
+  REQUIRE(history.size() == 6);
+  CHECK(history[0].steps == 8);
+  CHECK(history.back().skipped_steps == 0);
+  CHECK(history.back().loss_scale == 32768.0f);
+  CHECK(history.back().loss < history[0].loss);
+  CHECK(history.back().validation.accuracy > 0.9);
+  CHECK(before.accuracy < 0.6);
+  CHECK(history.back().validation.samples == 512);
+  std::ifstream csv(options.csv_log);
+  std::string line;
+  std::getline(csv, line);
+  CHECK(line == "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds");
+  int rows = 0;
+  while (std::getline(csv, line)) ++rows;
+  CHECK(rows == 48);
+  fs::remove_all(dir);
+}
+
+TEMPLATE_LIST_TEST_CASE("an overflowing step is skipped, recorded, and the scale backs off", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto data = quadrants<TestType, mpx::half>(exec, 64, 64, 22);
+  auto model = quadrant_model<mpx::mixed_float16>();
+  model.build(exec, {2}, 1);
+  // A scale of 2^24 makes the half gradients of the first layers overflow.
+  mpx::dynamic_scale_rule rule = mpx::keras_loss_scale();
+  rule.initial_scale = 16777216.0f;
+  rule.max_scale = 16777216.0f;
+  auto optimizer = mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.1f),
+                                             mpx::dynamic_loss_scaler(exec, rule));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  auto const before = mpx_test::download(exec, model.template layer<0>().template kernel<mpx::memory_space_t<TestType>>());
+  data.start_epoch(0);
+  auto b = data.next();
+  trainer.step(exec, b->images, b->labels);
+  auto const records = trainer.history(exec);
+  REQUIRE(records.size() == 1);
+  CHECK(records[0].skipped == 1);
+  CHECK(records[0].loss_scale == 16777216.0f);
+  CHECK(std::isfinite(records[0].loss));
+  CHECK(records[0].samples == 64);
+  CHECK(optimizer.scaler().scale(exec) == 8388608.0f);
+  auto const after = mpx_test::download(exec, model.template layer<0>().template kernel<mpx::memory_space_t<TestType>>());
+  CHECK(mpx_test::first_mismatch(after, before).empty());  // the skipped step left the weights alone
+}
+
+TEMPLATE_LIST_TEST_CASE("a saved model loads back bit for bit; a mismatched file is refused and changes nothing",
+                        "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  fs::path const dir = scratch_dir("file");
+  auto a = quadrant_model<mpx::mixed_bfloat16>();
+  a.build(exec, {2}, 1);
+  mpx::save_model(exec, a, dir / "a.mpx");
+  auto b = quadrant_model<mpx::mixed_bfloat16>();
+  b.build(exec, {2}, 99);  // other weights
+  auto const b_before = mpx_test::download(exec, b.template layer<0>().template kernel<space>());
+  mpx::load_model(exec, b, dir / "a.mpx");
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, b.template layer<0>().template kernel<space>()),
+                                 mpx_test::download(exec, a.template layer<0>().template kernel<space>()))
+            .empty());
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, b.template layer<1>().template bias<space>()),
+                                 mpx_test::download(exec, a.template layer<1>().template bias<space>()))
+            .empty());
+
+  // Another policy: the dtype differs.
+  auto c = quadrant_model<mpx::mixed_float16>();
+  c.build(exec, {2}, 5);
+  auto const c_before = mpx_test::download(exec, c.template layer<0>().template kernel<space>());
+  CHECK_THROWS_TYPE_WITH(mpx::load_model(exec, c, dir / "a.mpx"), mpx::checkpoint_error,
+                         Catch::Contains("'dense/kernel' is bfloat16 [2, 16] but this model's is float16 [2, 16]") &&
+                             Catch::Contains("nothing was loaded"));
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, c.template layer<0>().template kernel<space>()), c_before)
+            .empty());
+  // Another width.
+  auto d = mpx::sequential<mpx::mixed_bfloat16>(mpx::dense<>(8, mpx::activation::tanh), mpx::dense<>(4));
+  d.build(exec, {2}, 5);
+  CHECK_THROWS_TYPE_WITH(mpx::load_model(exec, d, dir / "a.mpx"), mpx::checkpoint_error,
+                         Catch::Contains("[2, 8]"));
+  // A truncated file.
+  {
+    std::ifstream in(dir / "a.mpx", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream out(dir / "short.mpx", std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+  }
+  CHECK_THROWS_AS(mpx::load_model(exec, b, dir / "short.mpx"), mpx::checkpoint_error);
+  CHECK_THROWS_AS(mpx::load_model(exec, b, dir / "missing.mpx"), mpx::checkpoint_error);
+  (void)b_before;
+  fs::remove_all(dir);
+}
+
+TEMPLATE_LIST_TEST_CASE("training state round trip: model, optimizer and scaler resume where they were", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  fs::path const dir = scratch_dir("state");
+  auto data = quadrants<TestType, mpx::half>(exec, 128, 32, 23);
+  auto run = [&](auto& model, auto& optimizer, std::size_t epochs) {
+    mpx::fit_options o;
+    o.epochs = epochs;
+    o.quiet = true;
+    return mpx::fit(exec, model, optimizer, data, o);
+  };
+  auto m1 = quadrant_model<mpx::mixed_float16>();
+  m1.build(exec, {2}, 1);
+  auto o1 = mpx::loss_scale_optimizer(mpx::adam(exec, m1.parameters(exec), 1e-2f),
+                                      mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  run(m1, o1, 2);
+  mpx::save_training_state(exec, m1, o1, dir);
+  auto const continued = run(m1, o1, 1);
+
+  auto m2 = quadrant_model<mpx::mixed_float16>();
+  m2.build(exec, {2}, 7);
+  auto o2 = mpx::loss_scale_optimizer(mpx::adam(exec, m2.parameters(exec), 1e-2f),
+                                      mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::load_training_state(exec, m2, o2, dir);
+  auto const resumed = run(m2, o2, 1);
+  CHECK(resumed[0].loss == continued[0].loss);
+  CHECK(resumed[0].accuracy == continued[0].accuracy);
+  fs::remove_all(dir);
+}
+
+TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]", mpx_test::executors) {
+  TestType exec;
+  auto model = quadrant_model<mpx::float32>();
+  CHECK_THROWS_TYPE_WITH(model.summary(), mpx::invalid_argument, Catch::Contains("before build"));
+  model.build(exec, {2}, 1);
+  auto x = mpx_test::upload(exec, std::vector<float>(12, 0.5f), {4, 3});
+  CHECK_THROWS_TYPE_WITH(model.forward(exec, mpx::view(std::as_const(x)), false), mpx::shape_error,
+                         Catch::Contains("[4, 3]") && Catch::Contains("[batch, 2]"));
+  auto convs = mpx::sequential<mpx::float32>(mpx::conv2d<>(2, 5));
+  CHECK_THROWS_TYPE_WITH(convs.build(exec, {3, 3, 1}, 1), mpx::shape_error, Catch::Contains("[1, 3, 3, 1]"));
+  CHECK_THROWS_TYPE_WITH(convs.build(exec, {9, 1}, 1), mpx::shape_error,
+                         Catch::Contains("conv2d") && Catch::Contains("[9, 1]"));
+  CHECK_THROWS_TYPE_WITH(mpx::dense<mpx::float32>(0), mpx::invalid_argument, Catch::Contains("units"));
+}
