@@ -199,7 +199,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     summary.loss_scale = optimizer.scaler().scale(exec);
     summary.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
     if (!options.quiet) {
-      std::printf("%s%s  (%.1f s)", redraw ? "\r" : "",
+      std::printf("%s%s  (%.2f s)", redraw ? "\r" : "",
                   detail::progress_line(epoch, options.epochs, meter.steps, steps, summary.seconds, meter, redraw).c_str(),
                   summary.seconds);
     }
