@@ -13,7 +13,9 @@
 //
 //   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
-//                 [--test-limit N] [--data DIR] [--csv FILE] [--seed N]
+//                 [--test-limit N] [--data DIR] [--csv FILE] [--seed N] [--cuda-graph]
+//
+// --cuda-graph captures one training step in a CUDA graph and replays it (GPU only).
 //
 // Without a GPU the default is one epoch on 20,000 training images on the host, about
 // two minutes on two cores; on a GPU, five epochs on all 60,000.
@@ -39,6 +41,7 @@ struct settings {
   std::string data = std::string(mpx::fashion_mnist_default_directory);
   std::string csv;
   std::uint64_t seed = 1;
+  bool cuda_graph = false;
 };
 
 struct outcome {
@@ -100,6 +103,7 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
   auto run = [&](auto& optimizer) {
     mpx::fit_options options;
     options.epochs = s.epochs;
+    options.cuda_graph = s.cuda_graph;
     if (!s.csv.empty()) options.csv_log = s.csv + "." + o.policy + ".csv";
     auto const history = mpx::fit(exec, model, optimizer, train_batches, options, &test_batches);
     double total = 0;
@@ -149,7 +153,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::im
   std::fprintf(code ? stderr : stdout,
                "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N] [--batch-size N]\n"
                "          [--executor auto|host|cuda] [--train-limit N] [--test-limit N] [--data DIR] [--csv FILE]\n"
-               "          [--seed N]\n",
+               "          [--seed N] [--cuda-graph]\n",
                program);
   std::exit(code);
 }
@@ -181,6 +185,7 @@ settings parse(int argc, char** argv) {
     else if (a == "--data") s.data = value();
     else if (a == "--csv") s.csv = value();
     else if (a == "--seed") s.seed = number();
+    else if (a == "--cuda-graph") s.cuda_graph = true;
     else if (a == "--help" || a == "-h") usage(argv[0], 0);
     else {
       std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());

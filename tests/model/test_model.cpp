@@ -96,10 +96,11 @@ TEMPLATE_LIST_TEST_CASE("sequential names layers like Keras, computes shapes and
   auto model = mpx::sequential<mpx::mixed_float16>(
       mpx::conv2d<>(4, 3, mpx::activation::relu), mpx::max_pool2d<>(2), mpx::conv2d<>(5, 2), mpx::flatten<>(),
       mpx::dense<>(7, mpx::activation::relu), mpx::dense<>(3), mpx::softmax_layer<mpx::float32>());
-  static_assert(std::is_same_v<decltype(model)::input_type, mpx::half>);
-  static_assert(std::is_same_v<decltype(model)::output_type, float>);
-  static_assert(std::is_same_v<decltype(model)::logits_type, float>);  // the softmax's input, after the cast
-  static_assert(decltype(model)::ends_in_softmax);
+  using model_type = decltype(model);
+  static_assert(std::is_same_v<typename model_type::input_type, mpx::half>);
+  static_assert(std::is_same_v<typename model_type::output_type, float>);
+  static_assert(std::is_same_v<typename model_type::logits_type, float>);  // the softmax's input, after the cast
+  static_assert(model_type::ends_in_softmax);
   model.build(exec, {9, 10, 2}, 5);
   CHECK(model.layer<0>().name() == "conv2d");
   CHECK(model.layer<2>().name() == "conv2d_1");
@@ -362,3 +363,41 @@ TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]",
                          Catch::Contains("conv2d") && Catch::Contains("[9, 1]"));
   CHECK_THROWS_TYPE_WITH(mpx::dense<mpx::float32>(0), mpx::invalid_argument, Catch::Contains("units"));
 }
+
+#if MPX_HAS_CUDA
+TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit for bit", "[model][cuda]") {
+  mpx::cuda_executor exec;
+  using space = mpx::device_space;
+  auto train = [&](bool graph) {
+    auto data = quadrants<mpx::cuda_executor, mpx::half>(exec, 200, 64, 24);  // the last batch (8) runs eagerly
+    auto model = quadrant_model<mpx::mixed_float16>();
+    model.build(exec, {2}, 1);
+    mpx::dynamic_scale_rule rule = mpx::keras_loss_scale();
+    rule.growth_interval = 3;  // the scale moves during the replays
+    auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
+                                               mpx::dynamic_loss_scaler(exec, rule));
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.use_cuda_graph(graph);
+    for (std::size_t epoch = 0; epoch < 3; ++epoch) {
+      data.start_epoch(epoch);
+      while (auto b = data.next()) trainer.step(exec, b->images, b->labels);
+    }
+    auto records = trainer.history(exec);
+    auto weights = mpx_test::download(exec, model.template layer<0>().template kernel<space>());
+    return std::pair(records, weights);
+  };
+  auto const [eager_records, eager_weights] = train(false);
+  auto const [graph_records, graph_weights] = train(true);
+  REQUIRE(eager_records.size() == 12);
+  REQUIRE(graph_records.size() == 12);
+  for (std::size_t i = 0; i < 12; ++i) {
+    INFO("step " << i);
+    CHECK(graph_records[i].loss == eager_records[i].loss);
+    CHECK(graph_records[i].loss_scale == eager_records[i].loss_scale);
+    CHECK(graph_records[i].correct == eager_records[i].correct);
+    CHECK(graph_records[i].samples == eager_records[i].samples);
+  }
+  CHECK(eager_records[11].loss_scale > eager_records[0].loss_scale);
+  CHECK(mpx_test::first_mismatch(graph_weights, eager_weights).empty());
+}
+#endif

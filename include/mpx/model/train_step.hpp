@@ -21,6 +21,8 @@
 #include <mpx/optim/loss_scale_optimizer.hpp>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 namespace mpx {
@@ -121,26 +123,30 @@ class classifier_trainer {
       detail::fail<invalid_argument>("mpx::classifier_trainer::step",
                                      "the step log is full (" + std::to_string(capacity_) +
                                          " steps): read history() at least that often");
-    model_.forward(exec, images, true);
-    auto const logits = model_.template logits<Space>();
-    if (!(d_logits_.shape() == logits.shape())) d_logits_ = tensor<logits_type, Space>(exec, logits.shape());
-    step_record* const rec = record(pending_);
-    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
-         std::uint8_t{0});
-    count_correct(exec, logits, labels, rec);
-    float const* scale = optimizer_.scale_data();
-    copy(exec, tensor_view<float const, Space>(scale, shape{1}),
-         tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
-    sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits_, loss_, scale);
-    model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits_));
-    optimizer_.step(exec);
-    write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
+    if constexpr (!is_host_executor_v<Exec>) {
+#if MPX_HAS_CUDA
+      if (use_graph_ && graph_ready_for(images.shape())) {
+        graph_step(exec, images, labels);
+        return;
+      }
+#endif
+    }
+    step_body(exec, images, labels, record(pending_));
     ++pending_;
+    if constexpr (!is_host_executor_v<Exec>) eager_shape_ = images.shape();
   }
   template <class T>
   void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
     step(exec, tensor_view<T const, Space>(images), tensor_view<std::int32_t const, Space>(labels));
   }
+
+  //! On a cuda_executor: after one eager step, capture a step in a CUDA graph and replay
+  //! it for every batch of that shape (others, such as a short last batch, run eagerly).
+  //! The batch is first copied into buffers the graph reads. What a replay reuses: the
+  //! dropout masks' offsets (each dropout layer repeats its captured mask), and the
+  //! host-side check for a loss scale stuck at its minimum (made when history() runs).
+  //! Ignored on the host executor.
+  void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
 
   //! The records of the steps since the last call (synchronises), oldest first.
   std::vector<step_record> history(Exec const& exec) {
@@ -157,6 +163,72 @@ class classifier_trainer {
 
  private:
   step_record* record(std::size_t i) const { return reinterpret_cast<step_record*>(records_.data()) + i; }
+
+  template <class T>
+  void step_body(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
+                 step_record* rec) {
+    model_.forward(exec, images, true);
+    auto const logits = model_.template logits<Space>();
+    if (!(d_logits_.shape() == logits.shape())) d_logits_ = tensor<logits_type, Space>(exec, logits.shape());
+    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
+         std::uint8_t{0});
+    count_correct(exec, logits, labels, rec);
+    float const* scale = optimizer_.scale_data();
+    copy(exec, tensor_view<float const, Space>(scale, shape{1}),
+         tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
+    sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits_, loss_, scale);
+    model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits_));
+    optimizer_.step(exec);
+    write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
+  }
+
+#if MPX_HAS_CUDA
+  bool graph_ready_for(shape const& s) const {
+    return graph_exec_ ? s == graph_shape_ : s == eager_shape_;  // capture after one eager step of this shape
+  }
+
+  template <class T>
+  void graph_step(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels) {
+    cudaStream_t const stream = exec.stream();
+    if (!graph_exec_) {
+      graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
+      graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
+      graph_record_ = tensor<step_record, Space>(exec, shape{1});
+      graph_shape_ = images.shape();
+    }
+    tensor_view<T, Space> const in(reinterpret_cast<T*>(graph_images_.data()), images.shape());
+    copy(exec, images, in);
+    copy(exec, labels, graph_labels_);
+    if (!graph_exec_) {
+      cudaGraph_t graph = nullptr;
+      MPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      try {
+        step_body(exec, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
+                  graph_record_.data());
+      } catch (...) {
+        cudaStreamEndCapture(stream, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        throw;
+      }
+      MPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t instance = nullptr;
+      cudaError_t const made = cudaGraphInstantiate(&instance, graph, 0);
+      cudaGraphDestroy(graph);
+      MPX_CUDA_CHECK(made);
+      graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
+    }
+    MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
+    copy(exec, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
+         tensor_view<step_record, Space>(record(pending_), shape{1}));
+    ++pending_;
+  }
+
+  std::shared_ptr<CUgraphExec_st> graph_exec_;
+  tensor<std::uint8_t, Space> graph_images_;
+  tensor<std::int32_t, Space> graph_labels_;
+  tensor<step_record, Space> graph_record_;
+  shape graph_shape_{0};
+#endif
 
   void write_record([[maybe_unused]] Exec const& exec, step_record* rec, std::uint32_t samples) {
     gradient_summary const* s = optimizer_.optimizer().gradients().summary_data();
@@ -181,6 +253,8 @@ class classifier_trainer {
   tensor<logits_type, Space> d_logits_;
   std::size_t capacity_;
   std::size_t pending_ = 0;
+  bool use_graph_ = false;
+  shape eager_shape_{0};
 };
 
 template <class Exec, class Model, class Opt>
