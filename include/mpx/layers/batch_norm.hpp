@@ -62,7 +62,8 @@ class batch_norm : public layer_base {
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
                bool training) {
-    check_input(x.shape(), y.shape());
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    if (batch > reserved_batch_) reserve(exec, batch);
     auto v = [](auto const& t) { return t.template view<Space>(); };
     if (training)
       batch_norm_forward_training<Policy>(exec, x, v(gamma_), v(beta_), y, v(running_mean_), v(running_var_),

@@ -120,7 +120,9 @@ class layer_tensor {
  private:
   template <memory_space Space>
   void require() const {
-    if (!owner_) fail<invalid_argument>("mpx layer", "used before it was built (call build, or build the model)");
+    if (!owner_)
+      fail<invalid_argument>("mpx layer", "used before it was built and reserved (call build, then reserve(exec, "
+                                          "batch) for its workspace, or build the model)");
     if (on_device_ != std::is_same_v<Space, device_space>)
       fail<invalid_argument>("mpx layer", std::string("built in ") + (on_device_ ? "device" : "host") +
                                               " memory but used with an executor of " + std::string(Space::name));

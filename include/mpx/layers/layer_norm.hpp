@@ -56,7 +56,8 @@ class layer_norm : public layer_base {
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
-    check_input(x.shape(), y.shape());
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    if (batch > reserved_batch_) reserve(exec, batch);
     std::int64_t const rows = rows_of(x.shape());
     layer_norm_forward<Policy>(exec, x, gamma_.template view<Space>(), beta_.template view<Space>(), y,
                                mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);

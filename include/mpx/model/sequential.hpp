@@ -200,6 +200,7 @@ class sequential_model {
     return last.output.template view<Space>(detail::with_batch(batch, last.layer.output_shape()));
   }
   template <executor Exec, class T, class Space>
+    requires(!std::is_const_v<T>)
   tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T, Space> x, bool training) {
     return forward(exec, tensor_view<T const, Space>(x), training);
   }
@@ -228,6 +229,16 @@ class sequential_model {
   void backward_from_logits(Exec const& exec, tensor_view<G const, Space> d_logits) {
     if constexpr (ends_in_softmax) backward_into<count - 2>(exec, d_logits);
     else backward_into<count - 1>(exec, d_logits);
+  }
+  template <executor Exec, class G, class Space>
+    requires(!std::is_const_v<G>)
+  void backward(Exec const& exec, tensor_view<G, Space> d_output) {
+    backward(exec, tensor_view<G const, Space>(d_output));
+  }
+  template <executor Exec, class G, class Space>
+    requires(!std::is_const_v<G>)
+  void backward_from_logits(Exec const& exec, tensor_view<G, Space> d_logits) {
+    backward_from_logits(exec, tensor_view<G const, Space>(d_logits));
   }
 
   //! Every trainable tensor and its gradient, named "<layer>/<tensor>", for an optimizer.

@@ -1,0 +1,2 @@
+// The same program compiled by nvcc, so it can train on the GPU.
+#include "main.cpp"

@@ -1,0 +1,203 @@
+// Your own CUDA kernel beside mpx's: mpx's headers give it the types (mpx::half), the
+// conversions (mpx::cast, rounding to nearest even and overflowing to inf exactly as
+// the hardware does), a policy's dtypes (mpx::mixed_float16::storage_type, ...) and
+// the bit-exact classification (mpx::is_finite); the kernel takes the raw pointers of
+// mpx tensors and runs on the stream of an mpx::cuda_executor, in order with mpx's own
+// kernels on that stream (here mpx::count_nonfinite, mpx::scale and mpx::stats).
+//
+// The kernel is a fused swish activation, y = x * sigmoid(x) * scale, reading and
+// writing the policy's storage type and computing in its accumulate type (float). It
+// counts, per block, the values it wrote that are not finite (a scale too large for
+// half), so a caller needs no second pass. mpx exposes no block-level reduction for
+// user kernels (its own helpers live in mpx::detail), so the block check below is CUB's
+// BlockReduce over mpx::is_finite; mpx::count_nonfinite, the separate pass, must agree.
+//
+// Built by nvcc (main.cu) and run with a GPU, all of it runs on the GPU. Built as plain
+// C++, or run without a GPU, the same element function runs in a host loop on
+// mpx::host_executor, with the same results.
+//
+//   user_kernel [--executor auto|host|cuda] [--size N] [--scale X]
+#include <mpx/core/cast.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/exec/copy.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
+#include <mpx/numerics/finite.hpp>
+#include <mpx/numerics/stats.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#if MPX_HAS_CUDA
+#include <cub/block/block_reduce.cuh>
+#endif
+
+namespace {
+
+using policy = mpx::mixed_float16;
+using storage = policy::storage_type;  // mpx::half
+
+//! The element function, shared by the kernel and the host loop: computed in the
+//! policy's accumulate type (float), rounded once to its storage type.
+template <class Policy>
+MPX_HD typename Policy::storage_type swish_scaled(typename Policy::storage_type x, float scale) {
+  static_assert(mpx::float_accumulating_policy<Policy>, "swish_scaled computes in float");
+  using A = typename Policy::accumulate_type;
+  A const v = mpx::cast<A>(x);
+  A const y = v / (A(1) + ::expf(-v));
+  return mpx::cast<typename Policy::storage_type>(y * scale);
+}
+
+#if MPX_HAS_CUDA
+constexpr int threads = 256;
+
+//! y = swish(x) * scale over n elements; adds to *nonfinite how many outputs are NaN or inf.
+template <class Policy>
+__global__ void __launch_bounds__(threads)
+    swish_scaled_kernel(typename Policy::storage_type const* __restrict__ x,
+                        typename Policy::storage_type* __restrict__ y, std::size_t n, float scale,
+                        unsigned long long* nonfinite) {
+  unsigned bad = 0;
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    auto const v = swish_scaled<Policy>(x[i], scale);
+    y[i] = v;
+    bad += mpx::is_finite(v) ? 0u : 1u;
+  }
+  // The block-level finite check: one count per block, one atomic per block that found any.
+  using block_reduce = cub::BlockReduce<unsigned, threads>;
+  __shared__ typename block_reduce::TempStorage temp;
+  unsigned const block_bad = block_reduce(temp).Sum(bad);
+  if (threadIdx.x == 0 && block_bad) atomicAdd(nonfinite, static_cast<unsigned long long>(block_bad));
+}
+#endif
+
+//! Runs swish_scaled over x into y on exec and returns how many outputs were not finite,
+//! as the kernel (or the host loop) counted them.
+template <class Exec, class Space = mpx::memory_space_t<Exec>>
+std::size_t swish_scaled([[maybe_unused]] Exec const& exec, mpx::tensor_view<storage const, Space> x,
+                         mpx::tensor_view<storage, Space> y, float scale) {
+  if constexpr (mpx::is_host_executor_v<Exec>) {
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      y[i] = swish_scaled<policy>(x[i], scale);
+      bad += !mpx::is_finite(y[i]);
+    }
+    return bad;
+  } else {
+#if MPX_HAS_CUDA
+    auto counter = mpx::make_tensor<unsigned long long>(exec, {1});  // stream-ordered, like mpx's own scratch
+    MPX_CUDA_CHECK(cudaMemsetAsync(counter.data(), 0, sizeof(unsigned long long), exec.stream()));
+    swish_scaled_kernel<policy><<<264, threads, 0, exec.stream()>>>(x.data(), y.data(), x.size(), scale,
+                                                                      counter.data());
+    MPX_CUDA_CHECK_LAUNCH("swish_scaled_kernel");
+    return static_cast<std::size_t>(mpx::to_host(exec, counter)[0]);  // synchronises the stream
+#else
+    return 0;  // unreachable: a cuda_executor exists only under nvcc here
+#endif
+  }
+}
+
+template <class Exec>
+void run(Exec const& exec, std::size_t n, float scale) {
+  std::printf("%zu values x ~ N(0, 3^2) in %s (the storage type of %s), %s executor\n", n,
+              std::string(mpx::dtype_name<storage>).c_str(), std::string(policy::name).c_str(),
+              std::string(Exec::name).c_str());
+  std::vector<storage> host_x(n);
+  std::mt19937_64 gen(17);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (auto& v : host_x) v = mpx::cast<storage>(normal(gen));
+  mpx::shape const s{static_cast<std::int64_t>(n)};
+  auto x = mpx::make_tensor<storage>(exec, s);
+  mpx::copy(exec, mpx::tensor_view<storage const>(host_x.data(), s), x);
+  auto y = mpx::make_tensor<storage>(exec, s);
+
+  // 1. The user's kernel, with its own count of non-finite outputs.
+  std::size_t const counted = swish_scaled(exec, mpx::view(std::as_const(x)), y.view(), scale);
+  // 2. mpx's own check on the same stream, after it: a separate pass over y.
+  std::size_t const checked = mpx::count_nonfinite(exec, y);
+  std::printf("  y = swish(x) * %g, stored in half:\n"
+              "    %-36s %zu non-finite values\n"
+              "    %-36s %zu (mpx::all_finite: %s)\n",
+              static_cast<double>(scale),
+              mpx::is_host_executor_v<Exec> ? "the host loop counted" : "the kernel's block-level check counted",
+              counted, "mpx::count_nonfinite, a second pass:", checked, mpx::all_finite(exec, y) ? "true" : "false");
+  if (counted != checked) throw mpx::error("the kernel's finite check and mpx::count_nonfinite disagree");
+
+  // 3. mpx::scale divides the scale back out, in place, on the same stream.
+  mpx::scale(exec, y, 1.0f / scale);
+  mpx::numerics_stats const st = mpx::stats(exec, y);
+  std::printf("  after mpx::scale(y, 1/%g): %s\n", static_cast<double>(scale), mpx::to_string(st).c_str());
+  if (st.inf)
+    std::printf("  The values that overflowed stay inf once unscaled: this scale is too large for half at\n"
+                "  these activations (try --scale 1).\n");
+  else
+    std::printf("  No value overflowed: every scaled output fits in half.\n");
+}
+
+bool gpu_available() {
+#if MPX_HAS_CUDA
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string executor = "auto";
+  std::size_t n = std::size_t{1} << 20;
+  float scale = 8192;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const a = argv[i];
+    if (a == "--executor" && i + 1 < argc) executor = argv[++i];
+    else if (a == "--size" && i + 1 < argc) n = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--scale" && i + 1 < argc) scale = std::strtof(argv[++i], nullptr);
+    else {
+      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--size N] [--scale X]\n", argv[0]);
+      return 2;
+    }
+  }
+  if ((executor != "auto" && executor != "host" && executor != "cuda") || n == 0 || !(scale > 0)) {
+    std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--size N] [--scale X]\n", argv[0]);
+    return 2;
+  }
+  bool const gpu = gpu_available();
+  if (executor == "cuda" || (executor == "auto" && gpu)) {
+#if MPX_HAS_CUDA
+    if (!gpu) throw mpx::error("--executor cuda: no GPU is visible to this process");
+    // The user's own stream: mpx's calls and the user's kernel are ordered on it.
+    cudaStream_t stream{};
+    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    try {
+      run(mpx::cuda_executor{stream}, n, scale);
+    } catch (...) {
+      cudaStreamDestroy(stream);
+      throw;
+    }
+    MPX_CUDA_CHECK(cudaStreamDestroy(stream));
+#else
+    throw mpx::error("--executor cuda: this binary was built without nvcc; rebuild with -Dcuda=enabled");
+#endif
+  } else {
+    if (executor == "auto")
+      std::printf("No GPU%s: running the same computation on the host executor.\n",
+                  MPX_HAS_CUDA ? "" : " code (built without nvcc)");
+    run(mpx::host_executor{}, n, scale);
+  }
+  return 0;
+} catch (mpx::error const& e) {
+  std::fprintf(stderr, "user_kernel: %s\n", e.what());
+  return 1;
+}
