@@ -1,0 +1,381 @@
+// 2-D max pooling over NHWC tensors, forward and backward, on any executor. A selection,
+// so the forward pass is exact in every dtype; the gradient goes to the first maximum of
+// each window in scan order, and a NaN in a window wins (it propagates, never vanishes).
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/config.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/launch.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/gemm.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <source_location>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+// Which element a window selects, the rule both passes and both executors share: scan
+// the window row by row (then column by column), keep the first element, and replace it
+// by a later one only if the kept one is not NaN and the later one is greater or NaN.
+// So the output is the first maximum, or the first NaN if there is one (as
+// tf.nn.max_pool and torch.max_pool2d propagate NaN), and ties go to the first in scan
+// order. Padding (pad_h, pad_w) is never selected: a window holds at least one element
+// of x, since padding is smaller than the window.
+//
+// The backward pass recomputes each window's selection from x rather than storing
+// indices: no workspace, and the scan costs what reading an index would. Each dx element
+// is the float sum of dy over the windows that selected it, in window order, rounded
+// once (one term, so exact, when windows do not overlap); elements no window selected
+// get 0.
+
+namespace mpx {
+
+//! The geometry of a 2-D pooling window. Output extent (floor, Keras's 'valid'):
+//! OH = (H + 2 pad_h - pool_h) / stride_h + 1, likewise OW.
+struct pool_options {
+  std::int64_t pool_h = 2, pool_w = 2;      //!< window extent, >= 1
+  std::int64_t stride_h = 0, stride_w = 0;  //!< >= 1; 0 means the window's extent (Keras strides=None)
+  std::int64_t pad_h = 0, pad_w = 0;        //!< never-selected rows (columns) on each side; 0 <= pad < pool
+};
+
+namespace detail {
+
+struct pool_geometry {
+  std::int64_t n = 0, h = 0, w = 0, c = 0, oh = 0, ow = 0;
+  std::int64_t pool_h = 0, pool_w = 0, stride_h = 0, stride_w = 0, pad_h = 0, pad_w = 0;
+};
+
+//! The geometry of pooling x, or mpx::shape_error / invalid_argument naming x's shape.
+inline pool_geometry pool_shapes(std::string_view op, shape const& x, pool_options const& o,
+                                 std::source_location loc) {
+  if (x.rank() != 4) fail<shape_error>(op, "x " + x.to_string() + " must be rank 4 [N, H, W, C]", loc);
+  pool_geometry g;
+  g.pool_h = o.pool_h;
+  g.pool_w = o.pool_w;
+  g.stride_h = o.stride_h == 0 ? o.pool_h : o.stride_h;
+  g.stride_w = o.stride_w == 0 ? o.pool_w : o.stride_w;
+  g.pad_h = o.pad_h;
+  g.pad_w = o.pad_w;
+  if (g.pool_h < 1 || g.pool_w < 1 || g.stride_h < 1 || g.stride_w < 1 || g.pad_h < 0 || g.pad_w < 0 ||
+      g.pad_h >= g.pool_h || g.pad_w >= g.pool_w)
+    fail<invalid_argument>(op,
+                           "pool (" + std::to_string(o.pool_h) + ", " + std::to_string(o.pool_w) + ") and strides (" +
+                               std::to_string(o.stride_h) + ", " + std::to_string(o.stride_w) +
+                               ") must be >= 1 (stride 0: the pool extent), padding (" + std::to_string(o.pad_h) +
+                               ", " + std::to_string(o.pad_w) + ") >= 0 and smaller than the pool",
+                           loc);
+  g.n = x[0];
+  g.h = x[1];
+  g.w = x[2];
+  g.c = x[3];
+  if (g.n == 0 || g.h == 0 || g.w == 0 || g.c == 0)
+    fail<shape_error>(op, "x " + x.to_string() + " [N, H, W, C] has an empty extent", loc);
+  if (g.h + 2 * g.pad_h < g.pool_h || g.w + 2 * g.pad_w < g.pool_w)
+    fail<shape_error>(op,
+                      "x " + x.to_string() + " [N, H, W, C] is smaller than the " + std::to_string(g.pool_h) + " x " +
+                          std::to_string(g.pool_w) + " window (padding included)",
+                      loc);
+  g.oh = (g.h + 2 * g.pad_h - g.pool_h) / g.stride_h + 1;
+  g.ow = (g.w + 2 * g.pad_w - g.pool_w) / g.stride_w + 1;
+  return g;
+}
+
+inline shape pool_output_of(pool_geometry const& g) { return shape{g.n, g.oh, g.ow, g.c}; }
+
+inline void pool_require(std::string_view op, std::string_view what, shape const& got, shape const& wanted,
+                         shape const& x, std::source_location loc) {
+  if (!(got == wanted))
+    fail<shape_error>(op,
+                      std::string(what) + " has shape " + got.to_string() + " but pooling x " + x.to_string() +
+                          " needs " + wanted.to_string(),
+                      loc);
+}
+
+//! Whether the scan replaces the kept value `best` by the later value `v` (see the top
+//! of this header). NaN tests as x != x; mpx builds without -ffast-math.
+MPX_HD inline bool pool_takes(float best, float v) noexcept { return best == best && (v > best || v != v); }
+
+//! The window of output (oh, ow) clipped to x: rows [h0, h1), columns [w0, w1).
+struct pool_window {
+  std::int64_t h0, h1, w0, w1;
+};
+MPX_HD inline pool_window window_of(pool_geometry const& g, std::int64_t oh, std::int64_t ow) noexcept {
+  std::int64_t const hs = oh * g.stride_h - g.pad_h, ws = ow * g.stride_w - g.pad_w;
+  pool_window win{hs < 0 ? 0 : hs, hs + g.pool_h, ws < 0 ? 0 : ws, ws + g.pool_w};
+  if (win.h1 > g.h) win.h1 = g.h;
+  if (win.w1 > g.w) win.w1 = g.w;
+  return win;
+}
+
+// ---- host -----------------------------------------------------------------------------
+
+#if defined(__GNUC__)
+// Four channels at a time in SSE registers (GCC/Clang vector types, as gemm.hpp's
+// micro-kernel): GCC at -O2 does not vectorise the plain channel loop, and the scan is
+// most of a pooling layer's time.
+using int4_vector = std::int32_t __attribute__((vector_size(16)));
+
+template <class T>
+float4_vector load_float4(T const* p) noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    float4_vector v;
+    __builtin_memcpy(&v, p, sizeof(v));
+    return v;
+  } else {
+    return float4_vector{widen_to_float_fast(p[0]), widen_to_float_fast(p[1]), widen_to_float_fast(p[2]),
+                         widen_to_float_fast(p[3])};
+  }
+}
+#endif
+
+//! For every channel of window `win` of one image (image points at its [H, W, C]
+//! block, of fewer than 2^31 elements): at[ch] = the offset in the image of the element
+//! the window selects in channel ch. The channel loop is innermost: contiguous, no
+//! divisions, selects rather than branches (on real data the comparison is a coin toss).
+template <class T>
+void host_window_select(pool_geometry const& g, T const* image, pool_window const& win, std::int32_t* at) {
+  std::int64_t const c = g.c;
+  auto const first = static_cast<std::int32_t>((win.h0 * g.w + win.w0) * c);
+  std::int64_t ch = 0;
+#if defined(__GNUC__)
+  for (; ch + 4 <= c; ch += 4) {
+    int4_vector const lanes = {0, 1, 2, 3};
+    float4_vector best = load_float4(image + first + ch);
+    int4_vector where = first + static_cast<std::int32_t>(ch) + lanes;
+    for (std::int64_t ih = win.h0; ih < win.h1; ++ih)
+      for (std::int64_t iw = ih == win.h0 ? win.w0 + 1 : win.w0; iw < win.w1; ++iw) {
+        auto const base = static_cast<std::int32_t>((ih * g.w + iw) * c + ch);
+        float4_vector const v = load_float4(image + base);
+        int4_vector const take = (best == best) & ((v > best) | (v != v));  // pool_takes, per lane
+        best = take ? v : best;
+        where = take ? base + lanes : where;
+      }
+    __builtin_memcpy(at + ch, &where, sizeof(where));
+  }
+#endif
+  for (; ch < c; ++ch) {
+    float best = widen_to_float_fast(image[first + ch]);
+    std::int32_t where = first + static_cast<std::int32_t>(ch);
+    for (std::int64_t ih = win.h0; ih < win.h1; ++ih)
+      for (std::int64_t iw = ih == win.h0 ? win.w0 + 1 : win.w0; iw < win.w1; ++iw) {
+        auto const i = static_cast<std::int32_t>((ih * g.w + iw) * c + ch);
+        float const v = widen_to_float_fast(image[i]);
+        bool const take = pool_takes(best, v);
+        best = take ? v : best;
+        where = take ? i : where;
+      }
+    at[ch] = where;
+  }
+}
+
+//! The host kernels index within an image in 32 bits.
+inline void require_host_pool_image(std::string_view op, pool_geometry const& g, std::source_location loc) {
+  if (g.h * g.w * g.c > 0x7FFF'FFFF)
+    fail<invalid_argument>(op, "an image of more than 2^31 - 1 elements (H * W * C) is not supported on the host",
+                           loc);
+}
+
+template <class T>
+void host_max_pool_forward(pool_geometry const& g, T const* x, T* y) {
+  std::vector<std::int32_t> at(static_cast<std::size_t>(g.c));
+  std::int64_t const image_size = g.h * g.w * g.c;
+  T* out = y;
+  for (std::int64_t i = 0; i < g.n; ++i) {
+    T const* image = x + i * image_size;
+    for (std::int64_t oh = 0; oh < g.oh; ++oh)
+      for (std::int64_t ow = 0; ow < g.ow; ++ow, out += g.c) {
+        host_window_select(g, image, window_of(g, oh, ow), at.data());
+        for (std::int64_t ch = 0; ch < g.c; ++ch) out[ch] = image[at[static_cast<std::size_t>(ch)]];
+      }
+  }
+}
+
+// Scatter form: each window adds its dy to the float sum of the element it selected,
+// windows in order; then one rounding per element.
+template <class T, class G>
+void host_max_pool_backward(pool_geometry const& g, T const* x, G const* dy, G* dx) {
+  std::vector<std::int32_t> at(static_cast<std::size_t>(g.c));
+  std::int64_t const image_size = g.h * g.w * g.c;
+  std::vector<float> acc(static_cast<std::size_t>(image_size));
+  G const* grad = dy;
+  for (std::int64_t i = 0; i < g.n; ++i) {
+    T const* image = x + i * image_size;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (std::int64_t oh = 0; oh < g.oh; ++oh)
+      for (std::int64_t ow = 0; ow < g.ow; ++ow, grad += g.c) {
+        host_window_select(g, image, window_of(g, oh, ow), at.data());
+        for (std::int64_t ch = 0; ch < g.c; ++ch)
+          acc[static_cast<std::size_t>(at[static_cast<std::size_t>(ch)])] += widen_to_float_fast(grad[ch]);
+      }
+    G* out = dx + i * image_size;
+    for (std::int64_t e = 0; e < image_size; ++e) out[e] = round_from_float<G>(acc[static_cast<std::size_t>(e)]);
+  }
+}
+
+// ---- CUDA -----------------------------------------------------------------------------
+
+#if MPX_HAS_CUDA
+//! The flat index in x of the element window (oh, ow) of image `image`, channel ch,
+//! selects (the same scan as the host's).
+template <class T>
+__device__ std::int64_t device_window_select(pool_geometry const& g, T const* x, std::int64_t image, std::int64_t oh,
+                                             std::int64_t ow, std::int64_t ch) {
+  pool_window const win = window_of(g, oh, ow);
+  std::int64_t const base = image * g.h * g.w * g.c + ch;
+  std::int64_t at = base + (win.h0 * g.w + win.w0) * g.c;
+  float best = cast<float>(x[at]);
+  for (std::int64_t ih = win.h0; ih < win.h1; ++ih)
+    for (std::int64_t iw = ih == win.h0 ? win.w0 + 1 : win.w0; iw < win.w1; ++iw) {
+      std::int64_t const i = base + (ih * g.w + iw) * g.c;
+      float const v = cast<float>(x[i]);
+      if (pool_takes(best, v)) {
+        best = v;
+        at = i;
+      }
+    }
+  return at;
+}
+
+// One thread per element of y (grid-stride); neighbouring threads take neighbouring
+// channels, so every read of the window is coalesced.
+template <class T>
+__global__ void __launch_bounds__(block_size)
+    max_pool_forward_kernel(pool_geometry g, T const* __restrict__ x, T* __restrict__ y, std::size_t total) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    auto const i = static_cast<std::int64_t>(e);
+    std::int64_t const ch = i % g.c;
+    std::int64_t t = i / g.c;
+    std::int64_t const ow = t % g.ow;
+    t /= g.ow;
+    std::int64_t const oh = t % g.oh;
+    y[e] = x[device_window_select(g, x, t / g.oh, oh, ow, ch)];
+  }
+}
+
+// Gather form, one thread per element of dx: it visits the windows that cover it, in
+// window order, and adds dy of those that select it (a window whose y differs from this
+// element's value cannot, and is skipped without its scan). No atomics: deterministic,
+// and the same float sums in the same order as the host's scatter.
+template <class T, class G>
+__global__ void __launch_bounds__(block_size)
+    max_pool_backward_kernel(pool_geometry g, T const* __restrict__ x, T const* __restrict__ y,
+                             G const* __restrict__ dy, G* __restrict__ dx, std::size_t total) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    auto const i = static_cast<std::int64_t>(e);
+    std::int64_t const ch = i % g.c;
+    std::int64_t t = i / g.c;
+    std::int64_t const iw = t % g.w;
+    t /= g.w;
+    std::int64_t const ih = t % g.h;
+    std::int64_t const image = t / g.h;
+    float const v = cast<float>(x[e]);
+    // Windows whose span [o * stride - pad, o * stride - pad + pool) holds ih.
+    std::int64_t const ph = ih + g.pad_h, pw = iw + g.pad_w;
+    std::int64_t const oh0 = ph < g.pool_h ? 0 : (ph - g.pool_h) / g.stride_h + 1;
+    std::int64_t const ow0 = pw < g.pool_w ? 0 : (pw - g.pool_w) / g.stride_w + 1;
+    std::int64_t const oh1 = ph / g.stride_h + 1 < g.oh ? ph / g.stride_h + 1 : g.oh;
+    std::int64_t const ow1 = pw / g.stride_w + 1 < g.ow ? pw / g.stride_w + 1 : g.ow;
+    float sum = 0.0f;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh)
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        std::int64_t const out = ((image * g.oh + oh) * g.ow + ow) * g.c + ch;
+        float const selected = cast<float>(y[out]);
+        if (!(selected == v || (selected != selected && v != v))) continue;
+        if (device_window_select(g, x, image, oh, ow, ch) == i) sum += cast<float>(dy[out]);
+      }
+    dx[e] = cast<G>(sum);
+  }
+}
+#endif
+
+}  // namespace detail
+
+//! The shape of max_pool2d_forward's output: [N, OH, OW, C] (see pool_options).
+//! Throws mpx::shape_error for an x that is not rank 4, has an empty extent or is
+//! smaller than the window; mpx::invalid_argument for a pool or stride < 1 or a padding
+//! outside [0, pool).
+inline shape max_pool2d_output_shape(shape const& x_shape, pool_options const& options = {},
+                                     std::source_location loc = std::source_location::current()) {
+  return detail::pool_output_of(detail::pool_shapes("max_pool2d_output_shape", x_shape, options, loc));
+}
+
+//! y[n, oh, ow, c] = the maximum of x[n, ., ., c] over the window of (oh, ow): the
+//! first maximum in scan order, or NaN if the window holds one. x [N, H, W, C], y [N,
+//! OH, OW, C] (max_pool2d_output_shape), the same dtype; exact (a copy of the selected
+//! element). Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like X, tensor_like Y>
+void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_options const& options = {},
+                        std::source_location loc = std::source_location::current()) {
+  static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_forward: x and y must hold the same dtype");
+  detail::require_access<Exec, space_t<X>, space_t<Y>>();
+  auto const xv = mpx::view(x);
+  auto const yv = mpx::view(y);
+  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::max_pool2d_forward: y is const");
+  constexpr std::string_view op = "max_pool2d_forward";
+  auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
+  detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
+  if constexpr (is_host_executor_v<Exec>) {
+    detail::require_host_pool_image(op, g, loc);
+    detail::host_max_pool_forward(g, xv.data(), yv.data());
+  } else {
+#if MPX_HAS_CUDA
+    detail::max_pool_forward_kernel<<<detail::grid_for(yv.size()), detail::block_size, 0, exec.stream()>>>(
+        g, xv.data(), yv.data(), yv.size());
+    MPX_CUDA_CHECK_LAUNCH("mpx::max_pool_forward_kernel");
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! dx = the gradient of sum(dy * max_pool2d(x)) with respect to x: each window's dy goes
+//! to the element it selected (the first maximum, or the first NaN), summed in float
+//! where windows overlap, rounded once; dx is overwritten, 0 where nothing was selected.
+//! x and y are the forward pass's input and output (y = max_pool2d_forward(x, options);
+//! the selection is recomputed from x, y only lets the GPU skip windows quickly).
+//! dy [N, OH, OW, C] and dx [N, H, W, C] share a dtype, which may differ from x's.
+//! Deterministic on both executors (a gather on the GPU, no atomics). Asynchronous on a
+//! cuda_executor.
+template <executor Exec, tensor_like X, tensor_like Y, tensor_like DY, tensor_like DX>
+void max_pool2d_backward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
+                         pool_options const& options = {},
+                         std::source_location loc = std::source_location::current()) {
+  static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_backward: x and y must hold the same dtype");
+  static_assert(std::is_same_v<value_t<DY>, value_t<DX>>,
+                "mpx::max_pool2d_backward: dy and dx must hold the same dtype");
+  detail::require_access<Exec, space_t<X>, space_t<Y>, space_t<DY>, space_t<DX>>();
+  auto const xv = mpx::view(x);
+  auto const yv = mpx::view(y);
+  auto const dyv = mpx::view(dy);
+  auto const dxv = mpx::view(dx);
+  static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::max_pool2d_backward: dx is const");
+  constexpr std::string_view op = "max_pool2d_backward";
+  auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
+  detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
+  detail::pool_require(op, "dy", dyv.shape(), detail::pool_output_of(g), xv.shape(), loc);
+  detail::pool_require(op, "dx", dxv.shape(), xv.shape(), xv.shape(), loc);
+  if constexpr (is_host_executor_v<Exec>) {
+    detail::require_host_pool_image(op, g, loc);
+    detail::host_max_pool_backward(g, xv.data(), dyv.data(), dxv.data());
+  } else {
+#if MPX_HAS_CUDA
+    detail::max_pool_backward_kernel<<<detail::grid_for(dxv.size()), detail::block_size, 0, exec.stream()>>>(
+        g, xv.data(), yv.data(), dyv.data(), dxv.data(), dxv.size());
+    MPX_CUDA_CHECK_LAUNCH("mpx::max_pool_backward_kernel");
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+}  // namespace mpx
