@@ -37,6 +37,13 @@ class invalid_argument : public error {
   using error::error;
 };
 
+//! A data file (an IDX image or label file) that is missing, truncated or malformed,
+//! or a data set whose parts do not fit together (image and label counts, label range).
+class data_error : public error {
+ public:
+  using error::error;
+};
+
 //! A CUDA runtime or library call that failed; code() is the cudaError_t value.
 class cuda_error : public error {
  public:

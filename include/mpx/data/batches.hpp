@@ -1,0 +1,343 @@
+// Mini-batches of an image_dataset for a training loop: a shuffle per epoch that is the
+// same on every platform (splitmix64 and Fisher-Yates, never std::shuffle, whose
+// algorithm the standard leaves open), each batch gathered, cast to the storage dtype
+// and placed in the executor's memory. On a cuda_executor the next batch is staged in
+// pinned memory and copied on a second stream while the current step runs.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/data/dataset.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/tensor.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+//! SplitMix64 (Steele, Lea and Flood, 2014): a tiny generator defined by its integer
+//! arithmetic alone, so a seed gives the same numbers on every compiler and platform.
+class splitmix64 {
+ public:
+  constexpr explicit splitmix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  constexpr std::uint64_t operator()() noexcept {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  //! A uniform integer in [0, n), n > 0, without modulo bias (draws below 2^64 mod n
+  //! are rejected).
+  constexpr std::uint64_t below(std::uint64_t n) noexcept {
+    std::uint64_t const reject = (0 - n) % n;
+    for (;;)
+      if (std::uint64_t const r = (*this)(); r >= reject) return r % n;
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+//! The order in which epoch `epoch` visits n samples: a permutation of [0, n) by
+//! Fisher-Yates from a generator seeded with (seed, epoch). The same arguments give
+//! the same order everywhere; each epoch's order is drawn independently.
+inline std::vector<std::size_t> shuffled_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  splitmix64 rng(splitmix64(splitmix64(seed)() ^ epoch)());
+  for (std::size_t i = n; i > 1; --i) std::swap(order[i - 1], order[static_cast<std::size_t>(rng.below(i))]);
+  return order;
+}
+
+//! How batch_loader cuts an epoch into batches.
+struct batch_options {
+  std::size_t batch_size = 32;  //!< samples per batch, > 0
+  bool shuffle = true;          //!< false: the data set's order every epoch
+  std::uint64_t seed = 0;       //!< with the epoch number, decides the shuffle
+  bool drop_last = false;       //!< drop a last batch smaller than batch_size
+};
+
+namespace detail {
+
+//! Copies the images and labels of `samples` into contiguous memory, casting to T.
+template <class T>
+void gather_batch(image_dataset const& data, std::span<std::size_t const> samples, T* images,
+                  std::int32_t* labels) {
+  std::size_t const per_image = data.image_size();
+  float const* source = data.images.data();
+  for (std::size_t k = 0; k < samples.size(); ++k) {
+    float const* from = source + samples[k] * per_image;
+    T* to = images + k * per_image;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(to, from, per_image * sizeof(float));
+    } else {
+      for (std::size_t j = 0; j < per_image; ++j) to[j] = mpx::cast<T>(from[j]);
+    }
+    labels[k] = data.labels[samples[k]];
+  }
+}
+
+//! Where a batch is assembled: stage() prepares the next batch, take() makes it the
+//! current one and returns its images and labels in the executor's memory.
+template <class Exec, class T>
+class batch_staging;
+
+//! The host has nothing to overlap with: take() gathers into one buffer.
+template <class T>
+class batch_staging<host_executor, T> {
+ public:
+  batch_staging(host_executor const& exec, image_dataset const& data, std::size_t capacity)
+      : data_(&data),
+        images_(detail::allocate<T>(exec, capacity * data.image_size())),
+        labels_(detail::allocate<std::int32_t>(exec, capacity)) {}
+
+  void stage(std::span<std::size_t const> samples) { staged_ = samples; }
+  std::pair<T const*, std::int32_t const*> take() {
+    gather_batch(*data_, staged_, images_.data(), labels_.data());
+    return {images_.data(), labels_.data()};
+  }
+
+ private:
+  image_dataset const* data_;
+  buffer<T, host_space> images_;
+  buffer<std::int32_t, host_space> labels_;
+  std::span<std::size_t const> staged_;
+};
+
+#if MPX_HAS_CUDA_RUNTIME
+//! Page-locked host memory, so a host-to-device copy from it is truly asynchronous.
+template <class T>
+class pinned_buffer {
+ public:
+  pinned_buffer() = default;
+  explicit pinned_buffer(std::size_t size) {
+    if (size) {
+      void* p = nullptr;
+      MPX_CUDA_CHECK(cudaMallocHost(&p, size * sizeof(T)));
+      data_.reset(static_cast<T*>(p));
+    }
+  }
+  [[nodiscard]] T* data() const noexcept { return data_.get(); }
+
+ private:
+  struct release {
+    void operator()(T* p) const noexcept {
+      if (cudaError_t status = cudaFreeHost(p); status != cudaSuccess)
+        std::fprintf(stderr, "mpx: cudaFreeHost failed while freeing a pinned buffer: %s\n",
+                     cudaGetErrorString(status));
+    }
+  };
+  std::unique_ptr<T, release> data_;
+};
+
+//! An event used only for ordering (no timing, which makes record and wait cheaper).
+class ordering_event {
+ public:
+  ordering_event() { MPX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~ordering_event() {
+    if (cudaError_t status = cudaEventDestroy(event_); status != cudaSuccess)
+      std::fprintf(stderr, "mpx: cudaEventDestroy failed: %s\n", cudaGetErrorString(status));
+  }
+  ordering_event(ordering_event const&) = delete;
+  ordering_event& operator=(ordering_event const&) = delete;
+  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+//! Double buffering. Slot s holds a pinned host copy and a device copy of one batch,
+//! and two events: `copied` (recorded on the copy stream after its upload) and
+//! `released` (recorded on the consumer's stream when the batch it held is no longer
+//! needed). While the consumer's step runs on batch n from one slot, batch n + 1 is
+//! gathered into the other slot's pinned memory and uploaded on the copy stream. The
+//! consumer's stream waits for `copied` on the GPU; the host waits only before it
+//! overwrites pinned memory whose upload (one batch earlier) may still be running.
+template <class T>
+class batch_staging<cuda_executor, T> {
+ public:
+  batch_staging(cuda_executor const& exec, image_dataset const& data, std::size_t capacity)
+      : exec_(exec), data_(&data) {
+    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    try {
+      std::size_t const pixels = capacity * data.image_size();
+      for (auto& s : slots_)  // (new, not make_unique: a slot's events cannot be moved)
+        s.reset(new slot{pinned_buffer<T>(pixels), pinned_buffer<std::int32_t>(capacity),
+                         detail::allocate<T>(exec, pixels), detail::allocate<std::int32_t>(exec, capacity), {}, {}});
+    } catch (...) {
+      static_cast<void>(cudaStreamDestroy(copy_stream_));
+      throw;
+    }
+  }
+  ~batch_staging() {
+    // An upload may still be writing a slot: let it finish before the pinned memory is
+    // freed and the device memory is released on the consumer's stream.
+    if (cudaError_t status = cudaStreamSynchronize(copy_stream_); status != cudaSuccess)
+      std::fprintf(stderr, "mpx: batch_loader: the copy stream failed: %s\n", cudaGetErrorString(status));
+    for (auto& s : slots_) s.reset();
+    static_cast<void>(cudaStreamDestroy(copy_stream_));
+  }
+  batch_staging(batch_staging const&) = delete;
+  batch_staging& operator=(batch_staging const&) = delete;
+
+  //! Gathers `samples` into the next slot and enqueues its upload. Everything the
+  //! consumer enqueued until now on its stream (the work on the batch this slot held
+  //! before) runs before the upload overwrites the slot.
+  void stage(std::span<std::size_t const> samples) {
+    slot& s = *slots_[next_];
+    MPX_CUDA_CHECK(cudaEventSynchronize(s.copied.get()));  // the pinned memory is free again
+    gather_batch(*data_, samples, s.host_images.data(), s.host_labels.data());
+    MPX_CUDA_CHECK(cudaEventRecord(s.released.get(), exec_.stream()));
+    MPX_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, s.released.get(), 0));
+    std::size_t const pixels = samples.size() * data_->image_size();
+    if (pixels)
+      MPX_CUDA_CHECK(cudaMemcpyAsync(s.images.data(), s.host_images.data(), pixels * sizeof(T),
+                                     cudaMemcpyHostToDevice, copy_stream_));
+    if (!samples.empty())
+      MPX_CUDA_CHECK(cudaMemcpyAsync(s.labels.data(), s.host_labels.data(), samples.size() * sizeof(std::int32_t),
+                                     cudaMemcpyHostToDevice, copy_stream_));
+    MPX_CUDA_CHECK(cudaEventRecord(s.copied.get(), copy_stream_));
+  }
+  //! The staged batch: the consumer's stream waits (on the GPU) for its upload.
+  std::pair<T const*, std::int32_t const*> take() {
+    slot& s = *slots_[next_];
+    MPX_CUDA_CHECK(cudaStreamWaitEvent(exec_.stream(), s.copied.get(), 0));
+    next_ ^= 1;
+    return {s.images.data(), s.labels.data()};
+  }
+
+ private:
+  struct slot {
+    pinned_buffer<T> host_images;
+    pinned_buffer<std::int32_t> host_labels;
+    buffer<T, device_space> images;
+    buffer<std::int32_t, device_space> labels;
+    ordering_event copied;
+    ordering_event released;
+  };
+
+  cuda_executor exec_;
+  image_dataset const* data_;
+  cudaStream_t copy_stream_ = nullptr;
+  std::array<std::unique_ptr<slot>, 2> slots_;
+  std::size_t next_ = 0;  // the slot that holds, or will hold, the next batch
+};
+#endif
+
+}  // namespace detail
+
+//! Cuts an image_dataset into mini-batches, epoch after epoch, and places each in the
+//! executor's memory with images in Storage (float, half or bfloat16):
+//!
+//!   mpx::batch_loader<mpx::cuda_executor, mpx::half> loader(exec, train, {.batch_size = 64, .seed = 1});
+//!   for (int epoch = 0; epoch < 10; ++epoch) {
+//!     loader.start_epoch(epoch);
+//!     while (auto b = loader.next()) step(b->images, b->labels);  // [B, H, W, C], [B]
+//!   }
+//!
+//! A batch's views stay valid until the next call to next() or start_epoch(): on a
+//! cuda_executor, work enqueued on the executor's stream before that call may still
+//! read them (the next upload into that memory waits for it), so enqueue a step's work
+//! on that stream, or order other streams before it. The data set must outlive the
+//! loader.
+template <executor Exec, class Storage = float>
+class batch_loader {
+  static_assert(dtype<Storage>, "mpx::batch_loader stores images as mpx::half, mpx::bfloat16 or float");
+
+ public:
+  using space = memory_space_t<Exec>;
+
+  //! One mini-batch, in the executor's memory.
+  struct batch {
+    tensor_view<Storage const, space> images;        //!< [size, H, W, C]
+    tensor_view<std::int32_t const, space> labels;   //!< [size]
+    std::size_t size = 0;                            //!< samples in this batch
+    std::size_t index = 0;                           //!< its position in the epoch, from 0
+    std::span<std::size_t const> samples;            //!< their indices in the data set (host memory)
+  };
+
+  //! invalid_argument when batch_size is 0.
+  batch_loader(Exec const& exec, image_dataset const& data, batch_options const& options = {})
+      : data_(&data), options_(options) {
+    if (options.batch_size == 0) detail::fail<invalid_argument>("batch_loader", "batch_size must be positive");
+    if (data.images.shape().rank() != 4 || static_cast<std::size_t>(data.images.shape()[0]) != data.size())
+      detail::fail<shape_error>("batch_loader", "images of shape " + data.images.shape().to_string() + " for " +
+                                                    std::to_string(data.size()) + " labels; expected [" +
+                                                    std::to_string(data.size()) + ", H, W, C]");
+    std::size_t const capacity = std::min(options.batch_size, data.size());
+    staging_ = std::make_unique<detail::batch_staging<Exec, Storage>>(exec, data, capacity);
+  }
+  //! The loader keeps a pointer to the data set, so a temporary one is refused.
+  batch_loader(Exec const&, image_dataset&&, batch_options const& = {}) = delete;
+
+  //! Batches per epoch: ceil(N / batch_size), or floor with drop_last.
+  [[nodiscard]] std::size_t batches_per_epoch() const noexcept {
+    std::size_t const n = data_->size(), b = options_.batch_size;
+    return options_.drop_last ? n / b : (n + b - 1) / b;
+  }
+  [[nodiscard]] batch_options const& options() const noexcept { return options_; }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+  //! The order of the current epoch (indices into the data set).
+  [[nodiscard]] std::span<std::size_t const> order() const noexcept { return order_; }
+
+  //! Begins epoch `epoch` (any number; the shuffle depends on it and on the seed) and
+  //! starts preparing its first batch.
+  void start_epoch(std::uint64_t epoch) {
+    epoch_ = epoch;
+    started_ = true;
+    if (options_.shuffle) {
+      order_ = shuffled_order(data_->size(), options_.seed, epoch);
+    } else {
+      order_.resize(data_->size());
+      std::iota(order_.begin(), order_.end(), std::size_t{0});
+    }
+    next_batch_ = 0;
+    if (batches_per_epoch() > 0) staging_->stage(samples_of(0));
+  }
+
+  //! The epoch's next batch, or nullopt when the epoch is over. Starts epoch 0 if no
+  //! epoch was started.
+  [[nodiscard]] std::optional<batch> next() {
+    if (!started_) start_epoch(0);
+    if (next_batch_ >= batches_per_epoch()) return std::nullopt;
+    auto const samples = samples_of(next_batch_);
+    auto const [images, labels] = staging_->take();
+    if (next_batch_ + 1 < batches_per_epoch()) staging_->stage(samples_of(next_batch_ + 1));
+    auto const& s = data_->images.shape();
+    auto const b = static_cast<std::int64_t>(samples.size());
+    return batch{tensor_view<Storage const, space>(images, shape{b, s[1], s[2], s[3]}),
+                 tensor_view<std::int32_t const, space>(labels, shape{b}), samples.size(), next_batch_++, samples};
+  }
+
+ private:
+  std::span<std::size_t const> samples_of(std::size_t k) const noexcept {
+    std::size_t const begin = k * options_.batch_size;
+    return std::span<std::size_t const>(order_).subspan(begin, std::min(options_.batch_size, order_.size() - begin));
+  }
+
+  image_dataset const* data_;
+  batch_options options_;
+  std::unique_ptr<detail::batch_staging<Exec, Storage>> staging_;
+  std::vector<std::size_t> order_;
+  std::uint64_t epoch_ = 0;
+  std::size_t next_batch_ = 0;
+  bool started_ = false;
+};
+
+}  // namespace mpx
