@@ -8,6 +8,7 @@
 #include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/flatten.hpp>
+#include <mpx/layers/lstm.hpp>
 #include <mpx/layers/max_pool2d.hpp>
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/model/fit.hpp>
@@ -163,30 +164,26 @@ TEMPLATE_LIST_TEST_CASE("the cast sequential inserts gives what the layers give 
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("backpropagation through a conv net matches finite differences of its forward", "[model]",
-                        mpx_test::executors) {
-  TestType exec;
-  using space = mpx::memory_space_t<TestType>;
-  auto model = mpx::sequential<mpx::float32>(mpx::conv2d<>(3, 3, mpx::activation::tanh, mpx::padding::same),
-                                             mpx::max_pool2d<>(2), mpx::flatten<>(), mpx::dense<>(4, mpx::activation::sigmoid),
-                                             mpx::dense<>(2));
-  model.build(exec, {6, 5, 2}, 3);
-  std::int64_t const n = 3;
-  auto x = mpx_test::upload(exec, mpx_test::random_values<float>(n * 60, -1, 1, 9), {n, 6, 5, 2});
-  auto const xc = mpx::tensor_view<float const, space>(mpx::view(x));
-  // L = sum(out * r) for a fixed random r: dL/dout = r.
-  auto const r = mpx_test::random_values<float>(n * 2, -1, 1, 10);
+// Backpropagates L = sum(out * r) for a fixed random r through a float32 model and
+// checks every 7th-or-so element of each parameter's gradient against a central finite
+// difference of the model's own forward; returns how many were checked.
+template <class Exec, class Model>
+int check_gradients_by_finite_differences(Exec const& exec, Model& model, mpx::tensor_view<float const, mpx::memory_space_t<Exec>> x,
+                                          std::size_t expected_parameters) {
+  using space = mpx::memory_space_t<Exec>;
+  auto const out_shape = model.forward(exec, x, true).shape();
+  auto const r = mpx_test::random_values<float>(out_shape.size(), -1, 1, 10);
   auto loss = [&] {
-    auto const out = mpx_test::download(exec, model.forward(exec, xc, true));
+    auto const out = mpx_test::download(exec, model.forward(exec, x, true));
     double l = 0;
     for (std::size_t i = 0; i < out.size(); ++i) l += static_cast<double>(out[i]) * r[i];
     return l;
   };
   loss();
-  auto dout = mpx_test::upload(exec, r, {n, 2});
+  auto dout = mpx_test::upload(exec, r, out_shape);
   model.backward(exec, mpx::tensor_view<float const, space>(mpx::view(dout)));
   auto params = model.parameters(exec);
-  REQUIRE(params.size() == 6);
+  REQUIRE(params.size() == expected_parameters);
   int checked = 0;
   for (auto& p : params) {
     auto value = p.value.template as<float>();
@@ -210,7 +207,40 @@ TEMPLATE_LIST_TEST_CASE("backpropagation through a conv net matches finite diffe
       ++checked;
     }
   }
-  CHECK(checked > 20);
+  return checked;
+}
+
+TEMPLATE_LIST_TEST_CASE("backpropagation through a conv net matches finite differences of its forward", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::float32>(mpx::conv2d<>(3, 3, mpx::activation::tanh, mpx::padding::same),
+                                             mpx::max_pool2d<>(2), mpx::flatten<>(), mpx::dense<>(4, mpx::activation::sigmoid),
+                                             mpx::dense<>(2));
+  model.build(exec, {6, 5, 2}, 3);
+  std::int64_t const n = 3;
+  auto x = mpx_test::upload(exec, mpx_test::random_values<float>(n * 60, -1, 1, 9), {n, 6, 5, 2});
+  CHECK(check_gradients_by_finite_differences(exec, model, mpx::tensor_view<float const, space>(mpx::view(x)), 6) > 20);
+}
+
+TEMPLATE_LIST_TEST_CASE("backpropagation through LSTM layers matches finite differences of their forward", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  std::int64_t const n = 3, steps = 4, features = 2;
+  auto x = mpx_test::upload(exec, mpx_test::random_values<float>(n * steps * features, -1, 1, 12), {n, steps, features});
+  auto const xc = mpx::tensor_view<float const, space>(mpx::view(x));
+  // The last step only (Keras's default) ...
+  auto last = mpx::sequential<mpx::float32>(mpx::lstm<>(5), mpx::dense<>(3));
+  last.build(exec, {steps, features}, 4);
+  CHECK(last.output_shape() == mpx::shape{3});
+  CHECK(last.parameter_count() == (2 * 20 + 5 * 20 + 20) + (5 * 3 + 3));
+  CHECK(check_gradients_by_finite_differences(exec, last, xc, 5) > 20);
+  // ... and every step, into a second LSTM.
+  auto stacked = mpx::sequential<mpx::float32>(mpx::lstm<>(4, true), mpx::lstm<>(3), mpx::dense<>(2));
+  stacked.build(exec, {steps, features}, 5);
+  CHECK(stacked.layer<0>().output_shape() == mpx::shape{steps, 4});
+  CHECK(check_gradients_by_finite_differences(exec, stacked, xc, 8) > 30);
 }
 
 TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is recorded", "[model]", mpx_test::executors) {
