@@ -32,8 +32,8 @@ namespace mpx {
 
 struct fit_options {
   std::size_t epochs = 1;
-  //! Redraw a progress line (-1: when stdout is a terminal), print plain lines (0), or
-  //! print nothing (a negative value other than -1 is treated as 0... use `quiet`).
+  //! 1: redraw one progress line in place; 0: print plain lines (four per epoch);
+  //! -1: redraw when stdout is a terminal, else plain lines. For no output, set `quiet`.
   int progress = -1;
   bool quiet = false;
   std::filesystem::path csv_log;  //!< empty: no log
