@@ -243,6 +243,39 @@ TEMPLATE_LIST_TEST_CASE("backpropagation through LSTM layers matches finite diff
   CHECK(check_gradients_by_finite_differences(exec, stacked, xc, 8) > 30);
 }
 
+// backward reads only what forward saved: running it twice (for a second loss, or to
+// inspect gradients) must give the same gradients, so no layer may consume its saved
+// pre-activations or im2col columns.
+TEMPLATE_LIST_TEST_CASE("a second backward after one forward gives the same gradients", "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::float32>(mpx::conv2d<>(3, 3, mpx::activation::relu, mpx::padding::same),
+                                             mpx::max_pool2d<>(2), mpx::conv2d<>(2, 2, mpx::activation::tanh),
+                                             mpx::flatten<>(), mpx::dense<>(5, mpx::activation::gelu),
+                                             mpx::dense<>(2, mpx::activation::sigmoid));
+  model.build(exec, {6, 6, 2}, 21);
+  std::int64_t const n = 3;
+  auto x = mpx_test::upload(exec, mpx_test::random_values<float>(n * 72, -1, 1, 22), {n, 6, 6, 2});
+  auto const out_shape = model.forward(exec, mpx::tensor_view<float const, space>(mpx::view(x)), true).shape();
+  auto dout = mpx_test::upload(exec, mpx_test::random_values<float>(out_shape.size(), -1, 1, 23), out_shape);
+  auto gradients = [&] {
+    model.backward(exec, mpx::tensor_view<float const, space>(mpx::view(dout)));
+    std::vector<std::vector<float>> g;
+    for (auto& p : model.parameters(exec)) g.push_back(mpx_test::download(exec, p.gradient.template as<float>()));
+    return g;
+  };
+  auto const first = gradients();
+  auto const second = gradients();
+  REQUIRE(first.size() == 8);
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    INFO("parameter " << i);
+    CHECK(first[i] == second[i]);
+    bool any_nonzero = false;
+    for (float v : first[i]) any_nonzero = any_nonzero || v != 0;
+    CHECK(any_nonzero);
+  }
+}
+
 TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is recorded", "[model]", mpx_test::executors) {
   TestType exec;
   auto data = quadrants<TestType, mpx::half>(exec, 512, 64, 21);

@@ -82,6 +82,8 @@ class conv2d : public layer_base {
     require_built("reserve");
     columns_.ensure(exec, conv2d_workspace_shape(batched(batch, input_shape_), kernel_.shape(), options_));
     pre_activation_.ensure(exec, batched(batch, output_shape_));
+    pre_activation_grad_.ensure(exec, batched(batch, output_shape_));  // its own buffer: backward may run again
+    columns_hold_forward_ = false;
     reserved_batch_ = batch;
   }
 
@@ -95,11 +97,13 @@ class conv2d : public layer_base {
     auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
     if (config_.activation == activation::linear) {
       conv2d_forward<Policy>(exec, x, w, y, cols, options_);
+      columns_hold_forward_ = true;
       bias_activation_forward(exec, act::identity{}, y.reshape(rows), b, y.reshape(rows));
       return;
     }
     auto const z = pre_activation_.template view<Space>(y.shape());
     conv2d_forward<Policy>(exec, x, w, z, cols, options_);
+    columns_hold_forward_ = true;
     with_activation(config_.activation, [&](auto a) { bias_activation_forward(exec, a, z.reshape(rows), b, y.reshape(rows)); });
   }
 
@@ -118,15 +122,21 @@ class conv2d : public layer_base {
     if (config_.activation == activation::linear) {
       mpx::bias_gradient(exec, dy.reshape(rows), db);
     } else {
-      auto const z = pre_activation_.template view<Space>(y.shape());  // overwritten by d(pre-activation)
+      auto const z = pre_activation_.template view<Space>(y.shape());
+      auto const dz_out = pre_activation_grad_.template view<Space>(y.shape());
       with_activation(config_.activation, [&](auto a) {
-        bias_activation_backward(exec, a, z.reshape(rows), b, dy.reshape(rows), z.reshape(rows), db);
+        bias_activation_backward(exec, a, z.reshape(rows), b, dy.reshape(rows), dz_out.reshape(rows), db);
       });
-      dz = z;
+      dz = dz_out;
     }
-    // The columns still hold the forward pass's im2col of x: the weight gradient reuses them.
-    conv2d_backward_weights<Policy>(exec, x, dz, dw, cols, options_, conv2d_columns::reuse_forward);
-    if (dx.data() != nullptr) conv2d_backward_data<Policy>(exec, dz, w, dx, cols, options_);
+    // Right after forward the columns hold its im2col of x and the weight gradient reuses
+    // them; the data gradient then overwrites them, so a second backward recomputes.
+    conv2d_backward_weights<Policy>(exec, x, dz, dw, cols, options_,
+                                    columns_hold_forward_ ? conv2d_columns::reuse_forward : conv2d_columns::recompute);
+    if (dx.data() != nullptr) {
+      conv2d_backward_data<Policy>(exec, dz, w, dx, cols, options_);
+      columns_hold_forward_ = false;
+    }
   }
 
   template <memory_space Space>
@@ -157,7 +167,9 @@ class conv2d : public layer_base {
 
   conv2d_config config_;
   conv2d_options options_{};
-  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, columns_, pre_activation_;
+  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, columns_, pre_activation_,
+      pre_activation_grad_;
+  bool columns_hold_forward_ = false;  // whether columns_ still holds the last forward's im2col
 };
 
 }  // namespace mpx

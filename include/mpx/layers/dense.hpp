@@ -75,7 +75,8 @@ class dense : public layer_base {
   void reserve(Exec const& exec, std::int64_t batch) {
     require_built("reserve");
     std::int64_t const rows = batch * static_cast<std::int64_t>(output_shape_.size() / config_.units);
-    pre_activation_.ensure(exec, {rows, config_.units});  // x W, kept for the activation's derivative
+    pre_activation_.ensure(exec, {rows, config_.units});       // x W, kept for the activation's derivative
+    pre_activation_grad_.ensure(exec, {rows, config_.units});  // its own buffer: backward may run again
     reserved_batch_ = batch;
   }
 
@@ -116,10 +117,10 @@ class dense : public layer_base {
     if (config_.activation == activation::linear) {
       mpx::bias_gradient(exec, dym, db);
     } else {
-      // d(pre-activation) overwrites the saved pre-activation: it is not needed again.
       auto const z = pre_activation_.template view<Space>({rows, config_.units});
-      with_activation(config_.activation, [&](auto a) { bias_activation_backward(exec, a, z, b, dym, z, db); });
-      dz = z;
+      auto const dz_out = pre_activation_grad_.template view<Space>({rows, config_.units});
+      with_activation(config_.activation, [&](auto a) { bias_activation_backward(exec, a, z, b, dym, dz_out, db); });
+      dz = dz_out;
     }
     gemm<Policy>(exec, xm, dz, dw, {.transpose_a = true});
     if (dx.data() != nullptr) {
@@ -157,7 +158,8 @@ class dense : public layer_base {
   }
 
   dense_config config_;
-  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, pre_activation_;
+  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, pre_activation_,
+      pre_activation_grad_;
 };
 
 }  // namespace mpx
