@@ -502,6 +502,11 @@ TEMPLATE_LIST_TEST_CASE("checkpoints round-trip, and a bad one is refused with n
   std::filesystem::remove_all(dir);
 }
 
+// A linear decay that forgot to stop at zero.
+struct falls_below_zero {
+  MPX_HD float operator()(std::uint64_t step) const noexcept { return 0.1f - 0.001f * static_cast<float>(step); }
+};
+
 TEMPLATE_LIST_TEST_CASE("optimizers refuse bad parameters and options with messages that name them", "[optim]",
                         mpx_test::executors) {
   TestType exec;
@@ -519,6 +524,15 @@ TEMPLATE_LIST_TEST_CASE("optimizers refuse bad parameters and options with messa
                          Catch::Contains("Nesterov"));
   CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, 0.1f, {.beta1 = 1.0f}), mpx::invalid_argument, Catch::Contains("beta1"));
   CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, 0.1f, {.epsilon = 0}), mpx::invalid_argument, Catch::Contains("epsilon"));
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, -0.1f), mpx::invalid_argument,
+                         Catch::Contains("sgd: the learning rate must be finite and >= 0; at step 0 the schedule gives -0.1"));
+  CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, std::nanf("")), mpx::invalid_argument, Catch::Contains("gives nan"));
+  // decay_steps = 0 divides 0 by 0 at the first step.
+  CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, mpx::exponential_decay{.initial_rate = 0.1f, .decay_steps = 0}),
+                         mpx::invalid_argument, Catch::Contains("at step 0"));
+  // A schedule that turns negative later is caught too.
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, falls_below_zero{}), mpx::invalid_argument, Catch::Contains("at step 1000"));
+  CHECK_NOTHROW(mpx::sgd(exec, ok, 0.0f));  // a zero rate (a frozen run) is allowed
   // AdamW keeps PyTorch's default decay when other options are given.
   CHECK(mpx::adamw(exec, ok, 0.1f, {.beta2 = 0.99f}).rule().options.weight_decay == 0.01f);
   // Momentum switched on after construction: no buffer was allocated for it.

@@ -4,10 +4,13 @@
 #pragma once
 
 #include <mpx/core/config.hpp>
+#include <mpx/core/error.hpp>
 
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 namespace mpx {
 
@@ -55,5 +58,20 @@ template <class S>
 concept learning_rate_schedule = requires(S const& s, std::uint64_t step) {
   { s(step) } -> std::convertible_to<float>;
 };
+
+namespace detail {
+//! Refuses a schedule whose rate is negative, NaN or infinite at a sample of steps
+//! (a negative rate climbs the loss; a NaN one poisons every weight on the first step).
+//! The optimizers call it when they are built, on the host.
+template <learning_rate_schedule Schedule>
+void validate_learning_rate(std::string_view op, Schedule const& schedule) {
+  for (std::uint64_t step : {0ull, 1ull, 2ull, 10ull, 100ull, 1000ull, 10000ull, 100000ull, 1000000ull}) {
+    double const rate = static_cast<float>(schedule(step));
+    if (!(rate >= 0) || !std::isfinite(rate))
+      fail<invalid_argument>(op, "the learning rate must be finite and >= 0; at step " + std::to_string(step) +
+                                     " the schedule gives " + to_text(rate));
+  }
+}
+}  // namespace detail
 
 }  // namespace mpx

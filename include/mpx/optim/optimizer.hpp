@@ -16,6 +16,7 @@
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/optim/checkpoint_file.hpp>
+#include <mpx/optim/learning_rate.hpp>
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 
@@ -128,6 +129,7 @@ class optimizer_core {
   optimizer_core(Exec const& exec, std::vector<parameter<space>> params, Rule rule, std::string kind)
       : kind_(std::move(kind)), params_(std::move(params)), rule_(rule), steps_(exec, std::uint64_t{0}),
         gradients_(exec, gradient_refs(kind_, params_), parameter_names(params_)) {
+    if constexpr (requires { rule_.learning_rate; }) validate_learning_rate(kind_, rule_.learning_rate);
     masters_.reserve(params_.size());
     slots_.reserve(params_.size());
     for (auto const& p : params_) {
