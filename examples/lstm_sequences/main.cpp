@@ -39,49 +39,34 @@ sequences make_sequences(std::int64_t n, std::uint64_t seed) {
   return s;
 }
 
-// Batches of one executor's tensors, in order.
+// The sequences as half tensors in the executor's memory, uploaded once; tensor_batches
+// then hands fit() views of them, in order.
 template <class Exec>
-struct batches {
-  using space = mpx::memory_space_t<Exec>;
-  mpx::tensor<mpx::half, space> x;
-  mpx::tensor<std::int32_t, space> y;
-  std::int64_t batch = 32, at = 0;
-  struct one {
-    mpx::tensor_view<mpx::half const, space> images;
-    mpx::tensor_view<std::int32_t const, space> labels;
-  };
-  std::size_t batches_per_epoch() const { return static_cast<std::size_t>((y.shape()[0] + batch - 1) / batch); }
-  void start_epoch(std::size_t) { at = 0; }
-  std::optional<one> next() {
-    std::int64_t const n = y.shape()[0];
-    if (at >= n) return std::nullopt;
-    std::int64_t const b = std::min(batch, n - at);
-    one o{mpx::tensor_view<mpx::half const, space>(x.data() + at * steps, {b, steps, 1}),
-          mpx::tensor_view<std::int32_t const, space>(y.data() + at, {b})};
-    at += b;
-    return o;
-  }
+struct resident_sequences {
+  mpx::tensor<mpx::half, mpx::memory_space_t<Exec>> x;
+  mpx::tensor<std::int32_t, mpx::memory_space_t<Exec>> y;
 };
 
 template <class Exec>
-batches<Exec> upload(Exec const& exec, sequences const& s) {
+resident_sequences<Exec> upload(Exec const& exec, sequences const& s) {
   auto const n = static_cast<std::int64_t>(s.y.size());
   mpx::tensor<mpx::half> xh(mpx::shape{n, steps, 1});
   for (std::size_t i = 0; i < s.x.size(); ++i) xh[i] = mpx::cast<mpx::half>(s.x[i]);
   mpx::tensor<std::int32_t> yh(mpx::shape{n});
   for (std::size_t i = 0; i < s.y.size(); ++i) yh[i] = s.y[i];
-  batches<Exec> b{mpx::tensor<mpx::half, mpx::memory_space_t<Exec>>(exec, xh.shape()),
-                  mpx::tensor<std::int32_t, mpx::memory_space_t<Exec>>(exec, yh.shape())};
-  mpx::copy(exec, xh, b.x);
-  mpx::copy(exec, yh, b.y);
-  exec.synchronize();
-  return b;
+  resident_sequences<Exec> r{mpx::tensor<mpx::half, mpx::memory_space_t<Exec>>(exec, xh.shape()),
+                             mpx::tensor<std::int32_t, mpx::memory_space_t<Exec>>(exec, yh.shape())};
+  mpx::copy(exec, xh, r.x);
+  mpx::copy(exec, yh, r.y);
+  return r;
 }
 
 template <class Exec>
 void run(Exec const& exec, std::int64_t samples, std::size_t epochs) {
-  auto train = upload(exec, make_sequences(samples, 1));
-  auto test = upload(exec, make_sequences(samples / 4, 2));
+  auto const train_data = upload(exec, make_sequences(samples, 1));
+  auto const test_data = upload(exec, make_sequences(samples / 4, 2));
+  mpx::tensor_batches train(train_data.x, train_data.y, 32);
+  mpx::tensor_batches test(test_data.x, test_data.y, 32);
 
   auto model = mpx::sequential<mpx::mixed_float16>(mpx::lstm<>(32), mpx::dense<>(2), mpx::softmax_layer<mpx::float32>());
   model.build(exec, {steps, 1}, 7);

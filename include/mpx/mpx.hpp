@@ -8,9 +8,11 @@
 #include <mpx/core/math.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
+#include <mpx/core/splitmix64.hpp>
 #include <mpx/data/batches.hpp>
 #include <mpx/data/dataset.hpp>
 #include <mpx/data/idx.hpp>
+#include <mpx/data/tensor_batches.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>

@@ -8,6 +8,7 @@
 #include <mpx/data/batches.hpp>
 #include <mpx/data/dataset.hpp>
 #include <mpx/data/idx.hpp>
+#include <mpx/data/tensor_batches.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -408,6 +409,52 @@ TEMPLATE_LIST_TEST_CASE("batches: epochs through the double buffer without waiti
     REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, images), expected_images).empty());
     CHECK(mpx_test::download(exec, labels) == expected_labels);
   }
+}
+
+TEMPLATE_LIST_TEST_CASE("tensor_batches: views of resident tensors, in order, the last batch short", "[data][batches]",
+                        mpx_test::executors) {
+  TestType exec;
+  std::int64_t const n = 11;
+  std::vector<float> xs(static_cast<std::size_t>(n * 6));
+  std::iota(xs.begin(), xs.end(), 0.0f);
+  std::vector<std::int32_t> ys(static_cast<std::size_t>(n));
+  std::iota(ys.begin(), ys.end(), 100);
+  auto const x = mpx_test::upload(exec, xs, {n, 2, 3});
+  auto const y = mpx_test::upload(exec, ys, {n});
+  mpx::tensor_batches source(x, y, 4);
+  CHECK(source.size() == 11);
+  CHECK(source.batches_per_epoch() == 3);
+  for (std::size_t epoch = 0; epoch < 2; ++epoch) {
+    source.start_epoch(epoch);
+    std::size_t seen = 0;
+    for (std::size_t k = 0; k < 3; ++k) {
+      auto const b = source.next();
+      REQUIRE(b);
+      std::size_t const expected = k < 2 ? 4 : 3;
+      CHECK(b->index == k);
+      CHECK(b->size == expected);
+      CHECK(b->images.shape() == mpx::shape{static_cast<std::int64_t>(expected), 2, 3});
+      CHECK(b->labels.shape() == mpx::shape{static_cast<std::int64_t>(expected)});
+      auto const images = mpx_test::download(exec, b->images);
+      auto const labels = mpx_test::download(exec, b->labels);
+      for (std::size_t i = 0; i < images.size(); ++i) CHECK(images[i] == xs[seen * 6 + i]);
+      for (std::size_t i = 0; i < labels.size(); ++i) CHECK(labels[i] == ys[seen + i]);
+      seen += expected;
+    }
+    CHECK_FALSE(source.next());
+    CHECK(seen == 11);
+  }
+  using space = mpx::memory_space_t<TestType>;
+  CHECK_THROWS_TYPE_WITH(mpx::tensor_batches(x, y, 0), mpx::invalid_argument, Catch::Contains("batch_size must be positive"));
+  auto const short_labels = mpx_test::upload(exec, std::vector<std::int32_t>(10), {10});
+  CHECK_THROWS_TYPE_WITH(mpx::tensor_batches(x, short_labels, 4), mpx::shape_error,
+                         Catch::Contains("samples of shape [11, 2, 3] and labels of shape [10]; expected [N, ...] and [N]"));
+  // An empty data set has no batches.
+  auto const none = mpx_test::upload(exec, std::vector<float>{}, {0, 2});
+  auto const no_labels = mpx_test::upload(exec, std::vector<std::int32_t>{}, {0});
+  mpx::tensor_batches<float, space> empty(none, no_labels, 4);
+  CHECK(empty.batches_per_epoch() == 0);
+  CHECK_FALSE(empty.next());
 }
 
 TEST_CASE("Fashion-MNIST: the installed test split, where present", "[data][fashion_mnist]") {

@@ -20,6 +20,7 @@
 // NaN if any); the gradient too, summed in float in window order where windows overlap.
 #include "../support/nn_reference.hpp"
 
+#include <mpx/exec/launch.hpp>
 #include <mpx/kernels/conv2d.hpp>
 #include <mpx/kernels/max_pool.hpp>
 
@@ -414,6 +415,20 @@ TEMPLATE_LIST_TEST_CASE("conv2d refuses shapes that do not convolve, naming them
       mpx::invalid_argument, Contains("reuse_forward") && Contains("[15, 27]"));
   CHECK_THROWS_TYPE_WITH(mpx::conv2d_backward<P>(exec, x, w, bad_y, dx, dw, ws), mpx::shape_error,
                          Contains("dy has shape [2, 5, 3, 5]"));
+}
+
+// im2col and col2im count in 32 bits when they can. A full H100 grid is 132 SMs x 8
+// blocks x 256 threads = 270,336: the last stride must not wrap past 2^32.
+TEST_CASE("grid-stride loops count in 32 bits only where the last stride cannot wrap", "[conv]") {
+  using mpx::detail::fits_32_bit_grid_stride;
+  unsigned const h100_grid = 132 * 8;
+  CHECK(fits_32_bit_grid_stride(1'000'000, 1'000'000, h100_grid));
+  CHECK(fits_32_bit_grid_stride(0xFFFF'FFFFu - 270'336, 1'000, h100_grid));
+  CHECK_FALSE(fits_32_bit_grid_stride(0xFFFF'FFFFu - 270'335, 1'000, h100_grid));
+  // [2557, 54, 54, 64] under a 3x3 'same' conv: 4,294,778,112 columns, below 2^32 but
+  // within a grid's stride of it.
+  CHECK_FALSE(fits_32_bit_grid_stride(2557ull * 54 * 54 * 64 * 9, 2557ull * 54 * 54 * 64, h100_grid));
+  CHECK_FALSE(fits_32_bit_grid_stride(1'000, 0x1'0000'0000ull, h100_grid));  // an index past 2^32
 }
 
 TEST_CASE("conv2d_padding_same reproduces Keras's 'same' extents", "[conv]") {

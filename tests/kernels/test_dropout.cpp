@@ -119,6 +119,20 @@ TEMPLATE_LIST_TEST_CASE("dropout is reproducible from its seed and offset", "[dr
   mpx::dropout_options d = a;
   d.seed = a.seed | (1ull << 40);
   REQUIRE(mask_of(exec, d, n) != m1);
+
+  // A step count read where the kernel runs is added to the offset: offset 5 plus a
+  // count of 2, advanced once to 3, draws what offset 8 draws (the upper 32 bits too).
+  auto step = mpx_test::upload(exec, std::vector<std::uint64_t>{2}, {1});
+  mpx::advance_dropout_step(exec, mpx::view(step));
+  mpx::dropout_options counted{0.5f, 42, 5, step.data()};
+  mpx::dropout_options fixed{0.5f, 42, 8};
+  CHECK(mask_of(exec, counted, n) == mask_of(exec, fixed, n));
+  auto const high = mpx_test::upload(exec, std::vector<std::uint64_t>{0xFFFF'FFFFull}, {1});
+  counted.offset_step = high.data();
+  counted.offset = 1;
+  fixed.offset = 0x1'0000'0000ull;
+  CHECK(mask_of(exec, counted, n) == mask_of(exec, fixed, n));
+  CHECK_THROWS_TYPE_WITH(mpx::dropout_keeps(counted, 0), mpx::invalid_argument, Catch::Contains("offset_step"));
 }
 
 TEMPLATE_LIST_TEST_CASE("dropout with rate 0 is the identity; rate 1 and out-of-range rates are refused",

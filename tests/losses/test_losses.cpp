@@ -270,6 +270,16 @@ TEMPLATE_LIST_TEST_CASE("losses refuse mismatched shapes, naming both, and avera
                          Catch::Contains("[4, 3]") && Catch::Contains("[3, 4]"));
   CHECK_THROWS_TYPE_WITH(mpx::mean_squared_error(exec, x, g, t, loss), mpx::shape_error,
                          Catch::Contains("[4, 3]") && Catch::Contains("[3, 4]"));
+  // The gradient written over the logits would be read back as logits.
+  auto four = mpx::make_tensor<std::int32_t>(exec, {4});
+  mpx::fill(exec, four, std::int32_t{1});
+  CHECK_THROWS_TYPE_WITH(mpx::sparse_categorical_cross_entropy(exec, x, four, x, loss), mpx::invalid_argument,
+                         Catch::Contains("the gradient and the logits overlap in memory"));
+  auto wide = mpx::make_tensor<float>(exec, {5, 3});
+  auto const rows_1_to_4 = mpx::tensor_view<float, mpx::memory_space_t<TestType>>(wide.data() + 3, {4, 3});
+  auto const rows_0_to_3 = mpx::tensor_view<float, mpx::memory_space_t<TestType>>(wide.data(), {4, 3});
+  CHECK_THROWS_TYPE_WITH(mpx::sparse_categorical_cross_entropy(exec, rows_1_to_4, four, rows_0_to_3, loss),
+                         mpx::invalid_argument, Catch::Contains("overlap"));
   auto none = mpx::make_tensor<float>(exec, {0, 3});
   auto no_labels = mpx::make_tensor<std::int32_t>(exec, {0});
   mpx::sparse_categorical_cross_entropy(exec, none, no_labels, none, loss);

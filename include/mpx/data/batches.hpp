@@ -8,9 +8,11 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/splitmix64.hpp>
 #include <mpx/data/dataset.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 
 #include <algorithm>
@@ -29,30 +31,6 @@
 #include <vector>
 
 namespace mpx {
-
-//! SplitMix64 (Steele, Lea and Flood, 2014): a tiny generator defined by its integer
-//! arithmetic alone, so a seed gives the same numbers on every compiler and platform.
-class splitmix64 {
- public:
-  constexpr explicit splitmix64(std::uint64_t seed) noexcept : state_(seed) {}
-
-  constexpr std::uint64_t operator()() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  //! A uniform integer in [0, n), n > 0, without modulo bias (draws below 2^64 mod n
-  //! are rejected).
-  constexpr std::uint64_t below(std::uint64_t n) noexcept {
-    std::uint64_t const reject = (0 - n) % n;
-    for (;;)
-      if (std::uint64_t const r = (*this)(); r >= reject) return r % n;
-  }
-
- private:
-  std::uint64_t state_;
-};
 
 //! The order in which epoch `epoch` visits n samples: a permutation of [0, n) by
 //! Fisher-Yates from a generator seeded with (seed, epoch). The same arguments give
@@ -144,22 +122,6 @@ class pinned_buffer {
     }
   };
   std::unique_ptr<T, release> data_;
-};
-
-//! An event used only for ordering (no timing, which makes record and wait cheaper).
-class ordering_event {
- public:
-  ordering_event() { MPX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  ~ordering_event() {
-    if (cudaError_t status = cudaEventDestroy(event_); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaEventDestroy failed: %s\n", cudaGetErrorString(status));
-  }
-  ordering_event(ordering_event const&) = delete;
-  ordering_event& operator=(ordering_event const&) = delete;
-  [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
 };
 
 //! Double buffering. Slot s holds a pinned host copy and a device copy of one batch,

@@ -7,6 +7,8 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -54,5 +56,28 @@ tensor<value_t<X>, device_space> to_device(cuda_executor const& exec, X&& x) {
   return out;
 }
 #endif
+
+namespace detail {
+
+//! rows x count elements from src (rows `src_pitch` elements apart) to dst (`dst_pitch`
+//! apart), both in the executor's memory: one cudaMemcpy2DAsync on its stream.
+template <class Exec, class T>
+void copy_strided_rows([[maybe_unused]] Exec const& exec, T const* src, std::int64_t src_pitch, T* dst,
+                       std::int64_t dst_pitch, std::int64_t rows, std::int64_t count) {
+  if (rows == 0 || count == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::memcpy(dst + r * dst_pitch, src + r * src_pitch, static_cast<std::size_t>(count) * sizeof(T));
+  } else {
+#if MPX_HAS_CUDA_RUNTIME
+    MPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<std::size_t>(dst_pitch) * sizeof(T), src,
+                                     static_cast<std::size_t>(src_pitch) * sizeof(T),
+                                     static_cast<std::size_t>(count) * sizeof(T), static_cast<std::size_t>(rows),
+                                     cudaMemcpyDeviceToDevice, exec.stream()));
+#endif
+  }
+}
+
+}  // namespace detail
 
 }  // namespace mpx

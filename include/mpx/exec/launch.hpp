@@ -50,6 +50,14 @@ bool split_for_vectors(std::size_t n, vector_split& split, First const* first, R
 
 inline constexpr int block_size = 256;
 
+//! Whether a grid-stride loop over `total` elements, on `grid` blocks of block_size,
+//! whose indices reach at most `largest`, may count in 32 bits (cheaper divisions). The
+//! last `e += stride` must not pass 2^32: it would wrap below `total` and loop again.
+constexpr bool fits_32_bit_grid_stride(std::size_t total, std::size_t largest, unsigned grid) noexcept {
+  std::size_t const threads = static_cast<std::size_t>(grid) * block_size;
+  return total + threads <= 0xFFFF'FFFFu && largest <= 0xFFFF'FFFFu;
+}
+
 #if MPX_HAS_CUDA_RUNTIME
 //! Multiprocessors of the current device, asked once per device.
 inline int sm_count() {

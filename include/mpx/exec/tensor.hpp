@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -182,5 +183,18 @@ using value_t = typename view_t<X>::value_type;
 //! The memory space of X.
 template <tensor_like X>
 using space_t = typename view_t<X>::space_type;
+
+namespace detail {
+//! Refuses an output whose memory overlaps an input's, for operations that read an
+//! input after writing the output (or whose kernels assume distinct pointers).
+template <class A, class B, class Space>
+void require_disjoint(std::string_view op, std::string_view a_name, tensor_view<A, Space> a, std::string_view b_name,
+                      tensor_view<B, Space> b) {
+  auto const a0 = reinterpret_cast<std::uintptr_t>(a.data()), b0 = reinterpret_cast<std::uintptr_t>(b.data());
+  if (a.size() != 0 && b.size() != 0 && a0 < b0 + b.size_bytes() && b0 < a0 + a.size_bytes())
+    fail<invalid_argument>(op, std::string(a_name) + " and " + std::string(b_name) +
+                                   " overlap in memory; give them separate buffers");
+}
+}  // namespace detail
 
 }  // namespace mpx

@@ -318,6 +318,7 @@ inline conv2d_params conv2d_params_of(std::string_view op, conv2d_geometry const
 // One thread per element of the columns (grid-stride): neighbouring threads read
 // neighbouring channels of x and write neighbouring columns, both coalesced. Index is
 // 32-bit where the element count allows (the divisions are the cost).
+
 template <class Index, class T>
 __global__ void __launch_bounds__(block_size)
     im2col_kernel(conv2d_params p, T const* __restrict__ x, Index total, T* __restrict__ columns) {
@@ -380,12 +381,11 @@ void cuda_im2col(cudaStream_t stream, conv2d_params const& p, T const* x, std::s
   std::size_t const total = rows * static_cast<std::size_t>(p.kh) * p.kw * p.cin;
   std::size_t const images = rows / (static_cast<std::size_t>(p.oh) * p.ow);
   std::size_t const inputs = images * static_cast<std::size_t>(p.h) * p.w * p.cin;
-  if (total <= 0xFFFF'FFFFu && inputs <= 0xFFFF'FFFFu) {
-    im2col_kernel<std::uint32_t><<<grid_for(total), block_size, 0, stream>>>(p, x, static_cast<std::uint32_t>(total),
-                                                                            columns);
+  unsigned const grid = grid_for(total);
+  if (fits_32_bit_grid_stride(total, inputs, grid)) {
+    im2col_kernel<std::uint32_t><<<grid, block_size, 0, stream>>>(p, x, static_cast<std::uint32_t>(total), columns);
   } else {
-    im2col_kernel<std::uint64_t><<<grid_for(total), block_size, 0, stream>>>(p, x, static_cast<std::uint64_t>(total),
-                                                                            columns);
+    im2col_kernel<std::uint64_t><<<grid, block_size, 0, stream>>>(p, x, static_cast<std::uint64_t>(total), columns);
   }
   MPX_CUDA_CHECK_LAUNCH("mpx::im2col_kernel");
 }
@@ -394,12 +394,11 @@ template <class T>
 void cuda_col2im(cudaStream_t stream, conv2d_params const& p, T const* dcolumns, std::size_t images, T* dx) {
   std::size_t const total = images * static_cast<std::size_t>(p.h) * p.w * p.cin;
   std::size_t const columns = images * static_cast<std::size_t>(p.oh) * p.ow * p.kh * p.kw * p.cin;
-  if (total <= 0xFFFF'FFFFu && columns <= 0xFFFF'FFFFu) {
-    col2im_kernel<std::uint32_t><<<grid_for(total), block_size, 0, stream>>>(p, dcolumns,
-                                                                            static_cast<std::uint32_t>(total), dx);
+  unsigned const grid = grid_for(total);
+  if (fits_32_bit_grid_stride(total, columns, grid)) {
+    col2im_kernel<std::uint32_t><<<grid, block_size, 0, stream>>>(p, dcolumns, static_cast<std::uint32_t>(total), dx);
   } else {
-    col2im_kernel<std::uint64_t><<<grid_for(total), block_size, 0, stream>>>(p, dcolumns,
-                                                                            static_cast<std::uint64_t>(total), dx);
+    col2im_kernel<std::uint64_t><<<grid, block_size, 0, stream>>>(p, dcolumns, static_cast<std::uint64_t>(total), dx);
   }
   MPX_CUDA_CHECK_LAUNCH("mpx::col2im_kernel");
 }

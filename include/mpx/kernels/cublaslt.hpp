@@ -121,6 +121,14 @@ class lt_context {
     auto [it, inserted] = workspaces_.try_emplace({device, reinterpret_cast<std::uintptr_t>(stream)});
     if (inserted) {
       try {
+        // cudaMalloc would invalidate a capture with an unhelpful error: say what to do.
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+        if (capturing != cudaStreamCaptureStatusNone)
+          fail<invalid_argument>("mpx::gemm",
+                                 "the first gemm on a stream allocates its cuBLASLt workspace, which a CUDA graph "
+                                 "capture cannot record: run one gemm (or one eager step) on this stream before "
+                                 "capturing");
         it->second.bytes = workspace_size_for(device);
         MPX_CUDA_CHECK(cudaMalloc(&it->second.data, it->second.bytes));
       } catch (...) {

@@ -55,6 +55,10 @@ struct dropout_options {
   float rate = 0.5f;          //!< Probability of dropping an element; in [0, 1).
   std::uint64_t seed = 0;     //!< Philox key.
   std::uint64_t offset = 0;   //!< Upper 64 bits of the Philox counter: a fresh value per step or layer.
+  //! Optional: a count in the executor's memory, read when the kernel runs and added to
+  //! offset. A CUDA graph replays the offset it captured; a count that the graph itself
+  //! advances (advance_dropout_step) gives every replay a fresh mask.
+  std::uint64_t const* offset_step = nullptr;
 };
 
 namespace detail {
@@ -65,6 +69,13 @@ struct dropout_mask_source {
   philox_key key;
   std::uint32_t offset_lo, offset_hi;
   std::uint64_t threshold;
+  std::uint64_t const* offset_step;  // added to the offset where the kernel runs, if given
+  //! This source with *offset_step added to its offset: read once per thread.
+  MPX_HD dropout_mask_source resolved() const noexcept {
+    if (!offset_step) return *this;
+    std::uint64_t const offset = ((static_cast<std::uint64_t>(offset_hi) << 32) | offset_lo) + *offset_step;
+    return {key, static_cast<std::uint32_t>(offset), static_cast<std::uint32_t>(offset >> 32), threshold, nullptr};
+  }
   MPX_HD philox_counter draw(std::uint64_t group) const noexcept {
     return philox4x32_10(philox_counter{{static_cast<std::uint32_t>(group), static_cast<std::uint32_t>(group >> 32),
                                          offset_lo, offset_hi}},
@@ -80,7 +91,7 @@ inline dropout_mask_source make_mask_source(std::string_view op, dropout_options
   auto const keep = 1.0 - static_cast<double>(o.rate);
   auto const threshold = static_cast<std::uint64_t>(std::llround(keep * 4294967296.0));
   return {philox_key{{static_cast<std::uint32_t>(o.seed), static_cast<std::uint32_t>(o.seed >> 32)}},
-          static_cast<std::uint32_t>(o.offset), static_cast<std::uint32_t>(o.offset >> 32), threshold};
+          static_cast<std::uint32_t>(o.offset), static_cast<std::uint32_t>(o.offset >> 32), threshold, o.offset_step};
 }
 
 // Mode: 0 forward writing the mask, 1 forward without it, 2 backward regenerating the
@@ -108,8 +119,9 @@ MPX_HD inline void dropout_group(dropout_mask_source const& src, In const* in, O
 #if MPX_HAS_CUDA
 template <int Mode, class In, class Out>
 __global__ void __launch_bounds__(block_size)
-    dropout_kernel(dropout_mask_source src, In const* in, Out* out, std::uint8_t* mask_out,
+    dropout_kernel(dropout_mask_source source, In const* in, Out* out, std::uint8_t* mask_out,
                    std::uint8_t const* mask_in, float scale, std::size_t groups, std::size_t n) {
+  dropout_mask_source const src = source.resolved();
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
     dropout_group<Mode>(src, in, out, mask_out, mask_in, scale, g, n);
@@ -122,7 +134,8 @@ void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& s
   if (n == 0) return;
   std::size_t const groups = (n + 3) / 4;
   if constexpr (is_host_executor_v<Exec>) {
-    for (std::size_t g = 0; g < groups; ++g) dropout_group<Mode>(src, in, out, mask_out, mask_in, scale, g, n);
+    auto const resolved = src.resolved();
+    for (std::size_t g = 0; g < groups; ++g) dropout_group<Mode>(resolved, in, out, mask_out, mask_in, scale, g, n);
   } else {
 #if MPX_HAS_CUDA
     dropout_kernel<Mode><<<grid_for(groups), block_size, 0, exec.stream()>>>(src, in, out, mask_out, mask_in, scale,
@@ -136,12 +149,40 @@ void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& s
 
 inline float dropout_scale(float rate) { return 1.0f / (1.0f - rate); }
 
+#if MPX_HAS_CUDA
+__global__ void advance_dropout_step_kernel(std::uint64_t* step) { ++*step; }
+#endif
+
 }  // namespace detail
+
+//! ++step[0] where the executor computes, in stream order: between two dropout passes
+//! that read it through dropout_options::offset_step, so each draws a fresh mask, also
+//! when a CUDA graph replays both. Asynchronous on a cuda_executor.
+template <executor Exec, class Space>
+void advance_dropout_step([[maybe_unused]] Exec const& exec, tensor_view<std::uint64_t, Space> step) {
+  detail::require_access<Exec, Space>();
+  if (step.size() != 1)
+    detail::fail<shape_error>("advance_dropout_step", "expected one counter, got shape " + step.shape().to_string());
+  if constexpr (is_host_executor_v<Exec>) {
+    ++*step.data();
+  } else {
+#if MPX_HAS_CUDA
+    detail::advance_dropout_step_kernel<<<1, 1, 0, exec.stream()>>>(step.data());
+    MPX_CUDA_CHECK_LAUNCH("mpx::advance_dropout_step_kernel");
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
 
 //! Whether dropout with these options keeps element `index` of a tensor: what
 //! dropout_forward writes into its mask, on either executor. Throws as dropout_forward
 //! does for a rate outside [0, 1).
 inline bool dropout_keeps(dropout_options const& options, std::uint64_t index) {
+  if (options.offset_step)
+    detail::fail<invalid_argument>("dropout_keeps",
+                                   "give the options with offset_step folded into offset (offset_step null): the "
+                                   "count may live in device memory");
   auto const src = detail::make_mask_source("dropout_keeps", options);
   return src.keep(src.draw(index / 4).v[index % 4]);
 }

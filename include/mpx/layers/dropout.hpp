@@ -2,11 +2,13 @@
 // scales the rest by 1 / (1 - rate) (keras.layers.Dropout); in inference, the identity.
 // The mask comes from Philox4x32-10 keyed by the layer's seed, with a fresh counter
 // offset per training forward, so a run is reproducible from its seeds on either
-// executor. (A CUDA graph captures one offset: a replayed step reuses its mask.)
+// executor. The offset is a count kept where the executor computes and advanced there,
+// so a CUDA graph that replays the step also draws a fresh mask each time.
 #pragma once
 
 #include <mpx/exec/copy.hpp>
 #include <mpx/kernels/dropout.hpp>
+#include <mpx/kernels/elementwise.hpp>
 #include <mpx/layers/layer.hpp>
 
 #include <cstdint>
@@ -35,9 +37,11 @@ class dropout : public layer_base {
 
   [[nodiscard]] shape compute_output_shape(shape const& in) const { return in; }
   template <executor Exec>
-  void build(Exec const&, shape const& in, std::uint64_t seed) {
+  void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
     seed_ = seed;
+    step_.allocate(exec, shape{1});
+    fill(exec, step_.template view<memory_space_t<Exec>>(), std::uint64_t{0});
     mark_built(in, in);
   }
   template <executor Exec>
@@ -56,7 +60,9 @@ class dropout : public layer_base {
       last_forward_trained_ = false;
       return;
     }
-    options_ = dropout_options{config_.rate, seed_, step_++};
+    auto const step = step_.template view<Space>();
+    advance_dropout_step(exec, step);
+    options_ = dropout_options{config_.rate, seed_, 0, step.data()};
     dropout_forward(exec, options_, x, y, mask_.template view<Space>(x.shape()));
     last_forward_trained_ = true;
   }
@@ -75,7 +81,7 @@ class dropout : public layer_base {
  private:
   dropout_config config_;
   std::uint64_t seed_ = 0;
-  std::uint64_t step_ = 0;
+  detail::layer_tensor<std::uint64_t> step_;  // training forwards so far, where the executor computes
   dropout_options options_{};
   bool last_forward_trained_ = false;
   detail::layer_tensor<std::uint8_t> mask_;

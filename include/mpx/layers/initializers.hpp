@@ -8,6 +8,7 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/splitmix64.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -34,16 +35,9 @@ enum class initializer { zeros, ones, glorot_uniform, glorot_normal, he_uniform,
 
 namespace detail {
 
-constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 //! A uniform double in (0, 1) from 53 random bits of draw `i` of stream `seed`.
 inline double uniform_open01(std::uint64_t seed, std::uint64_t i) noexcept {
-  std::uint64_t const bits = splitmix64(splitmix64(seed) ^ (i * 0xD1342543DE82EF95ull + 1));
+  std::uint64_t const bits = splitmix64::mix(splitmix64::mix(seed) ^ (i * 0xD1342543DE82EF95ull + 1));
   return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
 }
 

@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(loss_block_threads)
 //! when `scale` is given (a float in the executor's memory, e.g.
 //! loss_scale_optimizer::scale_data()), to `gradient` (shape of logits, any dtype).
 //! The loss value is not scaled. A bad label: see the note at the top of this header.
-//! Policy must accumulate in float. Asynchronous on a cuda_executor: read the loss with
+//! The gradient must not overlap the logits (invalid_argument). Policy must accumulate
+//! in float. Asynchronous on a cuda_executor: read the loss with
 //! loss.read(exec), which synchronises.
 template <class Policy = float32, executor Exec, tensor_like Logits, tensor_like Labels, tensor_like Gradient,
           memory_space Space>
@@ -173,6 +174,7 @@ void sparse_categorical_cross_entropy([[maybe_unused]] Exec const& exec, Logits&
   std::size_t rows = 0, classes = 0;
   detail::cross_entropy_layout(xv.shape(), lv.shape(), rows, classes);
   detail::require_same_shape("sparse_categorical_cross_entropy", xv.shape(), gv.shape());
+  detail::require_disjoint("sparse_categorical_cross_entropy", "the gradient", gv, "the logits", xv);
   if constexpr (is_host_executor_v<Exec>) {
     detail::host_cross_entropy(xv.data(), lv.data(), gv.data(), rows, classes, scale, loss.record());
   } else {

@@ -165,6 +165,7 @@ class sequential_model {
     input_shape_ = sample_input;
     built_ = true;
     batch_ = 0;
+    ++buffer_generation_;
   }
 
   //! Allocates activations, gradients and every layer's workspace for batches of up to
@@ -184,7 +185,15 @@ class sequential_model {
       ++i;
     });
     batch_ = batch;
+    ++buffer_generation_;
   }
+
+  //! The largest batch the buffers hold now (0 before the first reserve or forward).
+  [[nodiscard]] std::int64_t reserved_batch() const noexcept { return batch_; }
+  //! Changes whenever build or reserve may have moved a parameter, activation or
+  //! workspace: a CUDA graph captured before holds stale addresses and must be captured
+  //! again (classifier_trainer does).
+  [[nodiscard]] std::uint64_t buffer_generation() const noexcept { return buffer_generation_; }
 
   //! Runs every layer on x ([batch, input shape...], any float dtype: cast when it is not
   //! the first layer's) and returns a view of the last layer's output, valid until the
@@ -383,6 +392,7 @@ class sequential_model {
   shape input_shape_{0};
   std::int64_t batch_ = 0;
   std::int64_t batch_in_flight_ = 0;
+  std::uint64_t buffer_generation_ = 0;
   void const* first_input_ = nullptr;
   bool built_ = false;
 };

@@ -14,15 +14,20 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
+#include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace mpx {
@@ -125,15 +130,14 @@ class classifier_trainer {
                                          " steps): read history() at least that often");
     if constexpr (!is_host_executor_v<Exec>) {
 #if MPX_HAS_CUDA
-      if (use_graph_ && graph_ready_for(images.shape())) {
-        graph_step(exec, images, labels);
+      if (use_graph_) {
+        graph_mode_step(exec, images, labels);
         return;
       }
 #endif
     }
     step_body(exec, images, labels, record(pending_));
     ++pending_;
-    if constexpr (!is_host_executor_v<Exec>) eager_shape_ = images.shape();
   }
   template <class T>
   void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
@@ -142,9 +146,12 @@ class classifier_trainer {
 
   //! On a cuda_executor: after one eager step, capture a step in a CUDA graph and replay
   //! it for every batch of that shape (others, such as a short last batch, run eagerly).
-  //! The batch is first copied into buffers the graph reads. What a replay reuses: the
-  //! dropout masks' offsets (each dropout layer repeats its captured mask), and the
-  //! host-side check for a loss scale stuck at its minimum (made when history() runs).
+  //! The batch is first copied into buffers the graph reads. The steps run on the
+  //! trainer's own stream (capture is illegal on the legacy default stream), ordered
+  //! after the executor's stream and before its later work by events. The graph is
+  //! captured again when the model's buffers moved (a larger batch reserved them again,
+  //! by a step or an evaluate) or the optimizer's rule changed (a new learning rate).
+  //! Dropout layers keep their step count on the GPU, so each replay draws fresh masks.
   //! Ignored on the host executor.
   void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
 
@@ -169,41 +176,68 @@ class classifier_trainer {
                  step_record* rec) {
     model_.forward(exec, images, true);
     auto const logits = model_.template logits<Space>();
-    if (!(d_logits_.shape() == logits.shape())) d_logits_ = tensor<logits_type, Space>(exec, logits.shape());
+    d_logits_.ensure(exec, logits.shape());  // grows only: a captured graph keeps its address
+    auto const d_logits = d_logits_.template view<Space>(logits.shape());
     fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
          std::uint8_t{0});
     count_correct(exec, logits, labels, rec);
     float const* scale = optimizer_.scale_data();
     copy(exec, tensor_view<float const, Space>(scale, shape{1}),
          tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
-    sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits_, loss_, scale);
-    model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits_));
+    sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits, loss_, scale);
+    model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
   }
 
 #if MPX_HAS_CUDA
-  bool graph_ready_for(shape const& s) const {
-    return graph_exec_ ? s == graph_shape_ : s == eager_shape_;  // capture after one eager step of this shape
-  }
-
+  // Graph mode: every step (eager or replayed) runs on step_stream_, so the eager steps
+  // also warm what capture may not create (cuBLASLt's workspace for that stream). The
+  // buffers are made beforehand on the caller's stream, which outlives the trainer's.
   template <class T>
-  void graph_step(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels) {
-    cudaStream_t const stream = exec.stream();
-    if (!graph_exec_) {
+  void graph_mode_step(Exec const& exec, tensor_view<T const, Space> images,
+                       tensor_view<std::int32_t const, Space> labels) {
+    if (!graph_streams_) graph_streams_ = std::make_shared<detail::side_stream>();
+    std::int64_t const batch = images.shape()[0];
+    if (batch > model_.reserved_batch()) model_.reserve(exec, batch);
+    d_logits_.ensure(exec, detail::with_batch(batch, model_.output_shape()));  // the logits' shape (a softmax keeps it)
+    if (graph_exec_ && !graph_still_valid()) {
+      graph_exec_.reset();
+      eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
+    }
+    bool const replay = graph_exec_ ? images.shape() == graph_shape_ : images.shape() == eager_shape_;
+    if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
       graph_record_ = tensor<step_record, Space>(exec, shape{1});
       graph_shape_ = images.shape();
     }
+    Exec const on = exec.on(graph_streams_->stream);
+    graph_streams_->follow(exec.stream());
+    if (replay) {
+      graph_step(on, images, labels);
+    } else {
+      step_body(on, images, labels, record(pending_));
+      ++pending_;
+      eager_shape_ = images.shape();
+    }
+    graph_streams_->precede(exec.stream());
+    // A replay skips loss_scaler::update's host side: look for a stuck scale here (it
+    // reads mapped memory, never waits).
+    optimizer_.scaler().poll();
+  }
+
+  template <class T>
+  void graph_step(Exec const& on, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels) {
+    cudaStream_t const stream = on.stream();
     tensor_view<T, Space> const in(reinterpret_cast<T*>(graph_images_.data()), images.shape());
-    copy(exec, images, in);
-    copy(exec, labels, graph_labels_);
+    copy(on, images, in);
+    copy(on, labels, graph_labels_);
     if (!graph_exec_) {
       cudaGraph_t graph = nullptr;
       MPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       try {
-        step_body(exec, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
+        step_body(on, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
                   graph_record_.data());
       } catch (...) {
         cudaStreamEndCapture(stream, &graph);
@@ -216,18 +250,37 @@ class classifier_trainer {
       cudaGraphDestroy(graph);
       MPX_CUDA_CHECK(made);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
+      captured_generation_ = model_.buffer_generation();
+      captured_d_logits_ = d_logits_.template view<Space>().data();
+      std::memcpy(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type));
     }
     MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
-    copy(exec, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
+    copy(on, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
          tensor_view<step_record, Space>(record(pending_), shape{1}));
     ++pending_;
   }
 
+  // The graph holds the buffers' addresses and the rule's values (learning rate,
+  // decay...) as they were at capture.
+  bool graph_still_valid() const {
+    return captured_generation_ == model_.buffer_generation() &&
+           captured_d_logits_ == d_logits_.template view<Space>().data() &&
+           std::memcmp(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type)) == 0;
+  }
+
+  using rule_type = std::remove_cvref_t<decltype(std::declval<LossScaleOptimizer&>().optimizer().rule())>;
+  static_assert(std::is_trivially_copyable_v<rule_type>, "an optimizer's rule is passed to kernels by value");
+
+  std::shared_ptr<detail::side_stream> graph_streams_;
   std::shared_ptr<CUgraphExec_st> graph_exec_;
   tensor<std::uint8_t, Space> graph_images_;
   tensor<std::int32_t, Space> graph_labels_;
   tensor<step_record, Space> graph_record_;
   shape graph_shape_{0};
+  shape eager_shape_{0};
+  std::uint64_t captured_generation_ = 0;
+  void const* captured_d_logits_ = nullptr;
+  std::array<std::byte, sizeof(rule_type)> captured_rule_{};
 #endif
 
   void write_record([[maybe_unused]] Exec const& exec, step_record* rec, std::uint32_t samples) {
@@ -250,11 +303,10 @@ class classifier_trainer {
   LossScaleOptimizer& optimizer_;
   loss_value<Space> loss_;
   tensor<std::uint8_t, Space> records_;
-  tensor<logits_type, Space> d_logits_;
+  detail::layer_tensor<logits_type> d_logits_;
   std::size_t capacity_;
   std::size_t pending_ = 0;
   bool use_graph_ = false;
-  shape eager_shape_{0};
 };
 
 template <class Exec, class Model, class Opt>
