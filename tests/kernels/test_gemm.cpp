@@ -352,6 +352,23 @@ TEMPLATE_LIST_TEST_CASE("gemm refuses shapes that do not agree and names them", 
   CHECK_NOTHROW(mpx::gemm<P>(exec, a, b36, c));
 }
 
+// A batch with a shared B folds into one tall product, unless the tall M would pass
+// cuBLASLt's 2^31 - 1 (then it stays a strided batch, which cuBLASLt takes).
+TEST_CASE("gemm folds a shared-B batch into one product only where the extents allow", "[gemm]") {
+  using mpx::detail::fold_batch;
+  mpx::detail::gemm_dims d{.batch = 8, .m = 100, .n = 16, .k = 32, .stride_a = 3200, .stride_b = 0, .stride_c = 1600};
+  auto const folded = fold_batch(d, false);
+  CHECK(folded.batch == 1);
+  CHECK(folded.m == 800);
+  CHECK(fold_batch(d, true).batch == 8);  // A transposed: its rows are not the batch's rows
+  d.m = 1 << 28;                          // 8 x 2^28 = 2^31 rows
+  d.stride_a = d.m * d.k;
+  d.stride_c = d.m * d.n;
+  auto const kept = fold_batch(d, false);
+  CHECK(kept.batch == 8);
+  CHECK(kept.m == 1 << 28);
+}
+
 TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]") {
   auto widen = [](auto tag) {
     using T = decltype(tag);

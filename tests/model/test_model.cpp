@@ -20,6 +20,7 @@
 #include <mpx/optim/sgd.hpp>
 #include <mpx/scaling/loss_scaler.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -286,6 +287,45 @@ TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is re
   while (std::getline(csv, line)) ++rows;
   CHECK(rows == 48);
   fs::remove_all(dir);
+}
+
+// A batch source that announces fewer batches than it yields.
+template <class Inner>
+struct under_announced {
+  Inner inner;
+  std::size_t batches_per_epoch() const { return 1; }
+  void start_epoch(std::size_t e) { inner.start_epoch(e); }
+  auto next() { return inner.next(); }
+};
+
+TEMPLATE_LIST_TEST_CASE("evaluate weighs each batch by its size and agrees with the model's own outputs", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto const points = quadrants<TestType, mpx::half>(exec, 100, 25);
+  auto model = quadrant_model<mpx::float32>();
+  model.build(exec, {2}, 3);
+  // The reference: the whole set in one forward, the softmax's probabilities in float64.
+  auto const probabilities =
+      mpx_test::download(exec, model.forward(exec, mpx::tensor_view<mpx::half const, space>(mpx::view(points.images)), false));
+  auto const labels = mpx_test::download(exec, points.labels);
+  double loss = 0;
+  std::size_t correct = 0;
+  for (std::size_t i = 0; i < labels.size(); ++i) {
+    auto const row = probabilities.begin() + static_cast<std::ptrdiff_t>(4 * i);
+    loss -= std::log(static_cast<double>(row[labels[i]]));
+    correct += std::max_element(row, row + 4) - row == labels[i];
+  }
+  loss /= 100;
+  auto check = [&](mpx::evaluation const& e) {
+    CHECK(e.samples == 100);
+    CHECK(std::fabs(e.loss - loss) <= 1e-5 * (1 + loss));
+    CHECK(e.accuracy == static_cast<double>(correct) / 100);
+  };
+  auto batches = points.batches(32);  // 32, 32, 32 and 4: a mean of means would weigh the 4 as 32
+  check(mpx::evaluate(exec, model, batches));
+  under_announced<mpx::tensor_batches<mpx::half, space>> more{points.batches(7)};  // 15 batches, read in rounds
+  check(mpx::evaluate(exec, model, more));
 }
 
 TEMPLATE_LIST_TEST_CASE("an overflowing step is skipped, recorded, and the scale backs off", "[model]",

@@ -140,8 +140,9 @@ inline gemm_dims gemm_shapes(shape const& a, shape const& b, shape const& c, gem
 
 //! A batch whose B is shared and whose A is not transposed is one tall product:
 //! [batch * M, K] x [K, N] (conv-as-gemm, a dense layer over a sequence).
+//! Left as a batch where the tall M would pass cuBLASLt's 2^31 - 1 limit.
 inline gemm_dims fold_batch(gemm_dims d, bool transpose_a) {
-  if (d.batch > 1 && d.stride_b == 0 && d.stride_a != 0 && !transpose_a) {
+  if (d.batch > 1 && d.stride_b == 0 && d.stride_a != 0 && !transpose_a && d.m * d.batch <= 0x7FFF'FFFF) {
     d.m *= d.batch;
     d.batch = 1;
     d.stride_a = d.m * d.k;

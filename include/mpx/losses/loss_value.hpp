@@ -108,7 +108,10 @@ __global__ void __launch_bounds__(loss_block_threads)
 
 //! The mean value of a loss, kept in the executor's memory: on a cuda_executor a loss
 //! call only enqueues, and the value is read when (and if) you ask. Reuse one per loss
-//! across steps; each call overwrites the value.
+//! across steps; each call overwrites the value. Its buffers are allocated and freed on
+//! the stream it was made with: use it from that stream, or from streams ordered after
+//! its construction and before its destruction (one stream at a time: two losses in
+//! flight on different streams would share its partial sums).
 template <memory_space Space>
 class loss_value {
  public:

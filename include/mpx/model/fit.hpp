@@ -17,6 +17,7 @@
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/train_step.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -107,31 +108,47 @@ inline std::string progress_line(std::size_t epoch, std::size_t epochs, std::siz
 }  // namespace detail
 
 //! Loss and accuracy of a classifier over every batch of `data` (inference mode:
-//! dropout off, batch norm on its running statistics). Synchronises once per batch.
+//! dropout off, batch norm on its running statistics). Each batch's loss and count of
+//! correct predictions stay where the executor computes until the end: one
+//! synchronisation per evaluation, not per batch.
 template <executor Exec, class Model, class Source>
 evaluation evaluate(Exec const& exec, Model& model, Source& data) {
   using Space = memory_space_t<Exec>;
   using logits_type = typename Model::logits_type;
   loss_value<Space> loss(exec);
-  tensor<logits_type, Space> grad;
-  tensor<step_record, Space> counter(exec, shape{1});
+  detail::layer_tensor<logits_type> grad;  // the loss writes its gradient; unused here
+  std::size_t const capacity = std::max<std::size_t>(1, data.batches_per_epoch());
+  tensor<step_record, Space> records(exec, shape{static_cast<std::int64_t>(capacity)});
   evaluation out;
   double loss_sum = 0;
-  std::size_t correct = 0;
+  std::size_t correct = 0, pending = 0;
+  std::vector<std::size_t> sizes(capacity);  // samples per pending batch
+  auto read_records = [&] {  // synchronises
+    if (pending == 0) return;
+    auto const host = to_host(exec, records.view().flat(0, pending));
+    for (std::size_t i = 0; i < pending; ++i) {
+      loss_sum += static_cast<double>(host[i].loss) * static_cast<double>(sizes[i]);
+      correct += host[i].correct;
+      out.samples += sizes[i];
+    }
+    pending = 0;
+  };
   data.start_epoch(0);
   while (auto batch = data.next()) {
+    if (pending == capacity) read_records();  // a source with more batches than it announced
     model.forward(exec, batch->images, false);
     auto const logits = model.template logits<Space>();
-    if (!(grad.shape() == logits.shape())) grad = tensor<logits_type, Space>(exec, logits.shape());
-    sparse_categorical_cross_entropy<float32>(exec, logits, batch->labels, grad, loss);
-    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(counter.data()), shape{sizeof(step_record)}),
+    grad.ensure(exec, logits.shape());
+    sparse_categorical_cross_entropy<float32>(exec, logits, batch->labels, grad.template view<Space>(logits.shape()),
+                                              loss);
+    step_record* rec = records.data() + pending;
+    fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
          std::uint8_t{0});
-    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch->labels), counter.data());
-    auto const n = static_cast<std::size_t>(logits.shape()[0]);
-    loss_sum += static_cast<double>(loss.read(exec)) * static_cast<double>(n);
-    correct += to_host(exec, counter)[0].correct;
-    out.samples += n;
+    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch->labels), rec);
+    copy(exec, tensor_view<float const, Space>(loss.data(), shape{1}), tensor_view<float, Space>(&rec->loss, shape{1}));
+    sizes[pending++] = static_cast<std::size_t>(logits.shape()[0]);
   }
+  read_records();
   if (out.samples) {
     out.loss = loss_sum / static_cast<double>(out.samples);
     out.accuracy = static_cast<double>(correct) / static_cast<double>(out.samples);

@@ -11,8 +11,11 @@
 #include <mpx/scaling/loss_scale_rules.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -110,11 +113,20 @@ class signal_slot<device_space> {
   }
   [[nodiscard]] stuck_signal* device() const noexcept { return device_; }
   //! The latest signal the device has written; it may lag the stream by a few steps.
+  //! The device's 16-byte store need not reach host memory as one piece, so a read
+  //! could mix two signals: read until two reads in a row agree (the device writes once
+  //! per step, so this ends at once in practice).
   [[nodiscard]] stuck_signal read() const noexcept {
+    auto once = [this] {
+      std::array<std::uint32_t, 4> words;
+      auto const* src = reinterpret_cast<std::uint32_t const volatile*>(host_.get());
+      for (std::size_t i = 0; i < 4; ++i) words[i] = src[i];
+      return words;
+    };
+    auto last = once();
+    for (auto next = once(); next != last; next = once()) last = next;
     stuck_signal s;
-    auto const* src = reinterpret_cast<std::uint32_t const volatile*>(host_.get());
-    auto* dst = reinterpret_cast<std::uint32_t*>(&s);
-    for (int i = 0; i < 4; ++i) dst[i] = src[i];
+    std::memcpy(&s, last.data(), sizeof s);
     return s;
   }
 
@@ -164,7 +176,10 @@ class loss_scaler {
   //! *optimizer_steps (in this space) when the step was applied. Enqueued only; then
   //! reports a stuck scale if the device has signalled one (see poll).
   void update([[maybe_unused]] Exec const& exec, gradient_list<Exec> const& gradients, std::uint64_t* optimizer_steps = nullptr) {
-    names_ = &gradients.names();
+    if (&gradients.names() != names_source_) {  // a copy: poll() may run after the list moved
+      names_ = gradients.names();
+      names_source_ = &gradients.names();
+    }
     if constexpr (is_host_executor_v<Exec>) {
       detail::finish_step(rule_, state_.get(), gradients.summary_data(), optimizer_steps, signal_.device());
     } else {
@@ -192,8 +207,8 @@ class loss_scaler {
     reported_ = true;
     reported_streak_ = s.streak;
     loss_scale_report report{s.scale, s.consecutive, s.first_nonfinite, {}, {}};
-    if (names_ && s.first_nonfinite >= 0 && static_cast<std::size_t>(s.first_nonfinite) < names_->size())
-      report.gradient = (*names_)[static_cast<std::size_t>(s.first_nonfinite)];
+    if (s.first_nonfinite >= 0 && static_cast<std::size_t>(s.first_nonfinite) < names_.size())
+      report.gradient = names_[static_cast<std::size_t>(s.first_nonfinite)];
     report.message = "the loss scale is at its minimum (" + detail::to_text(s.scale) + ") and " +
                      std::to_string(s.consecutive) +
                      " step(s) in a row still produced NaN or inf gradients" +
@@ -209,7 +224,8 @@ class loss_scaler {
   resident<loss_scale_state, space> state_;
   detail::signal_slot<space> signal_;
   std::function<void(loss_scale_report const&)> on_stuck_;
-  std::vector<std::string> const* names_ = nullptr;
+  std::vector<std::string> names_;  // of the gradients of the latest update
+  void const* names_source_ = nullptr;
   bool reported_ = false;
   std::uint32_t reported_streak_ = 0;
 };
