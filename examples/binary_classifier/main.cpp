@@ -89,6 +89,30 @@ mpx::tensor<float, Space> upload(Exec const& exec, std::vector<float> const& hos
   return t;
 }
 
+//! Before training: which loss scale keeps these gradients? mpx::probe_loss_scales
+//! backpropagates the same loss gradient times 2^0, 2^4, ... and counts, per parameter,
+//! the half gradient values stored as 0 and any that overflowed.
+template <class Exec>
+void probe_before_training(Exec const& exec, settings const& s, data_set const& data) {
+  using Space = mpx::memory_space_t<Exec>;
+  auto model = mpx::sequential<policy>(mpx::dense<>(hidden, mpx::activation::relu), mpx::dense<>(1));
+  model.build(exec, {features}, s.seed);
+  mpx::scale(exec, model.layer<0>().kernel<Space>(), s.init_scale);
+  mpx::scale(exec, model.layer<1>().kernel<Space>(), s.init_scale);
+  auto const x = upload(exec, data.x, {samples, features});
+  auto const y = upload(exec, data.y, {samples, 1});
+  model.forward(exec, x.view(), /*training=*/true);
+  auto gradient = mpx::make_tensor<float>(exec, {samples, 1});  // unscaled, in float: nothing lost yet
+  mpx::loss_value loss(exec);
+  mpx::binary_cross_entropy<policy>(exec, model.template logits<Space>(), y, gradient, loss);
+  auto const probe = mpx::probe_loss_scales(exec, model, mpx::view(std::as_const(gradient)),
+                                            {1.0f, 16.0f, 256.0f, 4096.0f, 65536.0f, 1048576.0f, 16777216.0f,
+                                             268435456.0f, 4294967296.0f});
+  std::printf("Before training, the gradients of the same weights at each loss scale\n"
+              "(mpx::probe_loss_scales; a bias gradient can be truly 0 where a ReLU is off for every sample):\n\n%s\n",
+              probe.to_string().c_str());
+}
+
 //! Trains a fresh model (the same seed, so the same initial weights) with `scaler`.
 template <class Exec, class Scaler>
 run_result train(Exec const& exec, settings const& s, data_set const& data, char const* name, Scaler scaler) {
@@ -168,6 +192,7 @@ void compare(Exec const& exec, settings const& s) {
               std::string(policy::name).c_str(), static_cast<double>(s.init_scale),
               static_cast<double>(s.learning_rate), s.steps, std::string(Exec::name).c_str());
 
+  probe_before_training(exec, s, data);
   run_result const scaled =
       train(exec, s, data, "dynamic loss scale", mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
   run_result const unscaled = train(exec, s, data, "no loss scaling", mpx::static_loss_scaler(exec, 1.0f));

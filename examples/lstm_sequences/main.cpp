@@ -58,6 +58,7 @@ resident_sequences<Exec> upload(Exec const& exec, sequences const& s) {
                              mpx::tensor<std::int32_t, mpx::memory_space_t<Exec>>(exec, yh.shape())};
   mpx::copy(exec, xh, r.x);
   mpx::copy(exec, yh, r.y);
+  exec.synchronize();  // before xh and yh are freed
   return r;
 }
 

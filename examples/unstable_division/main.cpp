@@ -15,7 +15,8 @@
 // and mpx::softmax, which subtracts the row's max and sums in float.
 //
 // The layer models mpx::layer (include/mpx/layers/layer.hpp): it can go into
-// mpx::sequential beside the built-in layers.
+// mpx::sequential beside the built-in layers. Part 3 does that, and asks
+// mpx::find_nonfinite which layer of the model made the NaN, and why.
 //
 //   unstable_division [--executor auto|host|cuda]
 #include <mpx/mpx.hpp>
@@ -175,6 +176,7 @@ auto to_half_tensor(Exec const& exec, std::vector<float> const& values, mpx::sha
   for (std::size_t i = 0; i < values.size(); ++i) rounded[i] = mpx::cast<mpx::half>(values[i]);
   auto t = mpx::make_tensor<mpx::half>(exec, s);
   mpx::copy(exec, mpx::tensor_view<mpx::half const>(rounded.data(), s), t);
+  exec.synchronize();  // before `rounded` is freed
   return t;
 }
 
@@ -271,6 +273,22 @@ void part2_softmax(Exec const& exec) {
               "  and sums in float; its zeros are probabilities below half's smallest subnormal.\n");
 }
 
+template <class Exec>
+void part3_find_the_layer(Exec const& exec) {
+  std::printf("\nPart 3: in a model, which layer made the NaN? mpx::find_nonfinite after a forward pass\n"
+              "  Dense(%lld, relu) -> DivideByRowSum (naive) -> Dense(4), all mixed_float16, on the rows of part 1\n\n",
+              static_cast<long long>(cols));
+  auto model = mpx::sequential<mpx::mixed_float16>(mpx::dense<>(cols, mpx::activation::relu), divide_by_row_sum<>(),
+                                                   mpx::dense<>(4));
+  model.build(exec, {cols}, 7);
+  auto const x = to_half_tensor(exec, make_rows(), {rows, cols});
+  model.forward(exec, mpx::view(x), true);
+  if (auto const finding = mpx::find_nonfinite(exec, model))
+    std::printf("  %s\n", finding->explanation().c_str());
+  else
+    std::printf("  every tensor is finite\n");
+}
+
 bool gpu_available() {
 #if MPX_HAS_CUDA
   int devices = 0;
@@ -284,6 +302,7 @@ template <class Exec>
 void run_all(Exec const& exec) {
   part1_division(exec);
   part2_softmax(exec);
+  part3_find_the_layer(exec);
 }
 
 }  // namespace

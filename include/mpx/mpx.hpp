@@ -49,6 +49,7 @@
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/losses/mean_squared_error.hpp>
+#include <mpx/model/diagnostics.hpp>
 #include <mpx/model/fit.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>

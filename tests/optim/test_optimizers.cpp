@@ -463,6 +463,9 @@ TEMPLATE_LIST_TEST_CASE("checkpoints round-trip, and a bad one is refused with n
   refused(write("truncated", std::vector<char>(bytes.begin(), bytes.begin() + static_cast<long>(bytes.size() - 100))),
           "checksum");
   refused(write("empty", {}), "not an mpx checkpoint");
+  auto swapped = bytes;  // the version field as a machine of the other byte order writes it
+  std::reverse(swapped.begin() + 8, swapped.begin() + 12);
+  refused(write("swapped", swapped), "other byte order");
   refused(dir / "missing", "cannot be opened");
   // Another model's checkpoint: other shapes.
   parameter_set<TestType> d_set(exec, mpx::bfloat16{}, {1, 17, 999, 4099});

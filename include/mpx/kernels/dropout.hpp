@@ -150,7 +150,11 @@ void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& s
 inline float dropout_scale(float rate) { return 1.0f / (1.0f - rate); }
 
 #if MPX_HAS_CUDA
-__global__ void advance_dropout_step_kernel(std::uint64_t* step) { ++*step; }
+// A template, like every kernel in a header: one definition however many files include it.
+template <class Count>
+__global__ void advance_dropout_step_kernel(Count* step) {
+  ++*step;
+}
 #endif
 
 }  // namespace detail

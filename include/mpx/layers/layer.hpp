@@ -88,14 +88,17 @@ class layer_tensor {
     owner_ = std::unique_ptr<void, void (*)(void*)>(t.release(),
                                                     [](void* p) { delete static_cast<tensor<T, Space>*>(p); });
   }
-  //! Allocates unless it already holds at least `s.size()` elements; then views them as s.
+  //! Allocates unless it already holds at least `s.size()` elements; then views them as
+  //! s. Returns whether it allocated (the buffer moved).
   template <executor Exec>
-  void ensure(Exec const& exec, mpx::shape s) {
-    if (!owner_ || capacity_ < s.size()) {
+  bool ensure(Exec const& exec, mpx::shape s) {
+    bool const grow = !owner_ || capacity_ < s.size();
+    if (grow) {
       allocate(exec, s);
       capacity_ = s.size();
     }
     shape_ = s;
+    return grow;
   }
 
   [[nodiscard]] bool allocated() const noexcept { return owner_ != nullptr; }

@@ -57,7 +57,9 @@ void save_model(Exec const& exec, Model& model, std::filesystem::path const& pat
 //! Restores weights and state saved by save_model into a model built with the same
 //! layers. A missing or corrupt file, or one whose tensors differ in name, dtype or
 //! shape, is refused with mpx::checkpoint_error naming the tensor; nothing is changed
-//! then. Synchronises.
+//! then. Synchronises. An optimizer made before the load still holds float master copies
+//! of the old weights, and its next step would write them back: call its
+//! reload_master_weights(exec) (or make it after loading, or use load_training_state).
 template <executor Exec, class Model>
 void load_model(Exec const& exec, Model& model, std::filesystem::path const& path) {
   using Space = memory_space_t<Exec>;

@@ -20,6 +20,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/exec/tensor_ref.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/layers/layer.hpp>
 
@@ -188,6 +189,19 @@ class sequential_model {
     ++buffer_generation_;
   }
 
+  //! What forward(x of dtype T, batch samples) would allocate, done now on exec's stream:
+  //! reserve(exec, batch) if the buffers are smaller, and the buffer that casts such an
+  //! input for the first layer when T is not its dtype. Call it before capturing a CUDA
+  //! graph of steps on another stream (classifier_trainer does).
+  template <class T, executor Exec>
+  void reserve_for_input(Exec const& exec, std::int64_t batch) {
+    if (batch > batch_) reserve(exec, batch);
+    if constexpr (!std::is_same_v<T, input_type>) {
+      auto& node = boost::hana::at_c<0>(nodes_);
+      if (node.input_cast.ensure(exec, detail::with_batch(batch, node.layer.input_shape()))) ++buffer_generation_;
+    }
+  }
+
   //! The largest batch the buffers hold now (0 before the first reserve or forward).
   [[nodiscard]] std::int64_t reserved_batch() const noexcept { return batch_; }
   //! Changes whenever build or reserve may have moved a parameter, activation or
@@ -204,6 +218,7 @@ class sequential_model {
     detail::require_batch_shape("mpx::sequential", "the model's input", x.shape(), input_shape_);
     std::int64_t const batch = x.shape()[0];
     if (batch > batch_) reserve(exec, batch);
+    backward_top_ = no_backward;  // the gradients no longer belong to these activations
     forward_from<0>(exec, x, batch, training);
     auto& last = boost::hana::at_c<count - 1>(nodes_);
     return last.output.template view<Space>(detail::with_batch(batch, last.layer.output_shape()));
@@ -230,12 +245,14 @@ class sequential_model {
   //! overwritten.
   template <executor Exec, class G, class Space = memory_space_t<Exec>>
   void backward(Exec const& exec, tensor_view<G const, Space> d_output) {
+    backward_top_ = count - 1;
     backward_into<count - 1>(exec, d_output);
   }
   //! Backpropagates dL/d(logits) (see logits()): a model ending in a softmax skips its
   //! backward pass, as the loss was computed from the logits.
   template <executor Exec, class G, class Space = memory_space_t<Exec>>
   void backward_from_logits(Exec const& exec, tensor_view<G const, Space> d_logits) {
+    backward_top_ = ends_in_softmax ? count - 2 : count - 1;
     if constexpr (ends_in_softmax) backward_into<count - 2>(exec, d_logits);
     else backward_into<count - 1>(exec, d_logits);
   }
@@ -299,6 +316,30 @@ class sequential_model {
     return out;
   }
 
+  //! What one layer read and wrote in the latest forward and backward, as untyped views
+  //! (see trace()). A gradient the latest backward did not write is empty (size 0).
+  template <memory_space Space>
+  struct layer_trace {
+    std::string name, kind, policy;
+    tensor_ref<Space> input, output;
+    tensor_ref<Space> output_gradient;  //!< dL/d(output) the layer read; empty for the layer backward began at
+    tensor_ref<Space> input_gradient;   //!< dL/d(input) it wrote; empty for the first layer
+    std::vector<parameter<Space>> parameters;  //!< values, and gradients when in_backward
+    bool in_backward = false;                  //!< the latest backward (since the forward) ran this layer
+  };
+
+  //! Every layer's trace, in order, for diagnostics (find_nonfinite). Valid after a
+  //! forward; the gradients after a backward, until the next forward.
+  template <memory_space Space>
+  [[nodiscard]] std::vector<layer_trace<Space>> trace() {
+    require_built("trace");
+    if (batch_in_flight_ == 0)
+      detail::fail<invalid_argument>("mpx::sequential::trace", "no forward has run yet");
+    std::vector<layer_trace<Space>> out;
+    trace_from<0, Space>(out);
+    return out;
+  }
+
   //! Visits every layer in order (for save/load, diagnostics, a user's own walk).
   template <class F>
   void for_each_layer(F&& f) {
@@ -348,7 +389,8 @@ class sequential_model {
     if constexpr (std::is_same_v<T, In>) {
       in = x.reshape(in_shape);
     } else {
-      if constexpr (I == 0) node.input_cast.ensure(exec, in_shape);  // the caller's dtype is known only now
+      if constexpr (I == 0)  // the caller's dtype is known only now
+        if (node.input_cast.ensure(exec, in_shape)) ++buffer_generation_;
       auto cast_buffer = node.input_cast.template view<Space>(in_shape);
       cast(exec, x.reshape(in_shape), cast_buffer);
       in = cast_buffer;
@@ -388,12 +430,47 @@ class sequential_model {
     if constexpr (I > 0) backward_into<I - 1>(exec, tensor_view<In const, Space>(dx));
   }
 
+  template <std::size_t I, class Space>
+  void trace_from(std::vector<layer_trace<Space>>& out) {
+    auto& node = boost::hana::at_c<I>(nodes_);
+    using L = layer_at<I>;
+    using In = typename L::input_type;
+    using Out = typename L::output_type;
+    std::int64_t const batch = batch_in_flight_;
+    shape const in_shape = detail::with_batch(batch, node.layer.input_shape());
+    shape const out_shape = detail::with_batch(batch, node.layer.output_shape());
+    layer_trace<Space> t;
+    t.name = node.layer.name();
+    t.kind = std::string(L::kind);
+    t.policy = std::string(L::policy::name);
+    auto const in = input_of<I, Space>(batch);
+    t.input = tensor_view<In, Space>(const_cast<In*>(in.data()), in.shape());  // read only
+    t.output = node.output.template view<Space>(out_shape);
+    bool const ran_backward = backward_top_ != no_backward && I <= backward_top_;
+    if (ran_backward && I < backward_top_) {  // dy is layer I+1's dx, or its cast into output_grad
+      if constexpr (I + 1 < count) {
+        using NextIn = typename layer_at<I + 1>::input_type;
+        if constexpr (std::is_same_v<NextIn, Out>)
+          t.output_gradient = boost::hana::at_c<I + 1>(nodes_).input_grad.template view<Space>(out_shape);
+        else t.output_gradient = node.output_grad.template view<Space>(out_shape);
+      }
+    }
+    if (ran_backward && I > 0) t.input_gradient = node.input_grad.template view<Space>(in_shape);
+    t.in_backward = ran_backward;
+    node.layer.template append_parameters<Space>(t.parameters);
+    out.push_back(std::move(t));
+    if constexpr (I + 1 < count) trace_from<I + 1, Space>(out);
+  }
+
+  static constexpr std::size_t no_backward = static_cast<std::size_t>(-1);
+
   nodes_type nodes_;
   shape input_shape_{0};
   std::int64_t batch_ = 0;
   std::int64_t batch_in_flight_ = 0;
   std::uint64_t buffer_generation_ = 0;
   void const* first_input_ = nullptr;
+  std::size_t backward_top_ = no_backward;  // the layer the latest backward began at
   bool built_ = false;
 };
 

@@ -199,7 +199,7 @@ class classifier_trainer {
                        tensor_view<std::int32_t const, Space> labels) {
     if (!graph_streams_) graph_streams_ = std::make_shared<detail::side_stream>();
     std::int64_t const batch = images.shape()[0];
-    if (batch > model_.reserved_batch()) model_.reserve(exec, batch);
+    model_.template reserve_for_input<T>(exec, batch);
     d_logits_.ensure(exec, detail::with_batch(batch, model_.output_shape()));  // the logits' shape (a softmax keeps it)
     if (graph_exec_ && !graph_still_valid()) {
       graph_exec_.reset();

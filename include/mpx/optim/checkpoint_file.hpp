@@ -50,6 +50,10 @@ namespace detail {
 inline constexpr char checkpoint_magic[8] = {'M', 'P', 'X', 'C', 'K', 'P', 'T', '\0'};
 inline constexpr std::uint32_t checkpoint_version = 1;
 
+constexpr std::uint32_t byteswap32(std::uint32_t x) noexcept {
+  return (x >> 24) | ((x >> 8) & 0xFF00u) | ((x << 8) & 0xFF0000u) | (x << 24);
+}
+
 //! 64-bit FNV-1a: a checksum against truncation and bit rot, not an adversary.
 inline std::uint64_t fnv1a(std::span<std::byte const> bytes, std::uint64_t h = 0xcbf29ce484222325ull) noexcept {
   for (std::byte b : bytes) {
@@ -177,6 +181,9 @@ class checkpoint_reader {
       refuse("it is not an mpx checkpoint (no MPXCKPT header)");
     std::size_t at = sizeof(checkpoint_magic);
     auto const version = take<std::uint32_t>(at);
+    if (version == byteswap32(checkpoint_version))
+      refuse("it was written on a machine of the other byte order (its version field reads " +
+             std::to_string(version) + " here); checkpoints are not portable between byte orders");
     if (version != checkpoint_version)
       refuse("it has format version " + std::to_string(version) + "; this mpx reads version " +
              std::to_string(checkpoint_version));

@@ -1,0 +1,270 @@
+// Model-level diagnostics: where a mixed-precision model's numbers go wrong, and why.
+//
+//   find_nonfinite(exec, model)   after a forward (and a backward): the first layer that
+//                                 turned finite numbers into NaN or inf, the tensor,
+//                                 what it read, and the likely cause. "Why is my
+//                                 mixed-precision model failing to train?"
+//   probe_loss_scales(exec, model, images, labels)
+//                                 the gradients of one batch at several loss scales:
+//                                 per parameter, the share stored as zero (underflow)
+//                                 and whether any overflowed, and the scale to use.
+//                                 "Why is my gradient zero?"
+//
+// Both read values back to the host, so on a cuda_executor they synchronise the stream
+// (once per tensor): tools for a debugging session, not for every step.
+#pragma once
+
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/exec/tensor_ref.hpp>
+#include <mpx/kernels/elementwise.hpp>
+#include <mpx/losses/cross_entropy.hpp>
+#include <mpx/losses/loss_value.hpp>
+#include <mpx/numerics/stats.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+namespace detail {
+template <class Exec, class Space>
+numerics_stats stats_of(Exec const& exec, tensor_ref<Space> const& t) {
+  numerics_stats out;
+  visit_dtype(t.dtype(), [&](auto tag) { out = stats(exec, t.template as<decltype(tag)>()); });
+  return out;
+}
+
+//! The largest finite value of a dtype, for the explanations.
+inline std::string largest_finite_text(dtype_id d) {
+  switch (d) {
+    case dtype_id::float16: return "65504";
+    case dtype_id::bfloat16:
+    case dtype_id::float32: return "3.4e38";
+  }
+  return "?";
+}
+}  // namespace detail
+
+//! Where a NaN or inf first appeared.
+struct nonfinite_finding {
+  std::string layer;   //!< "dense_1", or "(model input)" when the data itself holds them
+  std::string kind;    //!< "Dense"
+  std::string policy;  //!< "mixed_float16"
+  std::string pass;    //!< "forward" or "backward"
+  std::string tensor;  //!< "output", "input gradient", a parameter ("dense_1/kernel value") or its gradient ("dense_1/kernel gradient")
+  dtype_id dtype = dtype_id::float32;  //!< the dtype that tensor is stored in
+  numerics_stats stats;                //!< of that tensor
+  numerics_stats read_stats;           //!< of what the layer read: its input (forward) or dL/d(output) (backward)
+  bool read_known = true;              //!< false when the layer began the backward pass (its dL/d(output) is the caller's)
+
+  //! A paragraph: where, what, and the likely cause with what to try.
+  [[nodiscard]] std::string explanation() const {
+    std::string const where = layer + (kind.empty() ? "" : " (" + kind + ", " + policy + ")");
+    std::string out = where + ": its " + pass + " pass wrote " + std::to_string(stats.nan) + " NaN and " +
+                      std::to_string(stats.inf) + " inf to its " + tensor + " (" + std::string(to_string(dtype)) +
+                      ", " + std::to_string(stats.size) + " values; largest finite magnitude " +
+                      detail::to_text(stats.absmax) + ")";
+    if (layer == "(model input)")
+      return out + ". The data fed to the model is not finite: check the data set and its normalisation.";
+    if (read_known)
+      out += " from finite " + std::string(pass == "forward" ? "inputs" : "gradients") + " (largest magnitude " +
+             detail::to_text(read_stats.absmax) + ")";
+    out += ". ";
+    if (tensor.ends_with(" value")) {
+      out += "The parameter itself is not finite: an earlier update wrote NaN or inf into it, a step that should "
+             "have been skipped (update through a loss_scale_optimizer, which checks the gradients first) or a "
+             "learning rate so high that the weights overflowed.";
+    } else if (pass == "forward") {
+      if (stats.inf > 0 && dtype == dtype_id::float16)
+        out += "The values passed float16's largest finite value (65504): an overflow. Keep this layer in float32 "
+               "(give it the float32 policy) or in bfloat16 (float32's range), normalise what it reads, or look for "
+               "weights that grew (a learning rate too high).";
+      else if (stats.inf > 0)
+        out += "The values passed " + std::string(to_string(dtype)) + "'s largest finite value (" +
+               detail::largest_finite_text(dtype) + "), which is float32's range: the model diverged. Look for "
+               "weights that grew (a learning rate too high) or inputs that are not normalised.";
+      else
+        out += "NaN from finite numbers is an invalid operation inside the layer: 0/0, inf - inf, 0 * inf, or the "
+               "logarithm or square root of a negative number, often after an intermediate overflowed or "
+               "underflowed to 0. Compute it in float (the policy's accumulate type), add an epsilon to "
+               "divisors, or use mpx's stable forms (softmax, losses from logits).";
+    } else {
+      if (stats.inf > 0)
+        out += "The gradients passed " + std::string(to_string(dtype)) + "'s range: the loss scale is too large "
+               "for this layer. A dynamic loss scaler skips such a step and halves the scale; with a fixed scale, "
+               "lower it (probe_loss_scales shows which scales keep every gradient finite).";
+      else
+        out += "NaN in the backward pass from finite gradients is an invalid operation in this layer's "
+               "derivative, often a division by a value that underflowed to 0, or inf times 0.";
+    }
+    return out;
+  }
+};
+
+//! After model.forward (and model.backward or backward_from_logits), the first place a
+//! NaN or inf appears: the model's input; then each layer's parameters and output in
+//! forward order; then, going backwards from where backpropagation began, each layer's parameter
+//! gradients and input gradient. The first tensor that holds one names the layer that
+//! made it from finite numbers. nullopt when everything is finite. Synchronises.
+template <executor Exec, class Model>
+std::optional<nonfinite_finding> find_nonfinite(Exec const& exec, Model& model) {
+  using Space = memory_space_t<Exec>;
+  auto const layers = model.template trace<Space>();
+  auto found = [&](auto const& t, std::string pass, std::string tensor, tensor_ref<Space> const& where,
+                   numerics_stats const& s, std::optional<numerics_stats> read) {
+    nonfinite_finding f{t.name, t.kind, t.policy, std::move(pass), std::move(tensor), where.dtype(), s, {}, true};
+    if (read) f.read_stats = *read;
+    else f.read_known = false;
+    return f;
+  };
+  numerics_stats const input = detail::stats_of(exec, layers.front().input);
+  if (!input.all_finite()) {
+    nonfinite_finding f{"(model input)", "", "", "forward", "values", layers.front().input.dtype(), input, {}, false};
+    return f;
+  }
+  numerics_stats read = input;
+  for (auto const& t : layers) {
+    for (auto const& p : t.parameters) {  // weights an earlier update made non-finite
+      numerics_stats const w = detail::stats_of(exec, p.value);
+      if (!w.all_finite()) return found(t, "forward", p.name + " value", p.value, w, std::nullopt);
+    }
+    numerics_stats const out = detail::stats_of(exec, t.output);
+    if (!out.all_finite()) return found(t, "forward", "output", t.output, out, read);
+    read = out;
+  }
+  for (std::size_t i = layers.size(); i-- > 0;) {
+    auto const& t = layers[i];
+    if (!t.in_backward) continue;
+    std::optional<numerics_stats> dy;
+    if (t.output_gradient.size() != 0) dy = detail::stats_of(exec, t.output_gradient);
+    for (auto const& p : t.parameters) {
+      numerics_stats const g = detail::stats_of(exec, p.gradient);
+      if (!g.all_finite()) return found(t, "backward", p.name + " gradient", p.gradient, g, dy);
+    }
+    if (t.input_gradient.size() != 0) {
+      numerics_stats const dx = detail::stats_of(exec, t.input_gradient);
+      if (!dx.all_finite()) return found(t, "backward", "input gradient", t.input_gradient, dx, dy);
+    }
+  }
+  return std::nullopt;
+}
+
+//! One parameter's gradients at each probed loss scale.
+struct loss_scale_probe_row {
+  std::string parameter;                 //!< "dense/kernel"
+  dtype_id dtype = dtype_id::float32;    //!< the dtype its gradient is stored in
+  std::size_t size = 0;
+  std::vector<double> zero_share;        //!< per scale: the share of the stored gradient that is 0
+  std::vector<std::size_t> nonfinite;    //!< per scale: NaN and inf in it
+};
+
+//! What probe_loss_scales found.
+struct loss_scale_probe {
+  std::vector<float> scales;
+  std::vector<loss_scale_probe_row> rows;
+  //! The largest probed scale at which every gradient is finite; 0 if none is.
+  float recommended_scale = 0;
+
+  //! A table: one row per parameter, the share of zeros at each scale, "inf" where a
+  //! gradient overflowed; then the recommendation.
+  [[nodiscard]] std::string to_string() const {
+    std::string out;
+    char cell[64];
+    std::snprintf(cell, sizeof cell, "%-28s %-9s", "zero share at loss scale", "dtype");
+    out += cell;
+    for (float s : scales) {
+      std::snprintf(cell, sizeof cell, " %8s", ("2^" + std::to_string(static_cast<int>(std::lround(std::log2(s))))).c_str());
+      out += cell;
+    }
+    out += "\n";
+    for (auto const& r : rows) {
+      std::snprintf(cell, sizeof cell, "%-28s %-9s", r.parameter.c_str(), std::string(mpx::to_string(r.dtype)).c_str());
+      out += cell;
+      for (std::size_t i = 0; i < scales.size(); ++i) {
+        if (r.nonfinite[i]) std::snprintf(cell, sizeof cell, " %8s", "inf");
+        else std::snprintf(cell, sizeof cell, " %7.1f%%", 100 * r.zero_share[i]);
+        out += cell;
+      }
+      out += "\n";
+    }
+    if (recommended_scale > 0)
+      out += "largest scale with every gradient finite: 2^" +
+             std::to_string(static_cast<int>(std::lround(std::log2(recommended_scale)))) + " = " +
+             (recommended_scale < 1e15f ? std::to_string(std::llround(recommended_scale))
+                                        : detail::to_text(recommended_scale)) +
+             " (a dynamic loss scaler settles near it)\n";
+    else
+      out += "no probed scale keeps every gradient finite: the gradients overflow even unscaled, so the model "
+             "itself diverges (find_nonfinite names the layer)\n";
+    return out;
+  }
+};
+
+inline std::vector<float> default_probe_scales() {
+  return {1.0f, 16.0f, 256.0f, 4096.0f, 65536.0f, 1048576.0f, 16777216.0f};
+}
+
+namespace detail {
+inline void check_probe_scales(std::vector<float> const& scales) {
+  for (float s : scales)
+    if (!(s > 0) || !std::isfinite(s))
+      fail<invalid_argument>("mpx::probe_loss_scales", "every scale must be finite and > 0; got " + to_text(s));
+}
+}  // namespace detail
+
+//! For any loss: after model.forward(exec, x, true), give the loss's unscaled gradient
+//! with respect to the logits (see model.logits()), in float. For each loss scale, the
+//! gradient times the scale (in float) is backpropagated and every parameter's stored
+//! gradient is measured: the share of zeros (values that underflowed, beside true zeros
+//! such as a ReLU's) and NaN or inf (overflow). The model's gradients are left as at the
+//! last scale. Synchronises. The default scales: 2^0, 2^4, ..., 2^24.
+template <executor Exec, class Model, class Space = memory_space_t<Exec>>
+loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<float const, Space> loss_gradient,
+                                   std::vector<float> scales = default_probe_scales()) {
+  detail::check_probe_scales(scales);
+  loss_scale_probe out;
+  out.scales = scales;
+  tensor<float, Space> scaled(exec, loss_gradient.shape());
+  auto const params = model.template parameters<Space>();
+  for (auto const& p : params) out.rows.push_back({p.name, p.gradient.dtype(), p.gradient.size(), {}, {}});
+  for (float s : scales) {
+    copy(exec, loss_gradient, scaled);
+    scale(exec, scaled, s);
+    model.backward_from_logits(exec, tensor_view<float const, Space>(scaled));
+    bool all_finite = true;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      numerics_stats const g = detail::stats_of(exec, params[i].gradient);
+      out.rows[i].zero_share.push_back(g.size ? static_cast<double>(g.zero) / static_cast<double>(g.size) : 0.0);
+      out.rows[i].nonfinite.push_back(g.nonfinite());
+      all_finite = all_finite && g.all_finite();
+    }
+    if (all_finite && s > out.recommended_scale) out.recommended_scale = s;
+  }
+  return out;
+}
+
+//! For a classifier trained with sparse categorical cross-entropy: runs the forward pass
+//! (training mode) on a batch, takes the cross-entropy's gradient, and probes as above.
+template <executor Exec, class Model, class T, class Space = memory_space_t<Exec>>
+loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<T const, Space> images,
+                                   tensor_view<std::int32_t const, Space> labels,
+                                   std::vector<float> scales = default_probe_scales()) {
+  detail::check_probe_scales(scales);
+  model.forward(exec, images, true);
+  auto const logits = model.template logits<Space>();
+  tensor<float, Space> gradient(exec, logits.shape());
+  loss_value<Space> loss(exec);
+  sparse_categorical_cross_entropy<float32>(exec, logits, labels, gradient, loss);
+  return probe_loss_scales(exec, model, tensor_view<float const, Space>(gradient), std::move(scales));
+}
+
+}  // namespace mpx
