@@ -1,5 +1,5 @@
-// Microbenchmark of the foundation's memory-bound kernels: all_finite, stats, cast and
-// scale over N elements of each dtype, reported in GB/s beside a copy of the same bytes
+// Microbenchmark of the foundation's memory-bound kernels: all_finite, stats,
+// log2_histogram, cast and scale over N elements of each dtype, reported in GB/s beside a copy of the same bytes
 // measured in the same run (memcpy on the host, a device-to-device cudaMemcpyAsync on
 // the GPU). Every op moves each byte once, so the copy is its ceiling.
 //
@@ -65,6 +65,8 @@ void run_all(Exec const& exec, options const& opt) {
     volatile std::size_t sink_nan = 0;
     print_row(Exec::name, "stats", name, bytes,
               median_seconds(exec, opt.repeat, [&] { sink_nan = mpx::stats(exec, x).nan; }), copy_gbps);
+    print_row(Exec::name, "log2_histogram", name, bytes,
+              median_seconds(exec, opt.repeat, [&] { sink_nan = mpx::log2_histogram(exec, x).nan; }), copy_gbps);
     print_row(Exec::name, "scale (in place)", name, 2 * bytes,
               median_seconds(exec, opt.repeat, [&] { mpx::scale(exec, x, 1.0f); }), copy_gbps);
     if constexpr (!std::is_same_v<T, float>) {

@@ -59,5 +59,12 @@ int main() {
   // The largest |x|, as a reduction of your own; the same call runs on a cuda_executor.
   float const largest = mpx::transform_reduce(exec, grads, 0.0f, abs_of{}, max_of{});
   ok &= largest == 70000.0f;
+
+  // The exponents, binade by binade, and where float16 loses each.
+  mpx::exponent_histogram const e = mpx::log2_histogram(exec, grads);
+  std::printf("%s", e.to_string().c_str());
+  ok &= e.count(-10) == 1 && e.count(-16) == 1 && e.count(16) == 1 && e.zero == 1;  // 1e-3, -2e-5, 70000, 0
+  ok &= e.count(-25) == 1;  // 3e-8: above 2^-25, so half rounds it up to 2^-24
+  ok &= e.count_between(mpx::exponent_histogram::min_exponent, -26) == 3;  // 2.9e-8, 1e-9, 1e-40: 0 in half
   return ok ? 0 : 1;
 }

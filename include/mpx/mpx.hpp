@@ -55,6 +55,7 @@
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/train_step.hpp>
 #include <mpx/numerics/finite.hpp>
+#include <mpx/numerics/histogram.hpp>
 #include <mpx/numerics/stats.hpp>
 #include <mpx/numerics/sum_of_squares.hpp>
 #include <mpx/optim/adam.hpp>

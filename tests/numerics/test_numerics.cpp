@@ -44,7 +44,84 @@ std::vector<T> mixed_magnitudes(std::size_t n, std::uint64_t stream) {
   return v;
 }
 
+//! floor(log2 |x|) per element from frexp in float64, the zeros, NaN and inf apart.
+template <class T>
+mpx::exponent_histogram reference_histogram(std::vector<T> const& v) {
+  mpx::exponent_histogram h;
+  for (T const& x : v) {
+    double const d = mpx::detail::to_double(x);
+    if (std::isnan(d)) ++h.nan;
+    else if (std::isinf(d)) ++h.inf;
+    else if (d == 0) ++h.zero;
+    else {
+      int e = 0;
+      std::frexp(d, &e);  // |d| = m 2^e, m in [0.5, 1): floor(log2 |d|) = e - 1
+      ++h.counts[static_cast<std::size_t>(e - 1 - mpx::exponent_histogram::min_exponent)];
+    }
+  }
+  return h;
+}
+
 }  // namespace
+
+TEMPLATE_LIST_TEST_CASE("log2_histogram counts every exponent as float64's frexp does", "[numerics][histogram]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : mpx_test::awkward_sizes()) {
+      auto values = mixed_magnitudes<T>(n, 100 + n);
+      if (n > 10) {
+        values[1] = mpx::dtype_traits<T>::quiet_nan();
+        values[n - 1] = mpx::dtype_traits<T>::infinity();
+        values[n / 2] = mpx::dtype_traits<T>::min_subnormal();
+        values[n / 3] = mpx::dtype_traits<T>::max();
+        values[n / 4] = mpx::cast<T>(-1.0f);                 // exactly 2^0
+        values[n / 5] = mpx::dtype_traits<T>::min_normal();  // the first normal binade
+        values[n / 6] = mpx::cast<T>(-3 * mpx::cast<float>(mpx::dtype_traits<T>::min_subnormal()));  // 2^(min + 1)
+      }
+      auto const d = mpx_test::upload(exec, values);
+      auto const got = mpx::log2_histogram(exec, d);
+      auto const expected = reference_histogram(values);
+      INFO(mpx::dtype_name<T> << " n=" << n);
+      REQUIRE(got.counts == expected.counts);
+      REQUIRE(got.zero == expected.zero);
+      REQUIRE(got.nan == expected.nan);
+      REQUIRE(got.inf == expected.inf);
+      REQUIRE(got.size() == n);
+      if (n > 1000) REQUIRE((expected.zero > 0 && expected.count(-1) > 0));  // the reference has things to find
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+  // float32's own subnormals, down to 2^-149.
+  std::vector<float> const tiny = {0x1p-149f, 0x1p-148f, 0x1.8p-140f, 0x1p-127f, 0x1.fffffcp-127f, 0x1p-126f};
+  auto const t = mpx::log2_histogram(exec, mpx_test::upload(exec, tiny));
+  CHECK(t.count(-149) == 1);
+  CHECK(t.count(-148) == 1);
+  CHECK(t.count(-140) == 1);
+  CHECK(t.count(-127) == 2);
+  CHECK(t.count(-126) == 1);
+}
+
+TEMPLATE_LIST_TEST_CASE("log2_histogram shows where float16 loses a gradient, and a scale shifts it",
+                        "[numerics][histogram]", mpx_test::executors) {
+  TestType exec;
+  std::vector<float> grads;
+  for (int i = 0; i < 300; ++i) grads.push_back(std::ldexp(1.0f + static_cast<float>(i % 7) / 8, -30 + i % 12));
+  auto g = mpx_test::upload(exec, grads);
+  auto const before = mpx::log2_histogram(exec, g);
+  CHECK(before.count_between(-30, -19) == 300);
+  CHECK(before.count_between(-149, -26) == 125);  // exponents -30 ... -26: 0 in half
+  auto const text = before.to_string();
+  CHECK_THAT(text, Catch::Contains("2^-30") && Catch::Contains("0 in half") && Catch::Contains("subnormal in half"));
+  mpx::scale(exec, g, 65536.0f);  // 2^16: exact in float, every exponent + 16
+  auto const after = mpx::log2_histogram(exec, g);
+  for (int e = -30; e <= -19; ++e) CHECK(after.count(e + 16) == before.count(e));
+  CHECK(after.count_between(-149, -26) == 0);
+  auto const empty = mpx::log2_histogram(exec, mpx_test::upload(exec, std::vector<float>{}));
+  CHECK(empty.size() == 0);
+  CHECK(empty.to_string() == "(empty)\n");
+}
 
 TEMPLATE_LIST_TEST_CASE("a planted NaN or inf is found wherever it sits", "[numerics]", mpx_test::executors) {
   TestType exec;

@@ -446,7 +446,8 @@ class sequential_model {
     auto const in = input_of<I, Space>(batch);
     t.input = tensor_view<In, Space>(const_cast<In*>(in.data()), in.shape());  // read only
     t.output = node.output.template view<Space>(out_shape);
-    bool const ran_backward = backward_top_ != no_backward && I <= backward_top_;
+    bool ran_backward = backward_top_ != no_backward;  // (a backward reaches layer 0 always)
+    if constexpr (I > 0) ran_backward = ran_backward && I <= backward_top_;
     if (ran_backward && I < backward_top_) {  // dy is layer I+1's dx, or its cast into output_grad
       if constexpr (I + 1 < count) {
         using NextIn = typename layer_at<I + 1>::input_type;
