@@ -14,8 +14,11 @@
 //   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
 //                 [--test-limit N] [--data DIR] [--csv FILE] [--seed N] [--cuda-graph]
+//                 [--probe]
 //
 // --cuda-graph captures one training step in a CUDA graph and replays it (GPU only).
+// --probe prints, before training, the share of each parameter's gradients that a
+// batch loses at each loss scale (mpx::probe_loss_scales): why a scale is needed.
 //
 // Without a GPU the default is one epoch of the 60,000 training images on the host, about
 // two minutes on two cores; on a GPU, five epochs.
@@ -42,6 +45,7 @@ struct settings {
   std::string csv;
   std::uint64_t seed = 1;
   bool cuda_graph = false;
+  bool probe = false;  // print probe_loss_scales on the first batch before training
 };
 
 struct outcome {
@@ -94,6 +98,12 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
 
   mpx::batch_loader<Exec, storage> train_batches(exec, train_set, {.batch_size = s.batch_size, .shuffle = true, .seed = s.seed});
   mpx::batch_loader<Exec, storage> test_batches(exec, test_set, {.batch_size = 500, .shuffle = false});
+  if (s.probe) {
+    train_batches.start_epoch(0);
+    if (auto const first = train_batches.next())
+      std::printf("\nThe first batch's gradients at each loss scale (mpx::probe_loss_scales):\n%s",
+                  mpx::probe_loss_scales(exec, model, first->images, first->labels).to_string().c_str());
+  }
 
   // Keras scales the loss only for float16; a static scale of 1 keeps the check and skip.
   constexpr bool float16 = std::is_same_v<storage, mpx::half>;
@@ -153,7 +163,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::im
   std::fprintf(code ? stderr : stdout,
                "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N] [--batch-size N]\n"
                "          [--executor auto|host|cuda] [--train-limit N] [--test-limit N] [--data DIR] [--csv FILE]\n"
-               "          [--seed N] [--cuda-graph]\n",
+               "          [--seed N] [--cuda-graph] [--probe]\n",
                program);
   std::exit(code);
 }
@@ -186,6 +196,7 @@ settings parse(int argc, char** argv) {
     else if (a == "--csv") s.csv = value();
     else if (a == "--seed") s.seed = number();
     else if (a == "--cuda-graph") s.cuda_graph = true;
+    else if (a == "--probe") s.probe = true;
     else if (a == "--help" || a == "-h") usage(argv[0], 0);
     else {
       std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());

@@ -224,6 +224,8 @@ TEMPLATE_LIST_TEST_CASE("probe_loss_scales: float16 gradients underflow at scale
                                                           mpx::softmax_layer<mpx::float32>()));
   CHECK(single.rows[0].zero_share[0] == 0.0);
   CHECK(single.recommended_scale == 4294967296.0f);
+  CHECK_THAT(single.to_string(), Catch::Contains("needs no loss scale"));
+  CHECK_THAT(half.to_string(), !Catch::Contains("needs no loss scale"));
 
   auto unbuilt = mpx::sequential<mpx::float32>(mpx::dense<>(2));  // the scales are checked first
   CHECK_THROWS_TYPE_WITH(mpx::probe_loss_scales(exec, unbuilt, mpx::tensor_view<float const, space>(mpx::view(x)),

@@ -196,6 +196,14 @@ struct loss_scale_probe {
       }
       out += "\n";
     }
+    // Does a scale recover anything? Compare the zero shares at 1 and at the safe scale.
+    bool recovers = false;
+    for (std::size_t i = 0; i < scales.size() && recommended_scale > 0; ++i) {
+      if (scales[i] != recommended_scale) continue;
+      for (auto const& r : rows) recovers = recovers || r.zero_share.front() > r.zero_share[i];
+    }
+    if (recommended_scale > 0 && !recovers && scales.front() <= 1.0f)
+      out += "no gradient is lost at scale 1: this model needs no loss scale (bfloat16 and float32 rarely do)\n";
     if (recommended_scale > 0)
       out += "largest scale with every gradient finite: 2^" +
              std::to_string(static_cast<int>(std::lround(std::log2(recommended_scale)))) + " = " +
