@@ -10,6 +10,7 @@
 // ask (history()), so the host runs ahead of the GPU.
 #pragma once
 
+#include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
@@ -191,7 +192,7 @@ class classifier_trainer {
   }
 
 #if MPX_HAS_CUDA
-  // Graph mode: every step (eager or replayed) runs on step_stream_, so the eager steps
+  // Graph mode: every step (eager or replayed) runs on the side stream, so the eager steps
   // also warm what capture may not create (cuBLASLt's workspace for that stream). The
   // buffers are made beforehand on the caller's stream, which outlives the trainer's.
   template <class T>
@@ -205,12 +206,15 @@ class classifier_trainer {
       graph_exec_.reset();
       eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
     }
-    bool const replay = graph_exec_ ? images.shape() == graph_shape_ : images.shape() == eager_shape_;
+    // A graph serves one batch shape and dtype: it was captured reading those bytes.
+    bool const replay = graph_exec_ ? images.shape() == graph_shape_ && dtype_id_of<T> == graph_dtype_
+                                    : images.shape() == eager_shape_ && dtype_id_of<T> == eager_dtype_;
     if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
       graph_record_ = tensor<step_record, Space>(exec, shape{1});
       graph_shape_ = images.shape();
+      graph_dtype_ = dtype_id_of<T>;
     }
     Exec const on = exec.on(graph_streams_->stream);
     graph_streams_->follow(exec.stream());
@@ -220,6 +224,7 @@ class classifier_trainer {
       step_body(on, images, labels, record(pending_));
       ++pending_;
       eager_shape_ = images.shape();
+      eager_dtype_ = dtype_id_of<T>;
     }
     graph_streams_->precede(exec.stream());
     // A replay skips loss_scaler::update's host side: look for a stuck scale here (it
@@ -278,6 +283,8 @@ class classifier_trainer {
   tensor<step_record, Space> graph_record_;
   shape graph_shape_{0};
   shape eager_shape_{0};
+  dtype_id graph_dtype_ = dtype_id::float32;
+  dtype_id eager_dtype_ = dtype_id::float32;
   std::uint64_t captured_generation_ = 0;
   void const* captured_d_logits_ = nullptr;
   std::array<std::byte, sizeof(rule_type)> captured_rule_{};
