@@ -2,7 +2,7 @@
 # Prepares what a lent GPU machine needs to run mpx's GPU checks in one call, without
 # building there: the CUDA test suite, the examples and the benchmarks built here by
 # nvcc (sm_90), stripped; the shared libraries they use that the GPU image lacks
-# (OpenBLAS and its Fortran runtime); the Fashion-MNIST files; and scripts/gpu_run.sh.
+# (OpenBLAS and its Fortran runtime), packed with xz; and the Fashion-MNIST files.
 # Everything lands in .gpu/ (ignored by git), which the device call carries:
 #
 #   scripts/gpu_kit.sh [BUILD_DIR]      # default: configure and build build-gpu (release)
@@ -38,6 +38,10 @@ cp /usr/share/datasets/fashion-mnist/*.gz "$kit/data/fashion-mnist/" 2>/dev/null
   echo "gpu_kit: no Fashion-MNIST under /usr/share/datasets (scripts/setup.sh installs it); the example will be skipped" >&2
 git rev-parse HEAD > "$kit/commit"
 if ! git diff --quiet HEAD 2>/dev/null; then echo "dirty" >> "$kit/commit"; fi
+# Programs and libraries shrink about fivefold under xz (the data is gzip already);
+# gpu_run.sh unpacks them on the device.
+tar -cJf "$kit/programs.tar.xz" -C "$kit" bin lib
+rm -rf "$kit/bin" "$kit/lib"
 
 size=$(du -sm "$kit" | cut -f1)
 echo "gpu_kit: $kit holds ${size} MiB (limit 64):"

@@ -20,9 +20,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mpx-gpu-out}
 mkdir -p "$OUT"
 kit=$PWD/.gpu
-export LD_LIBRARY_PATH="$kit/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+programs=/tmp/mpx-gpu
+rm -rf "$programs" && mkdir -p "$programs" && tar -xJf "$kit/programs.tar.xz" -C "$programs" ||
+  { echo "gpu_run: cannot unpack $kit/programs.tar.xz (run scripts/gpu_kit.sh and carry .gpu)" >&2; exit 1; }
+export LD_LIBRARY_PATH="$programs/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export PATH="/usr/local/cuda/bin:$PATH"
-bin=$kit/bin
+bin=$programs/bin
 summary=()
 
 step() {  # step NAME SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records the outcome
