@@ -456,8 +456,10 @@ TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]",
 TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit for bit", "[model][cuda]") {
   mpx::cuda_executor exec;
   using space = mpx::device_space;
-  auto train = [&](bool graph) {
-    auto const points = quadrants<mpx::cuda_executor, mpx::half>(exec, 200, 24);
+  // Half data, and float data that the model casts for its first layer (into a buffer
+  // the graph reads, reserved on the caller's stream before the side stream uses it).
+  auto train = [&](bool graph, auto data_type) {
+    auto const points = quadrants<mpx::cuda_executor, decltype(data_type)>(exec, 200, 24);
     auto data = points.batches(64);  // the last batch (8) runs eagerly
     // A dropout layer: each replay must draw a fresh mask, as each eager step does.
     auto model = mpx::sequential<mpx::mixed_float16>(mpx::dense<>(16, mpx::activation::tanh), mpx::dropout<>(0.25f),
@@ -482,18 +484,23 @@ TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit fo
     auto weights = mpx_test::download(exec, model.template layer<0>().template kernel<space>());
     return std::pair(records, weights);
   };
-  auto const [eager_records, eager_weights] = train(false);
-  auto const [graph_records, graph_weights] = train(true);
-  REQUIRE(eager_records.size() == 12);
-  REQUIRE(graph_records.size() == 12);
-  for (std::size_t i = 0; i < 12; ++i) {
-    INFO("step " << i);
-    CHECK(graph_records[i].loss == eager_records[i].loss);
-    CHECK(graph_records[i].loss_scale == eager_records[i].loss_scale);
-    CHECK(graph_records[i].correct == eager_records[i].correct);
-    CHECK(graph_records[i].samples == eager_records[i].samples);
-  }
-  CHECK(eager_records[11].loss_scale > eager_records[0].loss_scale);
-  CHECK(mpx_test::first_mismatch(graph_weights, eager_weights).empty());
+  auto compare = [&](auto data_type) {
+    INFO("data in " << mpx::dtype_name<decltype(data_type)>);
+    auto const [eager_records, eager_weights] = train(false, data_type);
+    auto const [graph_records, graph_weights] = train(true, data_type);
+    REQUIRE(eager_records.size() == 12);
+    REQUIRE(graph_records.size() == 12);
+    for (std::size_t i = 0; i < 12; ++i) {
+      INFO("step " << i);
+      CHECK(graph_records[i].loss == eager_records[i].loss);
+      CHECK(graph_records[i].loss_scale == eager_records[i].loss_scale);
+      CHECK(graph_records[i].correct == eager_records[i].correct);
+      CHECK(graph_records[i].samples == eager_records[i].samples);
+    }
+    CHECK(eager_records[11].loss_scale > eager_records[0].loss_scale);
+    CHECK(mpx_test::first_mismatch(graph_weights, eager_weights).empty());
+  };
+  compare(mpx::half{});
+  compare(float{});
 }
 #endif
