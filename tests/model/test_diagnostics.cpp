@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -162,6 +163,33 @@ TEMPLATE_LIST_TEST_CASE("find_nonfinite names the layer and tensor where NaN or 
     CHECK_THAT(f->explanation(), Catch::Contains("the loss scale is too large"));
   }
 
+  SECTION("a cast the model inserted overflows float16: forward and backward") {
+    auto up = mpx::sequential(mpx::dense<mpx::float32>(2), mpx::dense<mpx::mixed_float16>(3));
+    up.build(exec, {2}, 1);
+    set_values(exec, up.template layer<0>().template kernel<space>(), std::vector<float>(4, 1e5f));
+    auto x = mpx_test::upload(exec, std::vector<float>(n * 2, 1.0f), {n, 2});  // 2e5: finite in float
+    up.forward(exec, mpx::tensor_view<float const, space>(mpx::view(x)), false);
+    auto const f = mpx::find_nonfinite(exec, up);
+    REQUIRE(f);
+    CHECK(f->layer == "(cast to float16 for dense_1)");
+    CHECK(f->pass == "forward");
+    CHECK(f->read_stats.absmax == 2e5f);
+    CHECK_THAT(f->explanation(), Catch::Contains("the cast the model inserted"));
+
+    auto down = mpx::sequential(mpx::dense<mpx::mixed_float16>(3), mpx::dense<mpx::float32>(2));
+    down.build(exec, {2}, 1);
+    set_values(exec, down.template layer<1>().template kernel<space>(), std::vector<float>(6, 1.0f));
+    auto small = mpx_test::upload(exec, std::vector<float>(n * 2, 0.01f), {n, 2});
+    down.forward(exec, mpx::tensor_view<float const, space>(mpx::view(small)), true);
+    auto dy = mpx_test::upload(exec, std::vector<float>(n * 2, 1e5f), {n, 2});  // float dx = 2e5 per element
+    down.backward(exec, mpx::tensor_view<float const, space>(mpx::view(dy)));
+    auto const g = mpx::find_nonfinite(exec, down);
+    REQUIRE(g);
+    CHECK(g->layer == "(cast to float16 for dense)");
+    CHECK(g->pass == "backward");
+    CHECK(g->tensor == "output gradient");
+  }
+
   SECTION("everything finite; no forward yet is an error") {
     auto model = mpx::sequential<mpx::mixed_float16>(mpx::dense<>(3, mpx::activation::relu), mpx::dense<>(2));
     model.build(exec, {4}, 1);
@@ -195,11 +223,10 @@ TEMPLATE_LIST_TEST_CASE("probe_loss_scales: float16 gradients underflow at scale
   for (std::int64_t i = 0; i < n; ++i) labels[i] = std::min(3, static_cast<std::int32_t>(draws[i]));
   auto x = mpx_test::upload(exec, xs, {n, 6});
   auto y = mpx_test::upload(exec, labels, {n});
-  auto probe = [&](auto model) {
+  auto probe = [&](auto model, std::vector<float> scales = {1.0f, 256.0f, 65536.0f, 16777216.0f, 4294967296.0f}) {
     model.build(exec, {6}, 3);
     return mpx::probe_loss_scales(exec, model, mpx::tensor_view<float const, space>(mpx::view(x)),
-                                  mpx::tensor_view<std::int32_t const, space>(mpx::view(y)),
-                                  {1.0f, 256.0f, 65536.0f, 16777216.0f, 4294967296.0f});
+                                  mpx::tensor_view<std::int32_t const, space>(mpx::view(y)), std::move(scales));
   };
   auto const half = probe(mpx::sequential<mpx::mixed_float16>(mpx::dense<>(8, mpx::activation::tanh), mpx::dense<>(4),
                                                               mpx::softmax_layer<mpx::float32>()));
@@ -227,8 +254,20 @@ TEMPLATE_LIST_TEST_CASE("probe_loss_scales: float16 gradients underflow at scale
   CHECK_THAT(single.to_string(), Catch::Contains("needs no loss scale"));
   CHECK_THAT(half.to_string(), !Catch::Contains("needs no loss scale"));
 
+  // One scale cannot show a scale recovering anything: no "needs no loss scale" then.
+  auto const one = probe(mpx::sequential<mpx::mixed_float16>(mpx::dense<>(8, mpx::activation::tanh), mpx::dense<>(4),
+                                                             mpx::softmax_layer<mpx::float32>()),
+                         {1.0f});
+  CHECK(one.recommended_scale == 1.0f);
+  CHECK_THAT(one.to_string(), !Catch::Contains("needs no loss scale") && Catch::Contains("2^0"));
+  auto const decimal = probe(mpx::sequential<mpx::float32>(mpx::dense<>(4), mpx::softmax_layer<mpx::float32>()),
+                             {1.0f, 1000.0f});
+  CHECK_THAT(decimal.to_string(), Catch::Contains(" 1000") && Catch::Contains("2^0"));
   auto unbuilt = mpx::sequential<mpx::float32>(mpx::dense<>(2));  // the scales are checked first
   CHECK_THROWS_TYPE_WITH(mpx::probe_loss_scales(exec, unbuilt, mpx::tensor_view<float const, space>(mpx::view(x)),
                                                 mpx::tensor_view<std::int32_t const, space>(mpx::view(y)), {0.0f}),
                          mpx::invalid_argument, Catch::Contains("every scale must be finite and > 0"));
+  CHECK_THROWS_TYPE_WITH(mpx::probe_loss_scales(exec, unbuilt, mpx::tensor_view<float const, space>(mpx::view(x)),
+                                                mpx::tensor_view<std::int32_t const, space>(mpx::view(y)), {}),
+                         mpx::invalid_argument, Catch::Contains("at least one loss scale"));
 }

@@ -265,6 +265,8 @@ TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is re
   auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 2e-2f),
                                              mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
   auto const before = mpx::evaluate(exec, model, data);
+  CHECK_THROWS_TYPE_WITH(mpx::classifier_trainer(exec, model, optimizer, 0), mpx::invalid_argument,
+                         Catch::Contains("at least one step"));
   fs::path const dir = scratch_dir("fit");
   mpx::fit_options options;
   options.epochs = 6;

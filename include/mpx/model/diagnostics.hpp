@@ -43,6 +43,12 @@ numerics_stats stats_of(Exec const& exec, tensor_ref<Space> const& t) {
   return out;
 }
 
+//! "2^16" for a power of two, else the number.
+inline std::string scale_label(float s) {
+  int const e = static_cast<int>(std::lround(std::log2(s)));
+  return std::ldexp(1.0f, e) == s ? "2^" + std::to_string(e) : to_text(s);
+}
+
 //! The largest finite value of a dtype, for the explanations.
 inline std::string largest_finite_text(dtype_id d) {
   switch (d) {
@@ -74,7 +80,13 @@ struct nonfinite_finding {
                       ", " + std::to_string(stats.size) + " values; largest finite magnitude " +
                       detail::to_text(stats.absmax) + ")";
     if (layer == "(model input)")
-      return out + ". The data fed to the model is not finite: check the data set and its normalisation.";
+      return out + ". The model's input, as its first layer reads it (cast to that layer's dtype), is not finite: "
+                   "check the data set and its normalisation (values above 65504 become inf in float16).";
+    if (layer.starts_with("(cast"))
+      return out + " from finite values (largest magnitude " + detail::to_text(read_stats.absmax) +
+             "): the cast the model inserted between two layers overflowed " + std::string(to_string(dtype)) +
+             "'s range. Give the layer after it a policy with a wider storage type (bfloat16 or float32), or keep "
+             "the values below 65504 (normalise, or lower the loss scale for a gradient).";
     if (read_known)
       out += " from finite " + std::string(pass == "forward" ? "inputs" : "gradients") + " (largest magnitude " +
              detail::to_text(read_stats.absmax) + ")";
@@ -98,10 +110,13 @@ struct nonfinite_finding {
                "underflowed to 0. Compute it in float (the policy's accumulate type), add an epsilon to "
                "divisors, or use mpx's stable forms (softmax, losses from logits).";
     } else {
-      if (stats.inf > 0)
-        out += "The gradients passed " + std::string(to_string(dtype)) + "'s range: the loss scale is too large "
-               "for this layer. A dynamic loss scaler skips such a step and halves the scale; with a fixed scale, "
-               "lower it (probe_loss_scales shows which scales keep every gradient finite).";
+      if (stats.inf > 0 && dtype == dtype_id::float16)
+        out += "The gradients passed float16's range: the loss scale is too large for this layer. A dynamic "
+               "loss scaler skips such a step and halves the scale; with a fixed scale, lower it "
+               "(probe_loss_scales shows which scales keep every gradient finite).";
+      else if (stats.inf > 0)
+        out += "The gradients passed float32's range, which no sensible loss scale reaches: the model diverged "
+               "(a learning rate too high, or a loss that grew without bound).";
       else
         out += "NaN in the backward pass from finite gradients is an invalid operation in this layer's "
                "derivative, often a division by a value that underflowed to 0, or inf times 0.";
@@ -131,21 +146,42 @@ std::optional<nonfinite_finding> find_nonfinite(Exec const& exec, Model& model) 
     nonfinite_finding f{"(model input)", "", "", "forward", "values", layers.front().input.dtype(), input, {}, false};
     return f;
   }
+  // A cast the model inserted between two layers can overflow too (float32 above 65504
+  // into float16): such a finding names the cast, not the layer after it.
+  auto cast_found = [&](auto const& t, std::string pass, std::string tensor, tensor_ref<Space> const& where,
+                        numerics_stats const& s, numerics_stats const& read) {
+    nonfinite_finding f{"(cast to " + std::string(to_string(where.dtype())) + " for " + t.name + ")",
+                        "", "", std::move(pass), std::move(tensor), where.dtype(), s, read, true};
+    return f;
+  };
   numerics_stats read = input;
+  void const* previous_output = nullptr;
   for (auto const& t : layers) {
     for (auto const& p : t.parameters) {  // weights an earlier update made non-finite
       numerics_stats const w = detail::stats_of(exec, p.value);
       if (!w.all_finite()) return found(t, "forward", p.name + " value", p.value, w, std::nullopt);
     }
+    if (previous_output && t.input.data() != previous_output) {  // the model cast the previous output
+      numerics_stats const cast_input = detail::stats_of(exec, t.input);
+      if (!cast_input.all_finite()) return cast_found(t, "forward", "values", t.input, cast_input, read);
+      read = cast_input;
+    }
     numerics_stats const out = detail::stats_of(exec, t.output);
     if (!out.all_finite()) return found(t, "forward", "output", t.output, out, read);
     read = out;
+    previous_output = t.output.data();
   }
+  std::optional<numerics_stats> above;  // the input gradient of the layer above, checked finite
   for (std::size_t i = layers.size(); i-- > 0;) {
     auto const& t = layers[i];
     if (!t.in_backward) continue;
     std::optional<numerics_stats> dy;
-    if (t.output_gradient.size() != 0) dy = detail::stats_of(exec, t.output_gradient);
+    if (t.output_gradient.size() != 0) {
+      dy = detail::stats_of(exec, t.output_gradient);
+      // dy is the layer above's input gradient (finite, or it would have been found),
+      // or the model's cast of it to this layer's dtype.
+      if (!dy->all_finite() && above) return cast_found(t, "backward", "output gradient", t.output_gradient, *dy, *above);
+    }
     for (auto const& p : t.parameters) {
       numerics_stats const g = detail::stats_of(exec, p.gradient);
       if (!g.all_finite()) return found(t, "backward", p.name + " gradient", p.gradient, g, dy);
@@ -153,6 +189,7 @@ std::optional<nonfinite_finding> find_nonfinite(Exec const& exec, Model& model) 
     if (t.input_gradient.size() != 0) {
       numerics_stats const dx = detail::stats_of(exec, t.input_gradient);
       if (!dx.all_finite()) return found(t, "backward", "input gradient", t.input_gradient, dx, dy);
+      above = dx;
     }
   }
   return std::nullopt;
@@ -182,7 +219,7 @@ struct loss_scale_probe {
     std::snprintf(cell, sizeof cell, "%-28s %-9s", "zero share at loss scale", "dtype");
     out += cell;
     for (float s : scales) {
-      std::snprintf(cell, sizeof cell, " %8s", ("2^" + std::to_string(static_cast<int>(std::lround(std::log2(s))))).c_str());
+      std::snprintf(cell, sizeof cell, " %8s", detail::scale_label(s).c_str());
       out += cell;
     }
     out += "\n";
@@ -202,11 +239,10 @@ struct loss_scale_probe {
       if (scales[i] != recommended_scale) continue;
       for (auto const& r : rows) recovers = recovers || r.zero_share.front() > r.zero_share[i];
     }
-    if (recommended_scale > 0 && !recovers && scales.front() <= 1.0f)
+    if (recommended_scale > scales.front() && !recovers && scales.front() <= 1.0f)
       out += "no gradient is lost at scale 1: this model needs no loss scale (bfloat16 and float32 rarely do)\n";
     if (recommended_scale > 0)
-      out += "largest scale with every gradient finite: 2^" +
-             std::to_string(static_cast<int>(std::lround(std::log2(recommended_scale)))) + " = " +
+      out += "largest scale with every gradient finite: " + detail::scale_label(recommended_scale) + " = " +
              (recommended_scale < 1e15f ? std::to_string(std::llround(recommended_scale))
                                         : detail::to_text(recommended_scale)) +
              " (a dynamic loss scaler settles near it)\n";
@@ -223,6 +259,7 @@ inline std::vector<float> default_probe_scales() {
 
 namespace detail {
 inline void check_probe_scales(std::vector<float> const& scales) {
+  if (scales.empty()) fail<invalid_argument>("mpx::probe_loss_scales", "give at least one loss scale");
   for (float s : scales)
     if (!(s > 0) || !std::isfinite(s))
       fail<invalid_argument>("mpx::probe_loss_scales", "every scale must be finite and > 0; got " + to_text(s));
@@ -272,6 +309,7 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<T
   tensor<float, Space> gradient(exec, logits.shape());
   loss_value<Space> loss(exec);
   sparse_categorical_cross_entropy<float32>(exec, logits, labels, gradient, loss);
+  static_cast<void>(loss.read(exec));  // a label outside [0, classes) throws here, naming it
   return probe_loss_scales(exec, model, tensor_view<float const, Space>(gradient), std::move(scales));
 }
 

@@ -202,6 +202,22 @@ class sequential_model {
     }
   }
 
+  //! What the latest forward and backward left behind for logits(), trace() and
+  //! backward (the batch, the input's address, where backpropagation began). A replayed
+  //! CUDA graph reruns them without the host, so classifier_trainer puts back the state
+  //! its capture left after each replay.
+  struct in_flight {
+    std::int64_t batch = 0;
+    void const* input = nullptr;
+    std::size_t backward_top = static_cast<std::size_t>(-1);
+  };
+  [[nodiscard]] in_flight in_flight_state() const noexcept { return {batch_in_flight_, first_input_, backward_top_}; }
+  void restore_in_flight_state(in_flight const& s) noexcept {
+    batch_in_flight_ = s.batch;
+    first_input_ = s.input;
+    backward_top_ = s.backward_top;
+  }
+
   //! The largest batch the buffers hold now (0 before the first reserve or forward).
   [[nodiscard]] std::int64_t reserved_batch() const noexcept { return batch_; }
   //! Changes whenever build or reserve may have moved a parameter, activation or

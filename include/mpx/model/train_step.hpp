@@ -120,7 +120,10 @@ class classifier_trainer {
  public:
   classifier_trainer(Exec const& exec, Model& model, LossScaleOptimizer& optimizer, std::size_t capacity = 4096)
       : model_(model), optimizer_(optimizer), loss_(exec), records_(exec, shape{static_cast<std::int64_t>(capacity * sizeof(step_record))}),
-        capacity_(capacity) {}
+        capacity_(capacity) {
+    if (capacity == 0)
+      detail::fail<invalid_argument>("mpx::classifier_trainer", "the step log needs room for at least one step");
+  }
 
   //! One step on images [batch, sample shape...] and labels [batch] (int32 in [0, classes)).
   template <class T>
@@ -218,13 +221,23 @@ class classifier_trainer {
     }
     Exec const on = exec.on(graph_streams_->stream);
     graph_streams_->follow(exec.stream());
-    if (replay) {
-      graph_step(on, images, labels);
-    } else {
-      step_body(on, images, labels, record(pending_));
-      ++pending_;
-      eager_shape_ = images.shape();
-      eager_dtype_ = dtype_id_of<T>;
+    try {
+      if (replay) {
+        graph_step(on, images, labels);
+      } else {
+        step_body(on, images, labels, record(pending_));
+        ++pending_;
+        eager_shape_ = images.shape();
+        eager_dtype_ = dtype_id_of<T>;
+      }
+    } catch (...) {
+      // What was enqueued (a copy of the caller's batch, say) still runs on the side
+      // stream: order the caller's later work after it before reporting the failure.
+      try {
+        graph_streams_->precede(exec.stream());
+      } catch (...) {
+      }
+      throw;
     }
     graph_streams_->precede(exec.stream());
     // A replay skips loss_scaler::update's host side: look for a stuck scale here (it
@@ -245,8 +258,9 @@ class classifier_trainer {
         step_body(on, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
                   graph_record_.data());
       } catch (...) {
-        cudaStreamEndCapture(stream, &graph);
+        cudaStreamEndCapture(stream, &graph);  // invalidated, most likely: the error is not the news
         if (graph) cudaGraphDestroy(graph);
+        static_cast<void>(cudaGetLastError());  // nor may it be blamed on the next launch
         throw;
       }
       MPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -256,10 +270,12 @@ class classifier_trainer {
       MPX_CUDA_CHECK(made);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
       captured_generation_ = model_.buffer_generation();
+      captured_in_flight_ = model_.in_flight_state();
       captured_d_logits_ = d_logits_.template view<Space>().data();
       std::memcpy(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type));
     }
     MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
+    model_.restore_in_flight_state(captured_in_flight_);  // logits() and trace() see the replayed batch
     copy(on, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
          tensor_view<step_record, Space>(record(pending_), shape{1}));
     ++pending_;
@@ -286,6 +302,7 @@ class classifier_trainer {
   dtype_id graph_dtype_ = dtype_id::float32;
   dtype_id eager_dtype_ = dtype_id::float32;
   std::uint64_t captured_generation_ = 0;
+  typename Model::in_flight captured_in_flight_{};
   void const* captured_d_logits_ = nullptr;
   std::array<std::byte, sizeof(rule_type)> captured_rule_{};
 #endif
