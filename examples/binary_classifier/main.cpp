@@ -89,16 +89,26 @@ mpx::tensor<float, Space> upload(Exec const& exec, std::vector<float> const& hos
   return t;
 }
 
+//! Dense(32, relu) -> Dense(1) under mixed_float16, built from the seed, with small
+//! initial weights: the Glorot draws scaled down (before an optimizer takes its float
+//! master copies of them). The same seed gives every run the same weights.
+template <class Exec>
+auto make_model(Exec const& exec, settings const& s) {
+  using Space = mpx::memory_space_t<Exec>;
+  auto model = mpx::sequential<policy>(mpx::dense<>(hidden, mpx::activation::relu), mpx::dense<>(1));
+  model.build(exec, {features}, s.seed);
+  mpx::scale(exec, model.template layer<0>().template kernel<Space>(), s.init_scale);
+  mpx::scale(exec, model.template layer<1>().template kernel<Space>(), s.init_scale);
+  return model;
+}
+
 //! Before training: which loss scale keeps these gradients? mpx::probe_loss_scales
 //! backpropagates the same loss gradient times 2^0, 2^4, ... and counts, per parameter,
 //! the half gradient values stored as 0 and any that overflowed.
 template <class Exec>
 void probe_before_training(Exec const& exec, settings const& s, data_set const& data) {
   using Space = mpx::memory_space_t<Exec>;
-  auto model = mpx::sequential<policy>(mpx::dense<>(hidden, mpx::activation::relu), mpx::dense<>(1));
-  model.build(exec, {features}, s.seed);
-  mpx::scale(exec, model.layer<0>().kernel<Space>(), s.init_scale);
-  mpx::scale(exec, model.layer<1>().kernel<Space>(), s.init_scale);
+  auto model = make_model(exec, s);
   auto const x = upload(exec, data.x, {samples, features});
   auto const y = upload(exec, data.y, {samples, 1});
   model.forward(exec, x.view(), /*training=*/true);
@@ -117,12 +127,7 @@ void probe_before_training(Exec const& exec, settings const& s, data_set const& 
 template <class Exec, class Scaler>
 run_result train(Exec const& exec, settings const& s, data_set const& data, char const* name, Scaler scaler) {
   using Space = mpx::memory_space_t<Exec>;
-  auto model = mpx::sequential<policy>(mpx::dense<>(hidden, mpx::activation::relu), mpx::dense<>(1));
-  model.build(exec, {features}, s.seed);
-  // Small initial weights: the Glorot draws scaled down, before the optimizer takes its
-  // float master copies of them.
-  mpx::scale(exec, model.layer<0>().kernel<Space>(), s.init_scale);
-  mpx::scale(exec, model.layer<1>().kernel<Space>(), s.init_scale);
+  auto model = make_model(exec, s);
 
   auto const x = upload(exec, data.x, {samples, features});
   auto const y = upload(exec, data.y, {samples, 1});
@@ -163,7 +168,7 @@ run_result train(Exec const& exec, settings const& s, data_set const& data, char
 
   // Hidden units that still get no gradient at all: their column of dense/kernel's
   // gradient [features, hidden] is all zeros.
-  auto const dw = mpx::to_host(exec, model.layer<0>().kernel_gradient<Space>());
+  auto const dw = mpx::to_host(exec, model.template layer<0>().template kernel_gradient<Space>());
   for (std::int64_t unit = 0; unit < hidden; ++unit) {
     bool all_zero = true;
     for (std::int64_t f = 0; f < features; ++f)
