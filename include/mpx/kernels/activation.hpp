@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
@@ -159,11 +160,28 @@ inline void bias_layout(std::string_view op, shape const& x, shape const& bias, 
 //! rounding of about rows / 256 + 256 additions instead of rows.
 inline constexpr std::size_t host_rows_per_chunk = 256;
 
+//! A row of x as floats: x itself when it is float, else widened into `buffer`.
+template <class X>
+float const* host_row_as_float(X const* x, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<X, float>) {
+    return x;
+  } else {
+    widen_span(x, buffer.data(), buffer.size());
+    return buffer.data();
+  }
+}
+
+// Row by row in float: each 16-bit row is widened and rounded as a whole (eight
+// elements per instruction with F16C), so the loop between is plain float arithmetic.
 template <class Act, class X, class B, class Y>
 void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::size_t rows, std::size_t cols) {
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t j = 0; j < cols; ++j)
-      y[r * cols + j] = cast<Y>(act.forward(cast<float>(x[r * cols + j]) + cast<float>(bias[j])));
+  std::vector<float> bias_buffer(cols), x_buffer(cols), y_row(cols);
+  float const* b = host_row_as_float(bias, bias_buffer);
+  for (std::size_t r = 0; r < rows; ++r) {
+    float const* xr = host_row_as_float(x + r * cols, x_buffer);
+    for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
+    round_span(y_row.data(), y + r * cols, cols);
+  }
 }
 
 // dz = dy * act'(x + bias) in float; dx = dz rounded (when dx is given); db = column sums
@@ -171,19 +189,23 @@ void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::
 template <class Act, class X, class B, class DY, class DX, class DB>
 void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db, std::size_t rows,
                         std::size_t cols) {
-  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f);
+  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f), dz(cols);
+  std::vector<float> bias_buffer(cols), x_buffer(cols), dy_buffer(cols);
+  float const* b = nullptr;  // x and bias are null for the identity (bias_gradient)
+  if constexpr (!std::is_same_v<Act, act::identity>) b = host_row_as_float(bias, bias_buffer);
   for (std::size_t r0 = 0; r0 < rows; r0 += host_rows_per_chunk) {
     std::fill(chunk.begin(), chunk.end(), 0.0f);
     std::size_t const r1 = std::min(rows, r0 + host_rows_per_chunk);
     for (std::size_t r = r0; r < r1; ++r) {
-      for (std::size_t j = 0; j < cols; ++j) {
-        std::size_t const i = r * cols + j;
-        float dz = cast<float>(dy[i]);
-        if constexpr (!std::is_same_v<Act, act::identity>)
-          dz *= act.derivative(cast<float>(x[i]) + cast<float>(bias[j]));
-        if (dx) dx[i] = cast<DX>(dz);
-        chunk[j] += dz;
+      float const* dyr = host_row_as_float(dy + r * cols, dy_buffer);
+      float const* dzr = dyr;  // the identity's dz is dy
+      if constexpr (!std::is_same_v<Act, act::identity>) {
+        float const* xr = host_row_as_float(x + r * cols, x_buffer);
+        for (std::size_t j = 0; j < cols; ++j) dz[j] = dyr[j] * act.derivative(xr[j] + b[j]);
+        dzr = dz.data();
       }
+      if (dx) round_span(dzr, dx + r * cols, cols);
+      for (std::size_t j = 0; j < cols; ++j) chunk[j] += dzr[j];
     }
     for (std::size_t j = 0; j < cols; ++j) total[j] += chunk[j];
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
@@ -289,7 +290,7 @@ void host_col2im(conv2d_geometry const& g, T const* dcolumns, std::int64_t n0, s
       }
     }
     T* out = dx + i * image_size;
-    for (std::int64_t e = 0; e < image_size; ++e) out[e] = round_from_float<T>(acc[e]);
+    round_span(acc, out, static_cast<std::size_t>(image_size));
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/math.hpp>
 #include <mpx/exec/executor.hpp>
@@ -55,9 +56,22 @@ struct axpy_with {
 
 namespace detail {
 
+//! Whether a host transform is a cast from In to Out that the whole-array conversions
+//! do (float to or from a 16-bit type; F16C for half).
+template <class Op, class Out, class... Ins>
+inline constexpr bool is_span_cast = false;
+template <class Out, class In>
+inline constexpr bool is_span_cast<ops::cast_to<Out>, Out, In> =
+    (std::is_same_v<In, float> && dtype16<Out>) || (dtype16<In> && std::is_same_v<Out, float>);
+
 template <class Op, class Out, class... Ins>
 void host_transform(std::size_t n, Op const& op, Out* out, Ins const*... ins) {
-  for (std::size_t i = 0; i < n; ++i) out[i] = op(ins[i]...);
+  if constexpr (is_span_cast<Op, Out, Ins...>) {
+    if constexpr (std::is_same_v<Out, float>) widen_span(ins..., out, n);
+    else round_span(ins..., out, n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) out[i] = op(ins[i]...);
+  }
 }
 
 #if MPX_HAS_CUDA

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
@@ -181,13 +182,30 @@ T round_from_float(float x) noexcept {
 }
 
 //! out = alpha * product + beta * out, rounded once to TC (out is not read when beta == 0).
+//! The float product is scratch and is overwritten; the 16-bit reads and writes go
+//! through the whole-array conversions in chunks that stay in L1.
 template <class TC>
-void host_gemm_epilogue(std::size_t n, float alpha, float const* product, float beta, TC* out) {
-  if (beta == 0.0f) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = round_from_float<TC>(alpha * product[i]);
+void host_gemm_epilogue(std::size_t n, float alpha, float* product, float beta, TC* out) {
+  if constexpr (std::is_same_v<TC, float>) {
+    if (beta == 0.0f) {
+      for (std::size_t i = 0; i < n; ++i) out[i] = alpha * product[i];
+    } else {
+      for (std::size_t i = 0; i < n; ++i) out[i] = alpha * product[i] + beta * out[i];
+    }
   } else {
-    for (std::size_t i = 0; i < n; ++i)
-      out[i] = round_from_float<TC>(alpha * product[i] + beta * widen_to_float_fast(out[i]));
+    constexpr std::size_t chunk = 2048;
+    float widened_out[chunk];
+    for (std::size_t i0 = 0; i0 < n; i0 += chunk) {
+      std::size_t const len = std::min(chunk, n - i0);
+      float* p = product + i0;
+      if (beta == 0.0f) {
+        for (std::size_t i = 0; i < len; ++i) p[i] *= alpha;
+      } else {
+        widen_span(out + i0, widened_out, len);
+        for (std::size_t i = 0; i < len; ++i) p[i] = alpha * p[i] + beta * widened_out[i];
+      }
+      round_span(p, out + i0, len);
+    }
   }
 }
 
@@ -317,7 +335,7 @@ float const* widened(T const* x, std::size_t n, int which) {
     return x;
   } else {
     float* out = scratch_floats(which, n);
-    for (std::size_t i = 0; i < n; ++i) out[i] = widen_to_float_fast(x[i]);
+    widen_span(x, out, n);
     return out;
   }
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
@@ -216,7 +217,7 @@ void host_max_pool_backward(pool_geometry const& g, T const* x, G const* dy, G* 
           acc[static_cast<std::size_t>(at[static_cast<std::size_t>(ch)])] += widen_to_float_fast(grad[ch]);
       }
     G* out = dx + i * image_size;
-    for (std::int64_t e = 0; e < image_size; ++e) out[e] = round_from_float<G>(acc[static_cast<std::size_t>(e)]);
+    round_span(acc.data(), out, static_cast<std::size_t>(image_size));
   }
 }
 
