@@ -282,8 +282,7 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<f
   auto const params = model.template parameters<Space>();
   for (auto const& p : params) out.rows.push_back({p.name, p.gradient.dtype(), p.gradient.size(), {}, {}});
   for (float s : scales) {
-    copy(exec, loss_gradient, scaled);
-    scale(exec, scaled, s);
+    transform(exec, scaled, ops::scale_by<float>{s}, loss_gradient);  // scaled = s * gradient, one pass
     model.backward_from_logits(exec, tensor_view<float const, Space>(scaled));
     bool all_finite = true;
     for (std::size_t i = 0; i < params.size(); ++i) {
