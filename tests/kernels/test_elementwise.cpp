@@ -141,6 +141,22 @@ TEMPLATE_LIST_TEST_CASE("transform applies a user functor to mixed input types",
   }
 }
 
+TEMPLATE_LIST_TEST_CASE("transform runs in place but refuses an output that overlaps an input otherwise",
+                        "[elementwise]", mpx_test::executors) {
+  TestType exec;
+  auto buffer = mpx_test::upload(exec, std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8});
+  auto const whole = mpx::view(buffer);
+  mpx::scale(exec, whole, 2.0f);  // in place: fine
+  REQUIRE(mpx_test::download(exec, buffer) == std::vector<float>{2, 4, 6, 8, 10, 12, 14, 16});
+  // Shifted by one element: on a GPU a thread would read what another writes.
+  REQUIRE_THROWS_AS(mpx::cast(exec, whole.flat(1, 7), whole.flat(0, 7)), mpx::invalid_argument);
+  // The same bytes seen as another element size (a narrowing cast in place).
+  auto as_half = mpx::tensor_view<mpx::half, mpx::memory_space_t<TestType>>(
+      reinterpret_cast<mpx::half*>(buffer.data()), mpx::shape{8});
+  REQUIRE_THROWS_AS(mpx::cast(exec, whole, as_half), mpx::invalid_argument);
+  REQUIRE(mpx_test::download(exec, buffer) == std::vector<float>{2, 4, 6, 8, 10, 12, 14, 16});  // nothing written
+}
+
 TEMPLATE_LIST_TEST_CASE("NaN and inf pass through elementwise ops and are never hidden", "[elementwise]",
                         mpx_test::executors) {
   TestType exec;

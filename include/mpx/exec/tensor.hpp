@@ -195,6 +195,15 @@ void require_disjoint(std::string_view op, std::string_view a_name, tensor_view<
     fail<invalid_argument>(op, std::string(a_name) + " and " + std::string(b_name) +
                                    " overlap in memory; give them separate buffers");
 }
+
+//! Refuses an input that overlaps the output other than element for element (the same
+//! address and element size: an operation in place). Element-wise kernels read each
+//! element in the thread that writes it, so only that overlap is safe on a GPU.
+template <class Out, class In, class Space>
+void require_in_place_or_disjoint(std::string_view op, tensor_view<Out, Space> out, tensor_view<In, Space> in) {
+  if (static_cast<void const*>(out.data()) == static_cast<void const*>(in.data()) && sizeof(Out) == sizeof(In)) return;
+  require_disjoint(op, "the output", out, "an input", in);
+}
 }  // namespace detail
 
 }  // namespace mpx

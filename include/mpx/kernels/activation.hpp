@@ -217,7 +217,7 @@ void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy,
 // vectors and both pointers are aligned, so a vector never straddles two rows.
 template <int Width, class Act, class X, class B, class Y>
 __global__ void __launch_bounds__(block_size)
-    bias_activation_kernel(Act act, X const* __restrict__ x, B const* __restrict__ bias, Y* __restrict__ y,
+    bias_activation_kernel(Act act, X const* x, B const* __restrict__ bias, Y* y,  // y may be x
                            std::size_t groups, std::size_t cols) {
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {

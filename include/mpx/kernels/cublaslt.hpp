@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -115,10 +116,15 @@ class lt_context {
     std::size_t bytes = 0;
   };
 
-  //! The workspace of (device, stream), allocated on first use.
+  //! The workspace of (device, stream), allocated on first use. Keyed by the stream's
+  //! id, not its handle: the per-thread default stream (and the null handle under
+  //! --default-stream per-thread) is one handle for a different stream in each thread,
+  //! and two products running at once must not share a workspace.
   workspace workspace_for(int device, cudaStream_t stream) {
+    unsigned long long stream_id = 0;
+    MPX_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
     std::lock_guard lock(mutex_);
-    auto [it, inserted] = workspaces_.try_emplace({device, reinterpret_cast<std::uintptr_t>(stream)});
+    auto [it, inserted] = workspaces_.try_emplace({device, stream_id});
     if (inserted) {
       try {
         // cudaMalloc would invalidate a capture with an unhelpful error: say what to do.
@@ -163,7 +169,47 @@ class lt_context {
     plans_.clear();
     for (auto const& [device, h] : handles_) check_cublas(cublasLtDestroy(h), "cublasLtDestroy");
     handles_.clear();
+    ++generation_;
     MPX_CUDA_CHECK(cudaSetDevice(current));
+  }
+
+  //! Waits for `stream` and frees the workspace it was given, for a stream about to be
+  //! destroyed (its id is never reused, so its workspace would never be used again).
+  //! Never throws: it runs in destructors, and prints what failed.
+  void forget_stream(cudaStream_t stream) noexcept {
+    unsigned long long stream_id = 0;
+    if (cudaStreamGetId(stream, &stream_id) != cudaSuccess) return;
+    std::lock_guard lock(mutex_);
+    int current = 0;
+    if (cudaGetDevice(&current) != cudaSuccess) return;
+    for (auto it = workspaces_.begin(); it != workspaces_.end();) {
+      if (it->first.second != stream_id) {
+        ++it;
+        continue;
+      }
+      cudaError_t status = cudaStreamSynchronize(stream);
+      if (status == cudaSuccess) status = cudaSetDevice(it->first.first);
+      if (status == cudaSuccess) status = cudaFree(it->second.data);
+      if (status != cudaSuccess)
+        std::fprintf(stderr, "mpx: freeing a stream's cuBLASLt workspace failed: %s\n", cudaGetErrorString(status));
+      it = workspaces_.erase(it);
+    }
+    static_cast<void>(cudaSetDevice(current));
+  }
+
+  //! The bytes of every workspace held now.
+  std::size_t workspace_bytes() {
+    std::lock_guard lock(mutex_);
+    std::size_t total = 0;
+    for (auto const& [key, ws] : workspaces_) total += ws.bytes;
+    return total;
+  }
+
+  //! Changes with every release(): a graph captured under an older value holds freed
+  //! workspaces.
+  std::uint64_t generation() {
+    std::lock_guard lock(mutex_);
+    return generation_;
   }
 
  private:
@@ -236,8 +282,9 @@ class lt_context {
 
   std::mutex mutex_;
   std::map<int, cublasLtHandle_t> handles_;
-  std::map<std::pair<int, std::uintptr_t>, workspace> workspaces_;  // (device, stream)
+  std::map<std::pair<int, unsigned long long>, workspace> workspaces_;  // (device, stream id)
   std::map<lt_problem, std::unique_ptr<lt_plan>> plans_;
+  std::uint64_t generation_ = 0;
 };
 
 //! Runs one planned product on `stream`: D = C = alpha * op(A) op(B) + beta * C, in
@@ -257,8 +304,17 @@ inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alph
 
 //! Frees the cuBLASLt handles, workspaces and plans mpx::gemm has cached, after
 //! waiting for every device that used them. Optional: for a program that created many
-//! streams (each keeps a workspace) or wants the memory back.
+//! streams (each keeps a workspace) or wants the memory back. A CUDA graph captured
+//! before the call holds the freed workspace's address: capture it again (a
+//! classifier_trainer does so by itself only when its model's buffers move) or destroy
+//! it first. A captured gemm uses its capture stream's workspace, so launch a graph on
+//! the stream it was captured on.
 inline void release_gemm_resources() { detail::lt_context::instance().release(); }
+
+//! The device memory mpx::gemm holds now in cuBLASLt workspaces (one per stream that ran
+//! a product), for memory accounting: they are plain cudaMalloc allocations, outside
+//! the stream-ordered pool that tensors come from.
+inline std::size_t gemm_workspace_bytes() { return detail::lt_context::instance().workspace_bytes(); }
 
 #endif  // MPX_HAS_CUDA
 

@@ -89,7 +89,7 @@ __device__ __forceinline__ void transform_vector(Op const& op, Out* out, Ins con
 // body in a grid-stride loop, and the scalar tail.
 template <int Width, class Op, class Out, class... Ins>
 __global__ void __launch_bounds__(block_size)
-    transform_kernel(vector_split split, Op op, Out* __restrict__ out, Ins const* __restrict__... ins) {
+    transform_kernel(vector_split split, Op op, Out* out, Ins const*... ins) {  // out may be an input
   std::size_t const tid = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   if (tid < split.head) out[tid] = op(ins[tid]...);
@@ -122,7 +122,8 @@ void cuda_transform(cudaStream_t stream, std::size_t n, Op const& op, Out* out, 
 
 //! out[i] = op(ins[i]...) for every element. All tensors must have out's shape (else
 //! mpx::shape_error) and live where the executor computes (else a compile error); out
-//! may be one of the inputs. `op` is an MPX_HD functor (or an __device__ __host__
+//! may be one of the inputs, element for element, but may not overlap one otherwise
+//! (mpx::invalid_argument). `op` is an MPX_HD functor (or an __device__ __host__
 //! lambda under nvcc's --extended-lambda). Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like Out, class Op, tensor_like... Ins>
 void transform([[maybe_unused]] Exec const& exec, Out&& out, Op op, Ins&&... ins) {
@@ -130,6 +131,7 @@ void transform([[maybe_unused]] Exec const& exec, Out&& out, Op op, Ins&&... ins
   detail::require_access<Exec, space_t<Out>, space_t<Ins>...>();
   static_assert(!std::is_const_v<typename decltype(o)::element_type>, "mpx::transform: the output is const");
   (detail::require_same_shape("transform", mpx::view(ins).shape(), o.shape()), ...);
+  (detail::require_in_place_or_disjoint("transform", o, mpx::view(ins)), ...);
   if (o.empty()) return;
   if constexpr (is_host_executor_v<Exec>) {
     detail::host_transform(o.size(), op, o.data(), mpx::view(ins).data()...);

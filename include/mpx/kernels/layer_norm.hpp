@@ -58,7 +58,9 @@ inline void last_axis_layout(std::string_view op, shape const& x, std::size_t& r
   if (x.rank() < 1) fail<shape_error>(op, "expects a tensor of rank 1 or more, got shape " + x.to_string());
   cols = static_cast<std::size_t>(x[x.rank() - 1]);
   rows = cols ? x.size() / cols : 0;
-  if (cols > 0x7FFF'FFFFu) fail<invalid_argument>(op, "rows of more than 2^31 - 1 elements are not supported");
+  // The warp kernels count columns in int steps of 32: keep the last step below 2^31.
+  if (cols > 0x7FFF'FFFFu - 1024)
+    fail<invalid_argument>(op, "rows of more than 2^31 - 1025 elements are not supported");
 }
 
 // ---- Deterministic column sums of two float quantities, shared with batch_norm ----
@@ -156,7 +158,9 @@ void cuda_column_sums(cudaStream_t stream, Terms const& terms, Finish const& fin
   // Chunks fixed by the shape and the device: enough blocks to fill the GPU ~8 times.
   std::size_t const wanted_blocks = static_cast<std::size_t>(sm_count()) * 8;
   std::size_t chunks = std::max<std::size_t>(1, (wanted_blocks + tiles - 1) / tiles);
-  chunks = std::min({chunks, (rows + norm_column_tile_rows - 1) / norm_column_tile_rows, std::size_t{65535}});
+  // At most 256 chunks: the finish adds a column's chunk partials one after another, and
+  // the documented rounding bound counts at most 256 of them.
+  chunks = std::min({chunks, (rows + norm_column_tile_rows - 1) / norm_column_tile_rows, std::size_t{256}});
   chunks = std::max<std::size_t>(chunks, 1);
   std::size_t const rows_per_chunk = std::max<std::size_t>(1, (rows + chunks - 1) / chunks);
   chunks = std::max<std::size_t>(1, (rows + rows_per_chunk - 1) / rows_per_chunk);
@@ -274,8 +278,9 @@ inline constexpr int norm_rows_per_block = 8;  // a warp per row, 256 threads
 // ones mostly from L1/L2.
 template <class X, class Y>
 __global__ void __launch_bounds__(norm_rows_per_block * 32)
-    layer_norm_warp_kernel(X const* __restrict__ x, float const* __restrict__ gamma, float const* __restrict__ beta,
-                           Y* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, std::size_t rows,
+    layer_norm_warp_kernel(X const* x, float const* __restrict__ gamma, float const* __restrict__ beta,
+                           Y* y,  // y may be x
+                           float* __restrict__ mean, float* __restrict__ rstd, std::size_t rows,
                            int cols, float eps) {
   std::size_t const row = static_cast<std::size_t>(blockIdx.x) * norm_rows_per_block + (threadIdx.x >> 5);
   int const lane = static_cast<int>(threadIdx.x & 31u);

@@ -45,7 +45,9 @@ inline void softmax_layout(std::string_view op, shape const& x, std::size_t& row
   if (x.rank() < 1) fail<shape_error>(op, "expects a tensor of rank 1 or more, got shape " + x.to_string());
   cols = static_cast<std::size_t>(x[x.rank() - 1]);
   rows = cols ? x.size() / cols : 0;
-  if (cols > 0x7FFF'FFFFu) fail<invalid_argument>(op, "rows of more than 2^31 - 1 elements are not supported");
+  // The kernels count columns in int steps of up to a block: keep the last step below 2^31.
+  if (cols > 0x7FFF'FFFFu - 1024)
+    fail<invalid_argument>(op, "rows of more than 2^31 - 1025 elements are not supported");
 }
 
 // The lanes of the host path mirror a warp's: 32 strided partial sums, then their total,
@@ -181,7 +183,8 @@ __global__ void __launch_bounds__(softmax_block_threads)
 
 template <int PerLane, bool Log, class Y, class DY, class DX>
 __global__ void __launch_bounds__(softmax_warp_rows_per_block * 32)
-    softmax_backward_warp_kernel(Y const* __restrict__ y, DY const* dy, DX* dx, std::size_t rows, int cols) {
+    softmax_backward_warp_kernel(Y const* y, DY const* dy, DX* dx,  // dx may be y or dy
+                                 std::size_t rows, int cols) {
   std::size_t const row = static_cast<std::size_t>(blockIdx.x) * softmax_warp_rows_per_block + (threadIdx.x >> 5);
   int const lane = static_cast<int>(threadIdx.x & 31u);
   if (row >= rows) return;
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(softmax_warp_rows_per_block * 32)
 
 template <bool Log, class Y, class DY, class DX>
 __global__ void __launch_bounds__(softmax_block_threads)
-    softmax_backward_block_kernel(Y const* __restrict__ y, DY const* dy, DX* dx, int cols) {
+    softmax_backward_block_kernel(Y const* y, DY const* dy, DX* dx, int cols) {  // dx may be y or dy
   __shared__ float scratch[32];
   std::size_t const base = static_cast<std::size_t>(blockIdx.x) * static_cast<std::size_t>(cols);
   int const step = static_cast<int>(blockDim.x);

@@ -112,6 +112,8 @@ void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space
 //! Trains a classifier (a sequential model whose output, or whose final softmax's input,
 //! holds one logit per class) with a loss_scale_optimizer. Keeps a record per step on the
 //! executor for up to `capacity` steps between calls to history().
+//! On a cuda_executor, give every call the same stream: the model's and the trainer's
+//! buffers are freed in order on the stream they were made on.
 template <class Exec, class Model, class LossScaleOptimizer>
 class classifier_trainer {
   using Space = memory_space_t<Exec>;
@@ -201,7 +203,14 @@ class classifier_trainer {
   template <class T>
   void graph_mode_step(Exec const& exec, tensor_view<T const, Space> images,
                        tensor_view<std::int32_t const, Space> labels) {
-    if (!graph_streams_) graph_streams_ = std::make_shared<detail::side_stream>();
+    if (!graph_streams_) {
+      // When the last trainer sharing it goes (after its graph), the stream's cuBLASLt
+      // workspace goes too: every trainer makes a stream of its own.
+      graph_streams_ = std::shared_ptr<detail::side_stream>(new detail::side_stream, [](detail::side_stream* s) {
+        detail::lt_context::instance().forget_stream(s->stream);
+        delete s;
+      });
+    }
     std::int64_t const batch = images.shape()[0];
     model_.template reserve_for_input<T>(exec, batch);
     d_logits_.ensure(exec, detail::with_batch(batch, model_.output_shape()));  // the logits' shape (a softmax keeps it)
@@ -270,6 +279,7 @@ class classifier_trainer {
       MPX_CUDA_CHECK(made);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
       captured_generation_ = model_.buffer_generation();
+      captured_gemm_generation_ = detail::lt_context::instance().generation();
       captured_in_flight_ = model_.in_flight_state();
       captured_d_logits_ = d_logits_.template view<Space>().data();
       std::memcpy(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type));
@@ -281,17 +291,23 @@ class classifier_trainer {
     ++pending_;
   }
 
-  // The graph holds the buffers' addresses and the rule's values (learning rate,
-  // decay...) as they were at capture.
+  // The graph holds the buffers' and cuBLASLt workspaces' addresses and the rule's values
+  // (learning rate, decay...) as they were at capture.
   bool graph_still_valid() const {
     return captured_generation_ == model_.buffer_generation() &&
+           captured_gemm_generation_ == detail::lt_context::instance().generation() &&
            captured_d_logits_ == d_logits_.template view<Space>().data() &&
            std::memcmp(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type)) == 0;
   }
 
+#endif
+
   using rule_type = std::remove_cvref_t<decltype(std::declval<LossScaleOptimizer&>().optimizer().rule())>;
   static_assert(std::is_trivially_copyable_v<rule_type>, "an optimizer's rule is passed to kernels by value");
 
+#if MPX_HAS_CUDA_RUNTIME
+  // The graph mode's state. Declared wherever the CUDA runtime's header is found, under
+  // g++ as under nvcc, so a trainer has one layout in every file of a program.
   std::shared_ptr<detail::side_stream> graph_streams_;
   std::shared_ptr<CUgraphExec_st> graph_exec_;
   tensor<std::uint8_t, Space> graph_images_;
@@ -302,6 +318,7 @@ class classifier_trainer {
   dtype_id graph_dtype_ = dtype_id::float32;
   dtype_id eager_dtype_ = dtype_id::float32;
   std::uint64_t captured_generation_ = 0;
+  std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};
   void const* captured_d_logits_ = nullptr;
   std::array<std::byte, sizeof(rule_type)> captured_rule_{};
