@@ -207,3 +207,27 @@ TEMPLATE_LIST_TEST_CASE("softmax refuses mismatched shapes, naming both", "[soft
   auto empty = mpx::make_tensor<float>(exec, {0, 4});
   mpx::softmax(exec, empty, empty);  // nothing to do, no error
 }
+
+// The kernels count a row's columns in int steps of up to a block; a row so long that
+// the last step would pass 2^31 is refused before anything is read. (The views cover one
+// real element: a check that let them through would read far out of bounds.)
+TEMPLATE_LIST_TEST_CASE("rows too long for the kernels' column counters are refused", "[softmax][norm]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto one = mpx::make_tensor<float>(exec, {1});
+  auto labels = mpx::make_tensor<std::int32_t>(exec, {1});
+  std::int64_t const too_long = 0x7FFF'FFFF - 1000;  // fits an int, but not with a block's step added
+  mpx::tensor_view<float, space> const row(one.data(), mpx::shape{1, too_long});
+  mpx::tensor_view<float, space> const per_row(one.data(), mpx::shape{1});
+  CHECK_THROWS_TYPE_WITH(mpx::softmax<mpx::float32>(exec, row, row), mpx::invalid_argument, Catch::Contains("2^31 - 1025"));
+  auto const gamma = row.flat(0, static_cast<std::size_t>(too_long));
+  CHECK_THROWS_TYPE_WITH(mpx::layer_norm_forward<mpx::float32>(exec, row, gamma, gamma, row, per_row, per_row),
+                         mpx::invalid_argument, Catch::Contains("2^31 - 1025"));
+  mpx::loss_value<space> loss(exec);
+  auto gradient = mpx::make_tensor<float>(exec, {1});
+  mpx::tensor_view<float, space> const gradient_row(gradient.data(), mpx::shape{1, too_long});
+  CHECK_THROWS_TYPE_WITH(
+      mpx::sparse_categorical_cross_entropy<mpx::float32>(exec, row, mpx::view(labels), gradient_row, loss),
+      mpx::invalid_argument, Catch::Contains("2^31 - 1025"));
+}
