@@ -21,7 +21,7 @@
 // batch loses at each loss scale (mpx::probe_loss_scales): why a scale is needed.
 //
 // Without a GPU the default is one epoch of the 60,000 training images on the host, about
-// two minutes on two cores; on a GPU, five epochs.
+// 70 seconds on two cores; on a GPU, five epochs.
 #include <mpx/mpx.hpp>
 
 #include <sys/resource.h>
