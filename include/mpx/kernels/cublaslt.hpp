@@ -264,11 +264,15 @@ class lt_context {
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     // D is C (in place), so the C layout serves both.
-    check_cublas(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1,
-                                                &result, &found),
-                 "cublasLtMatmulAlgoGetHeuristic");
-    if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
-      cublasStatus_t const status = found < 1 ? CUBLAS_STATUS_NOT_SUPPORTED : result.state;
+    // "Not supported" is how the heuristic itself usually says it found nothing: report
+    // it with the product's shape, like an empty result.
+    cublasStatus_t const asked =
+        cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
+    if (asked != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(asked, "cublasLtMatmulAlgoGetHeuristic");
+    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+      cublasStatus_t const status = asked != CUBLAS_STATUS_SUCCESS ? asked
+                                    : found < 1                    ? CUBLAS_STATUS_NOT_SUPPORTED
+                                                                   : result.state;
       std::uint64_t const k = p.op_a == CUBLAS_OP_N ? p.a_cols : p.a_rows;
       throw cublas_error("mpx::gemm: cuBLASLt has no algorithm for this product (M x N x K = " +
                              std::to_string(p.c_cols) + " x " + std::to_string(p.c_rows) + " x " + std::to_string(k) +

@@ -343,7 +343,9 @@ void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_op
 //! to the element it selected (the first maximum, or the first NaN), summed in float
 //! where windows overlap, rounded once; dx is overwritten, 0 where nothing was selected.
 //! x and y are the forward pass's input and output (y = max_pool2d_forward(x, options);
-//! the selection is recomputed from x, y only lets the GPU skip windows quickly).
+//! the selection is recomputed from x, y only lets the GPU skip windows quickly). y must
+//! be exactly that output, unmodified: the GPU gives no gradient through a window whose
+//! y differs from its selected x (the host, which does not read y, would).
 //! dy [N, OH, OW, C] and dx [N, H, W, C] share a dtype, which may differ from x's.
 //! Deterministic on both executors (a gather on the GPU, no atomics). Asynchronous on a
 //! cuda_executor.
