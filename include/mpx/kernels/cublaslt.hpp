@@ -19,6 +19,7 @@
 #include <mutex>
 #include <source_location>
 #include <string>
+#include <thread>
 #include <tuple>
 #endif
 
@@ -119,22 +120,35 @@ class lt_context {
   //! The workspace of (device, stream), allocated on first use. Keyed by the stream's
   //! id, not its handle: the per-thread default stream (and the null handle under
   //! --default-stream per-thread) is one handle for a different stream in each thread,
-  //! and two products running at once must not share a workspace.
+  //! and two products running at once must not share a workspace. A stream's id cannot
+  //! be asked for while it captures a graph, so a capture uses the id that the stream's
+  //! last eager product saw (one must have run: it also made the workspace).
   workspace workspace_for(int device, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    bool const capturing = capture != cudaStreamCaptureStatusNone;
     unsigned long long stream_id = 0;
-    MPX_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
+    if (!capturing) MPX_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
+    bool const per_thread = stream == nullptr || stream == cudaStreamPerThread;
+    handle_key const key{device, reinterpret_cast<std::uintptr_t>(stream),
+                         per_thread ? std::this_thread::get_id() : std::thread::id{}};
     std::lock_guard lock(mutex_);
+    if (capturing) {
+      auto const known = stream_ids_.find(key);
+      if (known != stream_ids_.end()) {
+        auto const it = workspaces_.find({device, known->second});
+        if (it != workspaces_.end()) return it->second;
+      }
+      // cudaMalloc would invalidate the capture with an unhelpful error: say what to do.
+      fail<invalid_argument>("mpx::gemm",
+                             "the first gemm on a stream allocates its cuBLASLt workspace, which a CUDA graph "
+                             "capture cannot record: run one gemm (or one eager step) on this stream before "
+                             "capturing");
+    }
+    stream_ids_[key] = stream_id;
     auto [it, inserted] = workspaces_.try_emplace({device, stream_id});
     if (inserted) {
       try {
-        // cudaMalloc would invalidate a capture with an unhelpful error: say what to do.
-        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-        MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-        if (capturing != cudaStreamCaptureStatusNone)
-          fail<invalid_argument>("mpx::gemm",
-                                 "the first gemm on a stream allocates its cuBLASLt workspace, which a CUDA graph "
-                                 "capture cannot record: run one gemm (or one eager step) on this stream before "
-                                 "capturing");
         it->second.bytes = workspace_size_for(device);
         MPX_CUDA_CHECK(cudaMalloc(&it->second.data, it->second.bytes));
       } catch (...) {
@@ -166,6 +180,7 @@ class lt_context {
       MPX_CUDA_CHECK(cudaFree(ws.data));
     }
     workspaces_.clear();
+    stream_ids_.clear();
     plans_.clear();
     for (auto const& [device, h] : handles_) check_cublas(cublasLtDestroy(h), "cublasLtDestroy");
     handles_.clear();
@@ -194,6 +209,7 @@ class lt_context {
         std::fprintf(stderr, "mpx: freeing a stream's cuBLASLt workspace failed: %s\n", cudaGetErrorString(status));
       it = workspaces_.erase(it);
     }
+    std::erase_if(stream_ids_, [&](auto const& entry) { return entry.second == stream_id; });
     static_cast<void>(cudaSetDevice(current));
   }
 
@@ -287,6 +303,9 @@ class lt_context {
   std::mutex mutex_;
   std::map<int, cublasLtHandle_t> handles_;
   std::map<std::pair<int, unsigned long long>, workspace> workspaces_;  // (device, stream id)
+  // (device, stream handle, thread for the per-thread handles) -> the stream id last seen.
+  using handle_key = std::tuple<int, std::uintptr_t, std::thread::id>;
+  std::map<handle_key, unsigned long long> stream_ids_;
   std::map<lt_problem, std::unique_ptr<lt_plan>> plans_;
   std::uint64_t generation_ = 0;
 };
