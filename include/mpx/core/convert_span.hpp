@@ -27,7 +27,8 @@ namespace mpx::detail {
 #if MPX_HOST_F16C
 //! Whether this CPU converts half in hardware (asked once per process).
 inline bool host_has_f16c() noexcept {
-  static bool const has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  // __builtin_cpu_init first: this may run in a static initialiser, before GCC's own.
+  static bool const has = (__builtin_cpu_init(), __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx"));
   return has;
 }
 
