@@ -17,6 +17,7 @@
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/cublaslt.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/sequential.hpp>
