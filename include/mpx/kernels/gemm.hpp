@@ -174,13 +174,6 @@ float widen_to_float_fast(T x) noexcept {
   else return widen_16_to_float(x);
 }
 
-//! float -> T rounded to nearest even, bit for bit mpx::cast<T> (its host fast path).
-template <class T>
-T round_from_float(float x) noexcept {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return round_float_to_16<T>(x);
-}
-
 //! out = alpha * product + beta * out, rounded once to TC (out is not read when beta == 0).
 //! The float product is scratch and is overwritten; the 16-bit reads and writes go
 //! through the whole-array conversions in chunks that stay in L1.
