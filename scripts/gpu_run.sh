@@ -13,7 +13,8 @@
 #   bash scripts/gpu_run.sh [all|tests|perf]   # tests: 1-3; perf: 1, 4-5; all: both
 #
 # `all` can approach the device's 10-minute limit per command: on a first run, prefer
-# `tests` and `perf` as two calls.
+# `tests` and `perf` as two calls. Every step's limit is cut to what is left of
+# GPU_RUN_BUDGET seconds (default 570), so the summary is printed inside that limit.
 set -uo pipefail
 phase=${1:-all}
 cd "$(dirname "$0")/.."
@@ -27,10 +28,17 @@ export LD_LIBRARY_PATH="$programs/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PATH="/usr/local/cuda/bin:$PATH"
 bin=$programs/bin
 summary=()
+budget=${GPU_RUN_BUDGET:-570}
 
 step() {  # step NAME SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records the outcome
   local name=$1 limit=$2
   shift 2
+  local left=$((budget - SECONDS - 5))
+  if [ $left -lt 10 ]; then
+    summary+=("$(printf '%-28s %-22s' "$name" "not run: out of time")")
+    return
+  fi
+  [ $limit -le $left ] || limit=$left
   local start=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -60,10 +68,13 @@ for e in binary_classifier unstable_division custom_training_loop user_kernel ov
   [ -x "$bin/$e" ] && step "$e" 60 "$bin/$e" --executor cuda
 done
 [ -x "$bin/numerics_bench" ] && step numerics_bench 60 "$bin/numerics_bench" --executor cuda --repeat 20
-[ -x "$bin/scaling_bench" ] && step scaling_bench 60 "$bin/scaling_bench" --executor cuda --repeat 20
+[ -x "$bin/scaling_bench" ] && step scaling_bench 90 "$bin/scaling_bench" --executor cuda --tensors 100,200,1000 --repeat 20
 [ -x "$bin/activation_bench" ] && step activation_bench 60 "$bin/activation_bench" --executor cuda --repeat 20
 [ -x "$bin/gemm_bench" ] && step gemm_bench 90 "$bin/gemm_bench" --executor cuda --repeat 10 --shapes all
 [ -x "$bin/layer_bench" ] && step layer_bench 90 "$bin/layer_bench" --executor cuda --repeat 20
+# PyTorch's counterparts of scaling_bench's rows, where the machine has PyTorch.
+python3 -c "import torch" 2> /dev/null &&
+  step torch_compare 90 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,200,1000
 fi
 
 echo
