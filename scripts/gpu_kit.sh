@@ -36,8 +36,12 @@ for lib in $(ldd "$kit"/bin/* 2>/dev/null | awk '/=> \// {print $3}' | sort -u);
 done
 cp /usr/share/datasets/fashion-mnist/*.gz "$kit/data/fashion-mnist/" 2>/dev/null ||
   echo "gpu_kit: no Fashion-MNIST under /usr/share/datasets (scripts/setup.sh installs it); the example will be skipped" >&2
-git rev-parse HEAD > "$kit/commit"
-if ! git diff --quiet HEAD 2>/dev/null; then echo "dirty" >> "$kit/commit"; fi
+# The commit the binaries were built from: the build directory's source tree, which is
+# not this checkout when BUILD_DIR is another clone's.
+source_dir=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["directories"]["source"])' \
+  "$build/meson-info/meson-info.json")
+git -C "$source_dir" rev-parse HEAD > "$kit/commit"
+if ! git -C "$source_dir" diff --quiet HEAD 2>/dev/null; then echo "dirty" >> "$kit/commit"; fi
 # Programs and libraries shrink about fivefold under xz (the data is gzip already);
 # gpu_run.sh unpacks them on the device.
 tar -cJf "$kit/programs.tar.xz" -C "$kit" bin lib

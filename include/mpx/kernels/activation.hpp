@@ -10,6 +10,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -160,27 +161,37 @@ inline void bias_layout(std::string_view op, shape const& x, shape const& bias, 
 //! rounding of about rows / 256 + 256 additions instead of rows.
 inline constexpr std::size_t host_rows_per_chunk = 256;
 
-//! A row of x as floats: x itself when it is float, else widened into `buffer`.
+//! A row of x (cols elements) as floats: x itself when it is float, else widened into
+//! `buffer`.
 template <class X>
-float const* host_row_as_float(X const* x, std::vector<float>& buffer) {
+float const* host_row_as_float(X const* x, float* buffer, std::size_t cols) {
   if constexpr (std::is_same_v<X, float>) {
     return x;
   } else {
-    widen_span(x, buffer.data(), buffer.size());
-    return buffer.data();
+    widen_span(x, buffer, cols);
+    return buffer;
   }
+}
+
+//! The fused bias passes' per-row buffers (host_scratch_floats), slot by slot.
+struct bias_activation_scratch {};
+enum bias_scratch_slot : std::size_t { bias_slot, x_row_slot, y_row_slot, dy_row_slot };
+
+inline float* bias_row_buffer(bias_scratch_slot slot, std::size_t cols) {
+  return host_scratch_floats<bias_activation_scratch>(slot, cols);
 }
 
 // Row by row in float: each 16-bit row is widened and rounded as a whole (eight
 // elements per instruction with F16C), so the loop between is plain float arithmetic.
 template <class Act, class X, class B, class Y>
 void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::size_t rows, std::size_t cols) {
-  std::vector<float> bias_buffer(cols), x_buffer(cols), y_row(cols);
-  float const* b = host_row_as_float(bias, bias_buffer);
+  float const* b = host_row_as_float(bias, bias_row_buffer(bias_slot, cols), cols);
+  float* x_buffer = bias_row_buffer(x_row_slot, cols);
+  float* y_row = bias_row_buffer(y_row_slot, cols);
   for (std::size_t r = 0; r < rows; ++r) {
-    float const* xr = host_row_as_float(x + r * cols, x_buffer);
+    float const* xr = host_row_as_float(x + r * cols, x_buffer, cols);
     for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
-    round_span(y_row.data(), y + r * cols, cols);
+    round_span(y_row, y + r * cols, cols);
   }
 }
 
@@ -189,20 +200,23 @@ void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::
 template <class Act, class X, class B, class DY, class DX, class DB>
 void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db, std::size_t rows,
                         std::size_t cols) {
-  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f), dz(cols);
-  std::vector<float> bias_buffer(cols), x_buffer(cols), dy_buffer(cols);
+  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f);
+  float* dz = bias_row_buffer(y_row_slot, cols);
+  float* x_buffer = bias_row_buffer(x_row_slot, cols);
+  float* dy_buffer = bias_row_buffer(dy_row_slot, cols);
   float const* b = nullptr;  // x and bias are null for the identity (bias_gradient)
-  if constexpr (!std::is_same_v<Act, act::identity>) b = host_row_as_float(bias, bias_buffer);
+  if constexpr (!std::is_same_v<Act, act::identity>)
+    b = host_row_as_float(bias, bias_row_buffer(bias_slot, cols), cols);
   for (std::size_t r0 = 0; r0 < rows; r0 += host_rows_per_chunk) {
     std::fill(chunk.begin(), chunk.end(), 0.0f);
     std::size_t const r1 = std::min(rows, r0 + host_rows_per_chunk);
     for (std::size_t r = r0; r < r1; ++r) {
-      float const* dyr = host_row_as_float(dy + r * cols, dy_buffer);
+      float const* dyr = host_row_as_float(dy + r * cols, dy_buffer, cols);
       float const* dzr = dyr;  // the identity's dz is dy
       if constexpr (!std::is_same_v<Act, act::identity>) {
-        float const* xr = host_row_as_float(x + r * cols, x_buffer);
+        float const* xr = host_row_as_float(x + r * cols, x_buffer, cols);
         for (std::size_t j = 0; j < cols; ++j) dz[j] = dyr[j] * act.derivative(xr[j] + b[j]);
-        dzr = dz.data();
+        dzr = dz;
       }
       if (dx) round_span(dzr, dx + r * cols, cols);
       for (std::size_t j = 0; j < cols; ++j) chunk[j] += dzr[j];

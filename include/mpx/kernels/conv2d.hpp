@@ -11,6 +11,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/gemm.hpp>
@@ -245,11 +246,7 @@ void host_im2col(conv2d_geometry const& g, T const* x, std::int64_t n0, std::int
   }
 }
 
-inline float* conv2d_host_scratch(std::size_t n) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
-}
+struct col2im_scratch {};
 
 //! dx[i] for i in [n0, n0 + images) = the sum, in float, of the column gradients of
 //! every output pixel whose receptive field holds the element (scatter-add in order of
@@ -261,7 +258,7 @@ void host_col2im(conv2d_geometry const& g, T const* dcolumns, std::int64_t n0, s
   auto const cols_w = valid_taps(g.ow, o.stride_w, o.pad_w, g.kw, o.dilation_w, g.w);
   std::int64_t const c = g.cin, kwc = g.kw * c, patch = g.patch();
   std::int64_t const image_size = g.h * g.w * c;
-  float* acc = conv2d_host_scratch(static_cast<std::size_t>(image_size));
+  float* acc = host_scratch_floats<col2im_scratch>(0, static_cast<std::size_t>(image_size));
   T const* row = dcolumns;
   for (std::int64_t i = n0; i < n0 + images; ++i) {
     std::fill(acc, acc + image_size, 0.0f);

@@ -12,6 +12,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
 #include <mpx/kernels/elementwise.hpp>
@@ -154,18 +155,9 @@ inline gemm_dims fold_batch(gemm_dims d, bool transpose_a) {
 
 // ---- host -----------------------------------------------------------------------------
 
-//! Scratch the host path reuses from call to call on each thread, so a training step
-//! does not page-fault fresh megabytes for every product.
-inline std::vector<float>& host_gemm_scratch(int which) {
-  thread_local std::vector<float> buffers[3];
-  return buffers[which];
-}
-
-inline float* scratch_floats(int which, std::size_t n) {
-  auto& v = host_gemm_scratch(which);
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
+//! The host products' scratch (host_scratch_floats): widened operands, packed panels,
+//! the float product before it is rounded.
+struct gemm_scratch {};
 
 //! T -> float, exact (mpx::cast<float>'s fast path; the BLAS path widens every operand).
 template <class T>
@@ -270,8 +262,9 @@ template <class TA, class TB>
 void host_blocked_product(std::int64_t m, std::int64_t n, std::int64_t k, strided_matrix<TA> a,
                           strided_matrix<TB> b, float* acc) {
   std::int64_t const n_panels = (n + gemm_nr - 1) / gemm_nr;
-  float* bp = scratch_floats(1, static_cast<std::size_t>(n_panels * gemm_nr * std::min(k, gemm_kc)));
-  float* ap = scratch_floats(2, static_cast<std::size_t>(gemm_mr * gemm_kc));
+  float* bp =
+      host_scratch_floats<gemm_scratch>(1, static_cast<std::size_t>(n_panels * gemm_nr * std::min(k, gemm_kc)));
+  float* ap = host_scratch_floats<gemm_scratch>(2, static_cast<std::size_t>(gemm_mr * gemm_kc));
   for (std::int64_t k0 = 0; k0 < k; k0 += gemm_kc) {
     std::int64_t const kc = std::min(gemm_kc, k - k0);
     // op(B)[k0:k0+kc, :] in panels of NR columns, zero beyond N.
@@ -323,11 +316,11 @@ inline constexpr int cblas_row_major = 101, cblas_no_trans = 111, cblas_trans = 
 
 //! The whole of x (n elements) widened to float, or x itself when it is float.
 template <class T>
-float const* widened(T const* x, std::size_t n, int which) {
+float const* widened(T const* x, std::size_t n, std::size_t which) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    float* out = scratch_floats(which, n);
+    float* out = host_scratch_floats<gemm_scratch>(which, n);
     widen_span(x, out, n);
     return out;
   }
@@ -348,7 +341,7 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
   constexpr bool c_is_float = std::is_same_v<TC, float>;
   float* cf = nullptr;
   if constexpr (c_is_float) cf = c;
-  else cf = scratch_floats(2, static_cast<std::size_t>(d.stride_c * d.batch));
+  else cf = host_scratch_floats<gemm_scratch>(2, static_cast<std::size_t>(d.stride_c * d.batch));
   auto const m = static_cast<int>(d.m), n = static_cast<int>(d.n), k = static_cast<int>(d.k);
   for (std::int64_t i = 0; i < d.batch; ++i) {
     // Row-major: lda is the stored row length of A ([M, K], or [K, M] transposed).
@@ -368,7 +361,7 @@ void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const
     if (fits_blas_int(d)) return host_blas_gemm(d, ta, tb, alpha, a, b, beta, c);
   }
 #endif
-  float* acc = scratch_floats(0, static_cast<std::size_t>(d.stride_c));
+  float* acc = host_scratch_floats<gemm_scratch>(0, static_cast<std::size_t>(d.stride_c));
   for (std::int64_t i = 0; i < d.batch; ++i) {
     strided_matrix<TA> const am{a + i * d.stride_a, ta ? 1 : d.k, ta ? d.m : 1};
     strided_matrix<TB> const bm{b + i * d.stride_b, tb ? 1 : d.n, tb ? d.k : 1};

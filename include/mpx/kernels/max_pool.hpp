@@ -10,6 +10,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/gemm.hpp>
@@ -124,25 +125,20 @@ MPX_HD inline pool_window window_of(pool_geometry const& g, std::int64_t oh, std
 // most of a pooling layer's time.
 using int4_vector = std::int32_t __attribute__((vector_size(16)));
 
-template <class T>
-float4_vector load_float4(T const* p) noexcept {
-  if constexpr (std::is_same_v<T, float>) {
-    float4_vector v;
-    __builtin_memcpy(&v, p, sizeof(v));
-    return v;
-  } else {
-    return float4_vector{widen_to_float_fast(p[0]), widen_to_float_fast(p[1]), widen_to_float_fast(p[2]),
-                         widen_to_float_fast(p[3])};
-  }
+inline float4_vector load_float4(float const* p) noexcept {
+  float4_vector v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
 }
 #endif
 
 //! For every channel of window `win` of one image (image points at its [H, W, C]
-//! block, of fewer than 2^31 elements): at[ch] = the offset in the image of the element
-//! the window selects in channel ch. The channel loop is innermost: contiguous, no
-//! divisions, selects rather than branches (on real data the comparison is a coin toss).
-template <class T>
-void host_window_select(pool_geometry const& g, T const* image, pool_window const& win, std::int32_t* at) {
+//! block, of fewer than 2^31 elements, as floats): at[ch] = the offset in the image of
+//! the element the window selects in channel ch. The channel loop is innermost:
+//! contiguous, no divisions, selects rather than branches (on real data the comparison
+//! is a coin toss).
+inline void host_window_select(pool_geometry const& g, float const* image, pool_window const& win,
+                               std::int32_t* at) {
   std::int64_t const c = g.c;
   auto const first = static_cast<std::int32_t>((win.h0 * g.w + win.w0) * c);
   std::int64_t ch = 0;
@@ -163,12 +159,12 @@ void host_window_select(pool_geometry const& g, T const* image, pool_window cons
   }
 #endif
   for (; ch < c; ++ch) {
-    float best = widen_to_float_fast(image[first + ch]);
+    float best = image[first + ch];
     std::int32_t where = first + static_cast<std::int32_t>(ch);
     for (std::int64_t ih = win.h0; ih < win.h1; ++ih)
       for (std::int64_t iw = ih == win.h0 ? win.w0 + 1 : win.w0; iw < win.w1; ++iw) {
         auto const i = static_cast<std::int32_t>((ih * g.w + iw) * c + ch);
-        float const v = widen_to_float_fast(image[i]);
+        float const v = image[i];
         bool const take = pool_takes(best, v);
         best = take ? v : best;
         where = take ? i : where;
@@ -184,6 +180,24 @@ inline void require_host_pool_image(std::string_view op, pool_geometry const& g,
                            loc);
 }
 
+//! The host pooling's scratch (host_scratch_floats), slot by slot.
+struct pool_scratch {};
+enum pool_scratch_slot : std::size_t { pool_x_slot, pool_dy_slot, pool_sum_slot };
+
+//! One image of a 16-bit tensor widened to float as a whole (eight elements per
+//! instruction with F16C), once, rather than each element as each window reads it; a
+//! float image as is.
+template <class T>
+float const* host_pool_image_as_float(T const* image, std::int64_t image_size, pool_scratch_slot slot) {
+  if constexpr (std::is_same_v<T, float>) {
+    return image;
+  } else {
+    float* out = host_scratch_floats<pool_scratch>(slot, static_cast<std::size_t>(image_size));
+    widen_span(image, out, static_cast<std::size_t>(image_size));
+    return out;
+  }
+}
+
 template <class T>
 void host_max_pool_forward(pool_geometry const& g, T const* x, T* y) {
   std::vector<std::int32_t> at(static_cast<std::size_t>(g.c));
@@ -191,9 +205,10 @@ void host_max_pool_forward(pool_geometry const& g, T const* x, T* y) {
   T* out = y;
   for (std::int64_t i = 0; i < g.n; ++i) {
     T const* image = x + i * image_size;
+    float const* image_f = host_pool_image_as_float(image, image_size, pool_x_slot);
     for (std::int64_t oh = 0; oh < g.oh; ++oh)
       for (std::int64_t ow = 0; ow < g.ow; ++ow, out += g.c) {
-        host_window_select(g, image, window_of(g, oh, ow), at.data());
+        host_window_select(g, image_f, window_of(g, oh, ow), at.data());
         for (std::int64_t ch = 0; ch < g.c; ++ch) out[ch] = image[at[static_cast<std::size_t>(ch)]];
       }
   }
@@ -204,20 +219,18 @@ void host_max_pool_forward(pool_geometry const& g, T const* x, T* y) {
 template <class T, class G>
 void host_max_pool_backward(pool_geometry const& g, T const* x, G const* dy, G* dx) {
   std::vector<std::int32_t> at(static_cast<std::size_t>(g.c));
-  std::int64_t const image_size = g.h * g.w * g.c;
-  std::vector<float> acc(static_cast<std::size_t>(image_size));
-  G const* grad = dy;
+  std::int64_t const image_size = g.h * g.w * g.c, grad_size = g.oh * g.ow * g.c;
+  float* acc = host_scratch_floats<pool_scratch>(pool_sum_slot, static_cast<std::size_t>(image_size));
   for (std::int64_t i = 0; i < g.n; ++i) {
-    T const* image = x + i * image_size;
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    float const* image_f = host_pool_image_as_float(x + i * image_size, image_size, pool_x_slot);
+    float const* grad = host_pool_image_as_float(dy + i * grad_size, grad_size, pool_dy_slot);
+    std::fill(acc, acc + image_size, 0.0f);
     for (std::int64_t oh = 0; oh < g.oh; ++oh)
       for (std::int64_t ow = 0; ow < g.ow; ++ow, grad += g.c) {
-        host_window_select(g, image, window_of(g, oh, ow), at.data());
-        for (std::int64_t ch = 0; ch < g.c; ++ch)
-          acc[static_cast<std::size_t>(at[static_cast<std::size_t>(ch)])] += widen_to_float_fast(grad[ch]);
+        host_window_select(g, image_f, window_of(g, oh, ow), at.data());
+        for (std::int64_t ch = 0; ch < g.c; ++ch) acc[at[static_cast<std::size_t>(ch)]] += grad[ch];
       }
-    G* out = dx + i * image_size;
-    round_span(acc.data(), out, static_cast<std::size_t>(image_size));
+    round_span(acc, dx + i * image_size, static_cast<std::size_t>(image_size));
   }
 }
 
