@@ -8,6 +8,7 @@
 #include <mpx/kernels/batch_norm.hpp>
 #include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/norm_affine.hpp>
 
 #include <string>
 #include <utility>
@@ -34,21 +35,17 @@ class batch_norm : public layer_base {
   [[nodiscard]] batch_norm_config const& config() const noexcept { return config_; }
 
   [[nodiscard]] shape compute_output_shape(shape const& in) const {
-    if (in.rank() < 1 || in[in.rank() - 1] < 1)
-      detail::fail<shape_error>(name().empty() ? "mpx::batch_norm" : name(),
-                                "expects inputs of shape [..., channels], got " + in.to_string());
+    detail::norm_channels(name(), "mpx::batch_norm", "channels", in);
     return in;
   }
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t) {
     detail::require_layer_policy<Policy>();
     detail::require_float_norm<Policy>();
-    std::int64_t const c = compute_output_shape(in)[in.rank() - 1];
+    std::int64_t const c = detail::norm_channels(name(), "mpx::batch_norm", "channels", in);
     using Space = memory_space_t<Exec>;
-    for (auto* t : {&gamma_, &beta_, &dgamma_, &dbeta_, &running_mean_, &running_var_, &save_mean_, &save_invstd_})
-      t->allocate(exec, {c});
-    initialize(exec, gamma_.template view<Space>(), initializer::ones, 1, 1, 0);
-    initialize(exec, beta_.template view<Space>(), initializer::zeros, 1, 1, 0);
+    affine_.build(exec, c);
+    for (auto* t : {&running_mean_, &running_var_, &save_mean_, &save_invstd_}) t->allocate(exec, {c});
     initialize(exec, running_mean_.template view<Space>(), initializer::zeros, 1, 1, 0);
     initialize(exec, running_var_.template view<Space>(), initializer::ones, 1, 1, 0);
     mark_built(in, in);
@@ -66,11 +63,12 @@ class batch_norm : public layer_base {
     if (batch > reserved_batch_) reserve(exec, batch);
     auto v = [](auto const& t) { return t.template view<Space>(); };
     if (training)
-      batch_norm_forward_training<Policy>(exec, x, v(gamma_), v(beta_), y, v(running_mean_), v(running_var_),
-                                          v(save_mean_), v(save_invstd_), {config_.momentum, config_.eps});
+      batch_norm_forward_training<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), y,
+                                          v(running_mean_), v(running_var_), v(save_mean_), v(save_invstd_),
+                                          {config_.momentum, config_.eps});
     else
-      batch_norm_forward_inference<Policy>(exec, x, v(gamma_), v(beta_), v(running_mean_), v(running_var_), y,
-                                           config_.eps);
+      batch_norm_forward_inference<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), v(running_mean_),
+                                           v(running_var_), y, config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
   void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
@@ -78,14 +76,13 @@ class batch_norm : public layer_base {
     check_input(x.shape(), y.shape());
     auto v = [](auto const& t) { return t.template view<Space>(); };
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
-    batch_norm_backward<Policy>(exec, x, dy, v(gamma_), v(save_mean_), v(save_invstd_), dx_out, v(dgamma_),
-                                v(dbeta_));
+    batch_norm_backward<Policy>(exec, x, dy, affine_.gamma<Space>(), v(save_mean_), v(save_invstd_), dx_out,
+                                affine_.dgamma<Space>(), affine_.dbeta<Space>());
   }
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {
     require_built("parameters");
-    out.push_back({name() + "/gamma", gamma_.template view<Space>(), dgamma_.template view<Space>()});
-    out.push_back({name() + "/beta", beta_.template view<Space>(), dbeta_.template view<Space>()});
+    affine_.append_parameters(name(), out);
   }
   //! The running statistics: not trained, but saved with the model.
   template <memory_space Space>
@@ -93,11 +90,12 @@ class batch_norm : public layer_base {
     out.emplace_back(name() + "/moving_mean", running_mean_.template view<Space>());
     out.emplace_back(name() + "/moving_variance", running_var_.template view<Space>());
   }
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return 2 * gamma_.size(); }
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return affine_.parameter_count(); }
 
  private:
   batch_norm_config config_;
-  detail::layer_tensor<float> gamma_, beta_, dgamma_, dbeta_, running_mean_, running_var_, save_mean_, save_invstd_;
+  detail::norm_affine affine_;
+  detail::layer_tensor<float> running_mean_, running_var_, save_mean_, save_invstd_;
   detail::layer_tensor<input_type> dx_scratch_;
 };
 

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <mpx/kernels/layer_norm.hpp>
-#include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/norm_affine.hpp>
 
 #include <vector>
 
@@ -29,20 +29,14 @@ class layer_norm : public layer_base {
   [[nodiscard]] layer_norm_config const& config() const noexcept { return config_; }
 
   [[nodiscard]] shape compute_output_shape(shape const& in) const {
-    if (in.rank() < 1 || in[in.rank() - 1] < 1)
-      detail::fail<shape_error>(name().empty() ? "mpx::layer_norm" : name(),
-                                "expects inputs of shape [..., features], got " + in.to_string());
+    detail::norm_channels(name(), "mpx::layer_norm", "features", in);
     return in;
   }
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t) {
     detail::require_layer_policy<Policy>();
     detail::require_float_norm<Policy>();
-    std::int64_t const c = compute_output_shape(in)[in.rank() - 1];
-    using Space = memory_space_t<Exec>;
-    for (auto* t : {&gamma_, &beta_, &dgamma_, &dbeta_}) t->allocate(exec, {c});
-    initialize(exec, gamma_.template view<Space>(), initializer::ones, 1, 1, 0);
-    initialize(exec, beta_.template view<Space>(), initializer::zeros, 1, 1, 0);
+    affine_.build(exec, detail::norm_channels(name(), "mpx::layer_norm", "features", in));
     mark_built(in, in);
   }
   template <executor Exec>
@@ -59,7 +53,7 @@ class layer_norm : public layer_base {
     std::int64_t const batch = check_input(x.shape(), y.shape());
     if (batch > reserved_batch_) reserve(exec, batch);
     std::int64_t const rows = rows_of(x.shape());
-    layer_norm_forward<Policy>(exec, x, gamma_.template view<Space>(), beta_.template view<Space>(), y,
+    layer_norm_forward<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), y,
                                mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
@@ -68,24 +62,24 @@ class layer_norm : public layer_base {
     check_input(x.shape(), y.shape());
     std::int64_t const rows = rows_of(x.shape());
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
-    layer_norm_backward<Policy>(exec, x, dy, gamma_.template view<Space>(), mean_.template view<Space>({rows}),
-                                rstd_.template view<Space>({rows}), dx_out, dgamma_.template view<Space>(),
-                                dbeta_.template view<Space>());
+    layer_norm_backward<Policy>(exec, x, dy, affine_.gamma<Space>(), mean_.template view<Space>({rows}),
+                                rstd_.template view<Space>({rows}), dx_out, affine_.dgamma<Space>(),
+                                affine_.dbeta<Space>());
   }
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {
     require_built("parameters");
-    out.push_back({name() + "/gamma", gamma_.template view<Space>(), dgamma_.template view<Space>()});
-    out.push_back({name() + "/beta", beta_.template view<Space>(), dbeta_.template view<Space>()});
+    affine_.append_parameters(name(), out);
   }
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return 2 * gamma_.size(); }
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return affine_.parameter_count(); }
 
  private:
   std::int64_t rows_of(shape const& x) const {
     return static_cast<std::int64_t>(x.size()) / input_shape_[input_shape_.rank() - 1];
   }
   layer_norm_config config_;
-  detail::layer_tensor<float> gamma_, beta_, dgamma_, dbeta_, mean_, rstd_;
+  detail::norm_affine affine_;
+  detail::layer_tensor<float> mean_, rstd_;
   detail::layer_tensor<input_type> dx_scratch_;
 };
 
