@@ -24,7 +24,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 // Why float for 16-bit storage too: these are memory-bound passes, so float arithmetic
 // costs nothing, while half arithmetic would round every intermediate (exp, erf, the
@@ -161,35 +160,31 @@ inline void bias_layout(std::string_view op, shape const& x, shape const& bias, 
 //! rounding of about rows / 256 + 256 additions instead of rows.
 inline constexpr std::size_t host_rows_per_chunk = 256;
 
-//! A row of x (cols elements) as floats: x itself when it is float, else widened into
-//! `buffer`.
-template <class X>
-float const* host_row_as_float(X const* x, float* buffer, std::size_t cols) {
-  if constexpr (std::is_same_v<X, float>) {
-    return x;
-  } else {
-    widen_span(x, buffer, cols);
-    return buffer;
-  }
+//! The fused bias passes' per-row buffers (host_scratch_floats), slot by slot; the
+//! backward pass also keeps its column sums there (one partial per chunk, and the total).
+struct bias_activation_scratch {};
+enum bias_scratch_slot : std::size_t { bias_slot, x_row_slot, y_row_slot, dy_row_slot, chunk_sum_slot, total_sum_slot };
+
+template <bias_scratch_slot Slot>
+float* bias_row_buffer(std::size_t cols) {
+  return host_scratch_floats<bias_activation_scratch, Slot>(cols);
 }
 
-//! The fused bias passes' per-row buffers (host_scratch_floats), slot by slot.
-struct bias_activation_scratch {};
-enum bias_scratch_slot : std::size_t { bias_slot, x_row_slot, y_row_slot, dy_row_slot };
-
-inline float* bias_row_buffer(bias_scratch_slot slot, std::size_t cols) {
-  return host_scratch_floats<bias_activation_scratch>(slot, cols);
+//! Row (or bias) x of cols elements as floats: x itself when it is float, else widened
+//! into the slot's buffer.
+template <bias_scratch_slot Slot, class X>
+float const* bias_row_as_float(X const* x, std::size_t cols) {
+  return host_floats_of<bias_activation_scratch, Slot>(x, cols);
 }
 
 // Row by row in float: each 16-bit row is widened and rounded as a whole (eight
 // elements per instruction with F16C), so the loop between is plain float arithmetic.
 template <class Act, class X, class B, class Y>
 void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::size_t rows, std::size_t cols) {
-  float const* b = host_row_as_float(bias, bias_row_buffer(bias_slot, cols), cols);
-  float* x_buffer = bias_row_buffer(x_row_slot, cols);
-  float* y_row = bias_row_buffer(y_row_slot, cols);
+  float const* b = bias_row_as_float<bias_slot>(bias, cols);
+  float* y_row = bias_row_buffer<y_row_slot>(cols);
   for (std::size_t r = 0; r < rows; ++r) {
-    float const* xr = host_row_as_float(x + r * cols, x_buffer, cols);
+    float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
     for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
     round_span(y_row, y + r * cols, cols);
   }
@@ -200,21 +195,20 @@ void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::
 template <class Act, class X, class B, class DY, class DX, class DB>
 void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db, std::size_t rows,
                         std::size_t cols) {
-  std::vector<float> total(cols, 0.0f), chunk(cols, 0.0f);
-  float* dz = bias_row_buffer(y_row_slot, cols);
-  float* x_buffer = bias_row_buffer(x_row_slot, cols);
-  float* dy_buffer = bias_row_buffer(dy_row_slot, cols);
+  float* total = bias_row_buffer<total_sum_slot>(cols);
+  float* chunk = bias_row_buffer<chunk_sum_slot>(cols);
+  float* dz = bias_row_buffer<y_row_slot>(cols);
+  std::fill(total, total + cols, 0.0f);
   float const* b = nullptr;  // x and bias are null for the identity (bias_gradient)
-  if constexpr (!std::is_same_v<Act, act::identity>)
-    b = host_row_as_float(bias, bias_row_buffer(bias_slot, cols), cols);
+  if constexpr (!std::is_same_v<Act, act::identity>) b = bias_row_as_float<bias_slot>(bias, cols);
   for (std::size_t r0 = 0; r0 < rows; r0 += host_rows_per_chunk) {
-    std::fill(chunk.begin(), chunk.end(), 0.0f);
+    std::fill(chunk, chunk + cols, 0.0f);
     std::size_t const r1 = std::min(rows, r0 + host_rows_per_chunk);
     for (std::size_t r = r0; r < r1; ++r) {
-      float const* dyr = host_row_as_float(dy + r * cols, dy_buffer, cols);
+      float const* dyr = bias_row_as_float<dy_row_slot>(dy + r * cols, cols);
       float const* dzr = dyr;  // the identity's dz is dy
       if constexpr (!std::is_same_v<Act, act::identity>) {
-        float const* xr = host_row_as_float(x + r * cols, x_buffer, cols);
+        float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
         for (std::size_t j = 0; j < cols; ++j) dz[j] = dyr[j] * act.derivative(xr[j] + b[j]);
         dzr = dz;
       }

@@ -258,7 +258,7 @@ void host_col2im(conv2d_geometry const& g, T const* dcolumns, std::int64_t n0, s
   auto const cols_w = valid_taps(g.ow, o.stride_w, o.pad_w, g.kw, o.dilation_w, g.w);
   std::int64_t const c = g.cin, kwc = g.kw * c, patch = g.patch();
   std::int64_t const image_size = g.h * g.w * c;
-  float* acc = host_scratch_floats<col2im_scratch>(0, static_cast<std::size_t>(image_size));
+  float* acc = host_scratch_floats<col2im_scratch, 0>(static_cast<std::size_t>(image_size));
   T const* row = dcolumns;
   for (std::int64_t i = n0; i < n0 + images; ++i) {
     std::fill(acc, acc + image_size, 0.0f);

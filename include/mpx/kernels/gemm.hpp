@@ -155,9 +155,18 @@ inline gemm_dims fold_batch(gemm_dims d, bool transpose_a) {
 
 // ---- host -----------------------------------------------------------------------------
 
-//! The host products' scratch (host_scratch_floats): widened operands, packed panels,
-//! the float product before it is rounded.
+//! The host products' scratch (host_scratch_floats). The BLAS path and the blocked path
+//! never run at once in a thread, so their buffers share slots: the BLAS path's widened
+//! A and B and float C; the blocked path's float product and packed panels.
 struct gemm_scratch {};
+enum gemm_scratch_slot : std::size_t {
+  gemm_a_floats = 0,
+  gemm_b_floats = 1,
+  gemm_c_floats = 2,
+  gemm_product = 0,
+  gemm_b_panels = 1,
+  gemm_a_panel = 2,
+};
 
 //! T -> float, exact (mpx::cast<float>'s fast path; the BLAS path widens every operand).
 template <class T>
@@ -262,9 +271,9 @@ template <class TA, class TB>
 void host_blocked_product(std::int64_t m, std::int64_t n, std::int64_t k, strided_matrix<TA> a,
                           strided_matrix<TB> b, float* acc) {
   std::int64_t const n_panels = (n + gemm_nr - 1) / gemm_nr;
-  float* bp =
-      host_scratch_floats<gemm_scratch>(1, static_cast<std::size_t>(n_panels * gemm_nr * std::min(k, gemm_kc)));
-  float* ap = host_scratch_floats<gemm_scratch>(2, static_cast<std::size_t>(gemm_mr * gemm_kc));
+  auto const b_panels_size = static_cast<std::size_t>(n_panels * gemm_nr * std::min(k, gemm_kc));
+  float* bp = host_scratch_floats<gemm_scratch, gemm_b_panels>(b_panels_size);
+  float* ap = host_scratch_floats<gemm_scratch, gemm_a_panel>(static_cast<std::size_t>(gemm_mr * gemm_kc));
   for (std::int64_t k0 = 0; k0 < k; k0 += gemm_kc) {
     std::int64_t const kc = std::min(gemm_kc, k - k0);
     // op(B)[k0:k0+kc, :] in panels of NR columns, zero beyond N.
@@ -314,18 +323,6 @@ void cblas_sgemm_symbol(int order, int trans_a, int trans_b, int m, int n, int k
                         int lda, float const* b, int ldb, float beta, float* c, int ldc) __asm__("cblas_sgemm");
 inline constexpr int cblas_row_major = 101, cblas_no_trans = 111, cblas_trans = 112;
 
-//! The whole of x (n elements) widened to float, or x itself when it is float.
-template <class T>
-float const* widened(T const* x, std::size_t n, std::size_t which) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    float* out = host_scratch_floats<gemm_scratch>(which, n);
-    widen_span(x, out, n);
-    return out;
-  }
-}
-
 inline bool fits_blas_int(gemm_dims const& d) {
   return d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX;
 }
@@ -336,12 +333,12 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
   auto const size_of = [&](std::int64_t stride, std::int64_t one) {
     return static_cast<std::size_t>(stride ? stride * d.batch : one);
   };
-  float const* af = widened(a, size_of(d.stride_a, d.m * d.k), 0);
-  float const* bf = widened(b, size_of(d.stride_b, d.k * d.n), 1);
+  float const* af = host_floats_of<gemm_scratch, gemm_a_floats>(a, size_of(d.stride_a, d.m * d.k));
+  float const* bf = host_floats_of<gemm_scratch, gemm_b_floats>(b, size_of(d.stride_b, d.k * d.n));
   constexpr bool c_is_float = std::is_same_v<TC, float>;
   float* cf = nullptr;
   if constexpr (c_is_float) cf = c;
-  else cf = host_scratch_floats<gemm_scratch>(2, static_cast<std::size_t>(d.stride_c * d.batch));
+  else cf = host_scratch_floats<gemm_scratch, gemm_c_floats>(static_cast<std::size_t>(d.stride_c * d.batch));
   auto const m = static_cast<int>(d.m), n = static_cast<int>(d.n), k = static_cast<int>(d.k);
   for (std::int64_t i = 0; i < d.batch; ++i) {
     // Row-major: lda is the stored row length of A ([M, K], or [K, M] transposed).
@@ -361,7 +358,7 @@ void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const
     if (fits_blas_int(d)) return host_blas_gemm(d, ta, tb, alpha, a, b, beta, c);
   }
 #endif
-  float* acc = host_scratch_floats<gemm_scratch>(0, static_cast<std::size_t>(d.stride_c));
+  float* acc = host_scratch_floats<gemm_scratch, gemm_product>(static_cast<std::size_t>(d.stride_c));
   for (std::int64_t i = 0; i < d.batch; ++i) {
     strided_matrix<TA> const am{a + i * d.stride_a, ta ? 1 : d.k, ta ? d.m : 1};
     strided_matrix<TB> const bm{b + i * d.stride_b, tb ? 1 : d.n, tb ? d.k : 1};

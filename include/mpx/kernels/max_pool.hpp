@@ -184,18 +184,12 @@ inline void require_host_pool_image(std::string_view op, pool_geometry const& g,
 struct pool_scratch {};
 enum pool_scratch_slot : std::size_t { pool_x_slot, pool_dy_slot, pool_sum_slot };
 
-//! One image of a 16-bit tensor widened to float as a whole (eight elements per
+//! One image as floats: a 16-bit image is widened as a whole (eight elements per
 //! instruction with F16C), once, rather than each element as each window reads it; a
-//! float image as is.
-template <class T>
-float const* host_pool_image_as_float(T const* image, std::int64_t image_size, pool_scratch_slot slot) {
-  if constexpr (std::is_same_v<T, float>) {
-    return image;
-  } else {
-    float* out = host_scratch_floats<pool_scratch>(slot, static_cast<std::size_t>(image_size));
-    widen_span(image, out, static_cast<std::size_t>(image_size));
-    return out;
-  }
+//! float image is used as is.
+template <pool_scratch_slot Slot, class T>
+float const* host_pool_image_as_float(T const* image, std::int64_t image_size) {
+  return host_floats_of<pool_scratch, Slot>(image, static_cast<std::size_t>(image_size));
 }
 
 template <class T>
@@ -205,7 +199,7 @@ void host_max_pool_forward(pool_geometry const& g, T const* x, T* y) {
   T* out = y;
   for (std::int64_t i = 0; i < g.n; ++i) {
     T const* image = x + i * image_size;
-    float const* image_f = host_pool_image_as_float(image, image_size, pool_x_slot);
+    float const* image_f = host_pool_image_as_float<pool_x_slot>(image, image_size);
     for (std::int64_t oh = 0; oh < g.oh; ++oh)
       for (std::int64_t ow = 0; ow < g.ow; ++ow, out += g.c) {
         host_window_select(g, image_f, window_of(g, oh, ow), at.data());
@@ -220,10 +214,10 @@ template <class T, class G>
 void host_max_pool_backward(pool_geometry const& g, T const* x, G const* dy, G* dx) {
   std::vector<std::int32_t> at(static_cast<std::size_t>(g.c));
   std::int64_t const image_size = g.h * g.w * g.c, grad_size = g.oh * g.ow * g.c;
-  float* acc = host_scratch_floats<pool_scratch>(pool_sum_slot, static_cast<std::size_t>(image_size));
+  float* acc = host_scratch_floats<pool_scratch, pool_sum_slot>(static_cast<std::size_t>(image_size));
   for (std::int64_t i = 0; i < g.n; ++i) {
-    float const* image_f = host_pool_image_as_float(x + i * image_size, image_size, pool_x_slot);
-    float const* grad = host_pool_image_as_float(dy + i * grad_size, grad_size, pool_dy_slot);
+    float const* image_f = host_pool_image_as_float<pool_x_slot>(x + i * image_size, image_size);
+    float const* grad = host_pool_image_as_float<pool_dy_slot>(dy + i * grad_size, grad_size);
     std::fill(acc, acc + image_size, 0.0f);
     for (std::int64_t oh = 0; oh < g.oh; ++oh)
       for (std::int64_t ow = 0; ow < g.ow; ++ow, grad += g.c) {
