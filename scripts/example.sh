@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The README's main command: install what is missing (Fashion-MNIST included), build,
 # and train the small CNN on Fashion-MNIST (examples/fashion_mnist). Arguments go to the
-# example: e.g. --policy all, --epochs 5, --executor host.
+# example: e.g. --policy all, --epochs 5, --executor host. With a GPU and nvcc the
+# example is built with nvcc for this machine's GPU; otherwise with the C++ compiler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/build_env.sh
 scripts/setup.sh
-[ -d build ] || meson setup build
+if command -v nvcc >/dev/null 2>&1 && mpx_gpu_present; then
+  mpx_configure build -Dcuda=enabled -Dgpu_architectures="${MPX_GPU_ARCHS:-native}"
+else
+  mpx_configure build -Dcuda=disabled
+fi
 meson compile -C build examples/fashion_mnist
 build/examples/fashion_mnist "$@"

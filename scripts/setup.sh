@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what mpx needs on a fresh Debian 12 machine that has the CUDA toolkit at
-# /usr/local/cuda (or $MPX_CUDA): Meson, Ninja, Catch2 v2, Boost 1.81 (Hana), pkg-config,
+# /usr/local/cuda (or $MPX_CUDA): Meson, Ninja, ccache (builds reuse earlier compiles,
+# nvcc's included), Catch2 v2, Boost 1.81 (Hana), pkg-config,
 # OpenBLAS (optional for the library: mpx::gemm's host path uses it where found), zlib
 # (optional: gzip-compressed IDX files) and Fashion-MNIST (for the examples and the test
 # that loads the real data set).
@@ -10,7 +11,7 @@ if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
   echo "mpx needs the CUDA toolkit's headers; none found under $cuda (set MPX_CUDA)" >&2
   exit 1
 fi
-packages=(meson ninja-build catch2 libboost1.81-dev pkg-config python3 g++ libopenblas-dev zlib1g-dev
+packages=(meson ninja-build ccache catch2 libboost1.81-dev pkg-config python3 g++ libopenblas-dev zlib1g-dev
           dataset-fashion-mnist)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -32,40 +32,16 @@ namespace {
 
 using mpx_test::to_d;
 using mpx_test::uf;
+using mpx_test::poisoned;
+using mpx_test::widen;
 
-template <class T>
-struct policy_for;
-template <>
-struct policy_for<float> {
-  using type = mpx::float32;
-};
-template <>
-struct policy_for<mpx::half> {
-  using type = mpx::mixed_float16;
-};
-template <>
-struct policy_for<mpx::bfloat16> {
-  using type = mpx::mixed_bfloat16;
-};
 
 template <class T>
 double u_acc() {
   return std::is_same_v<T, float> ? std::ldexp(1.0, -24) : std::ldexp(1.0, -23);
 }
 
-template <class Exec, class T>
-mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape s) {
-  auto t = mpx::make_tensor<T>(exec, s);
-  mpx::fill(exec, t, mpx_test::poison<T>());
-  return t;
-}
 
-template <class T>
-std::vector<double> widen(std::vector<T> const& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_d(v[i]);
-  return out;
-}
 
 // ---- the float64 reference convolution ----
 
@@ -137,7 +113,7 @@ conv_ref reference_conv(conv_case const& c, mpx::conv2d_options const& o, std::v
 // Runs the three passes of one case for storage T (dw in type D) and checks them.
 template <class T, class D, class Exec>
 void run_conv(Exec const& exec, conv_case const& c, std::uint64_t stream) {
-  using P = typename policy_for<T>::type;
+  using P = mpx_test::preset_policy<T>;
   mpx::shape const xs{c.n, c.h, c.w, c.cin}, ws{c.kh, c.kw, c.cin, c.cout};
   mpx::conv2d_options const o = c.same ? mpx::conv2d_padding_same(xs, ws, c.o) : c.o;
   auto const [oh_n, ow_n] = output_dims(c, o);
@@ -155,10 +131,10 @@ void run_conv(Exec const& exec, conv_case const& c, std::uint64_t stream) {
   auto const xd = mpx_test::upload(exec, x, xs);
   auto const wd = mpx_test::upload(exec, w, ws);
   auto const dyd = mpx_test::upload(exec, dy, ys);
-  auto y = poisoned<Exec, T>(exec, ys);
-  auto dx = poisoned<Exec, T>(exec, xs);
-  auto dw = poisoned<Exec, D>(exec, ws);
-  auto workspace = poisoned<Exec, T>(exec, mpx::shape{chunk * oh_n * ow_n, patch});
+  auto y = poisoned<T>(exec, ys);
+  auto dx = poisoned<T>(exec, xs);
+  auto dw = poisoned<D>(exec, ws);
+  auto workspace = poisoned<T>(exec, mpx::shape{chunk * oh_n * ow_n, patch});
 
   mpx::conv2d_forward<P>(exec, xd, wd, y, workspace, o);
   auto const columns = c.reuse ? mpx::conv2d_columns::reuse_forward : mpx::conv2d_columns::recompute;
@@ -305,7 +281,7 @@ TEMPLATE_LIST_TEST_CASE("conv2d is deterministic and its output feeds the bias a
   TestType exec;
   auto for_type = [&](auto tag) {
     using T = decltype(tag);
-    using P = typename policy_for<T>::type;
+    using P = mpx_test::preset_policy<T>;
     mpx::shape const xs{3, 9, 8, 4}, ws{3, 3, 4, 6};
     auto const o = mpx::conv2d_padding_same(xs, ws);
     auto const ys = mpx::conv2d_output_shape(xs, ws, o);
@@ -315,10 +291,10 @@ TEMPLATE_LIST_TEST_CASE("conv2d is deterministic and its output feeds the bias a
     auto const dyd = mpx_test::upload(exec, mpx_test::random_values<T>(ys.size(), -1, 1, 73), ys);
     auto const bias = mpx_test::random_values<float>(6, -1, 1, 74);
     auto const bd = mpx_test::upload(exec, bias);
-    auto workspace = poisoned<TestType, T>(exec, mpx::conv2d_workspace_shape(xs, ws, o));
-    auto y = poisoned<TestType, T>(exec, ys);
-    auto dx1 = poisoned<TestType, T>(exec, xs);
-    auto dx2 = poisoned<TestType, T>(exec, xs);
+    auto workspace = poisoned<T>(exec, mpx::conv2d_workspace_shape(xs, ws, o));
+    auto y = poisoned<T>(exec, ys);
+    auto dx1 = poisoned<T>(exec, xs);
+    auto dx2 = poisoned<T>(exec, xs);
     mpx::conv2d_forward<P>(exec, xd, wd, y, workspace, o);
     mpx::conv2d_backward_data<P>(exec, dyd, wd, dx1, workspace, o);
     mpx::fill(exec, workspace, mpx_test::poison<T>());
@@ -328,7 +304,7 @@ TEMPLATE_LIST_TEST_CASE("conv2d is deterministic and its output feeds the bias a
 
     // A Conv2D layer's bias and activation: y viewed as [N*OH*OW, Cout].
     std::int64_t const rows = ys[0] * ys[1] * ys[2];
-    auto z = poisoned<TestType, T>(exec, ys);
+    auto z = poisoned<T>(exec, ys);
     mpx::bias_activation_forward(exec, mpx::act::relu{}, mpx::view(y).reshape({rows, 6}), bd,
                                  mpx::view(z).reshape({rows, 6}));
     auto const yh = mpx_test::download(exec, y);
@@ -337,7 +313,7 @@ TEMPLATE_LIST_TEST_CASE("conv2d is deterministic and its output feeds the bias a
     for (std::size_t i = 0; i < yh.size(); ++i)
       expected[i] = mpx::cast<T>(std::max(mpx::cast<float>(yh[i]) + bias[i % 6], 0.0f));
     REQUIRE(mpx_test::first_mismatch(zh, expected).empty());
-    auto db = poisoned<TestType, float>(exec, mpx::shape{6});
+    auto db = poisoned<float>(exec, mpx::shape{6});
     mpx::bias_gradient(exec, mpx::view(dyd).reshape({rows, 6}), db);
     auto const dbh = mpx_test::download(exec, db);
     auto const dyh = mpx_test::download(exec, dyd);
@@ -513,8 +489,8 @@ void run_pool(Exec const& exec, pool_case const& p, std::vector<T> const& x, std
   auto const dy = mpx_test::random_values<T>(ys.size(), -1, 1, stream);
   auto const xd = mpx_test::upload(exec, x, xs);
   auto const dyd = mpx_test::upload(exec, dy, ys);
-  auto y = poisoned<Exec, T>(exec, ys);
-  auto dx = poisoned<Exec, T>(exec, xs);
+  auto y = poisoned<T>(exec, ys);
+  auto dx = poisoned<T>(exec, xs);
   mpx::max_pool2d_forward(exec, xd, y, p.o);
   mpx::max_pool2d_backward(exec, xd, y, dyd, dx, p.o);
 
@@ -607,8 +583,8 @@ TEMPLATE_LIST_TEST_CASE("max_pool2d propagates NaN and routes its gradient to th
                               v(3.0f), nan,    v(9.0f), ninf, ninf, v(7.0f), ninf, ninf};  // row 1
     auto const xd = mpx_test::upload(exec, x, xs);
     mpx::shape const ys{1, 1, 4, 1};
-    auto y = poisoned<TestType, T>(exec, ys);
-    auto dx = poisoned<TestType, T>(exec, xs);
+    auto y = poisoned<T>(exec, ys);
+    auto dx = poisoned<T>(exec, xs);
     auto const dyd = mpx_test::upload(exec, std::vector<T>{one, v(2.0f), v(3.0f), v(4.0f)}, ys);
     mpx::max_pool2d_forward(exec, xd, y);
     mpx::max_pool2d_backward(exec, xd, y, dyd, dx);

@@ -30,11 +30,9 @@ namespace {
 
 using mpx_test::to_d;
 using mpx_test::uf;
+using mpx_test::poisoned;
+using mpx_test::widen;
 
-template <class T>
-using policy_for = std::conditional_t<std::is_same_v<T, mpx::half>, mpx::mixed_float16,
-                                      std::conditional_t<std::is_same_v<T, mpx::bfloat16>, mpx::mixed_bfloat16,
-                                                          mpx::float32>>;
 
 // ---- the number types of the reference ----
 
@@ -214,19 +212,7 @@ struct lstm_case {
   double input_bias = 0.0;    // added to b_i
 };
 
-template <class T>
-std::vector<double> widen(std::vector<T> const& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_d(v[i]);
-  return out;
-}
 
-template <class Exec, class T>
-mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape s) {
-  auto t = mpx::make_tensor<T>(exec, s);
-  mpx::fill(exec, t, mpx_test::poison<T>());
-  return t;
-}
 
 std::int64_t i64(std::size_t v) { return static_cast<std::int64_t>(v); }
 
@@ -268,7 +254,7 @@ void check_all(std::string const& what, std::vector<Got> const& got, std::vector
 
 template <class T, class Exec>
 void run_lstm(Exec const& exec, lstm_case const& c, std::uint64_t stream) {
-  using P = policy_for<T>;
+  using P = mpx_test::preset_policy<T>;
   auto const [N, T_, F, U] = c.d;
   std::vector<T> x, w, r, h0, dh;
   std::vector<float> b, c0;
@@ -278,8 +264,8 @@ void run_lstm(Exec const& exec, lstm_case const& c, std::uint64_t stream) {
   auto const rd = mpx_test::upload(exec, r, {i64(U), i64(4 * U)});
   auto const bd = mpx_test::upload(exec, b, {i64(4 * U)});
   auto const dhd = mpx_test::upload(exec, dh, {i64(N), i64(T_), i64(U)});
-  auto h = poisoned<Exec, T>(exec, {i64(N), i64(T_), i64(U)});
-  auto ws = poisoned<Exec, float>(exec, {i64(mpx::lstm_workspace_elements<P>(i64(N), i64(T_), i64(F), i64(U)))});
+  auto h = poisoned<T>(exec, {i64(N), i64(T_), i64(U)});
+  auto ws = poisoned<float>(exec, {i64(mpx::lstm_workspace_elements<P>(i64(N), i64(T_), i64(F), i64(U)))});
   if (c.initial_state) {
     auto const h0d = mpx_test::upload(exec, h0, {i64(N), i64(U)});
     auto const c0d = mpx_test::upload(exec, c0, {i64(N), i64(U)});
@@ -287,10 +273,10 @@ void run_lstm(Exec const& exec, lstm_case const& c, std::uint64_t stream) {
   } else {
     mpx::lstm_forward<P>(exec, xd, wd, rd, bd, h, ws);
   }
-  auto dx = poisoned<Exec, T>(exec, {i64(N), i64(T_), i64(F)});
-  auto dw = poisoned<Exec, float>(exec, {i64(F), i64(4 * U)});
-  auto dr = poisoned<Exec, float>(exec, {i64(U), i64(4 * U)});
-  auto db = poisoned<Exec, float>(exec, {i64(4 * U)});
+  auto dx = poisoned<T>(exec, {i64(N), i64(T_), i64(F)});
+  auto dw = poisoned<float>(exec, {i64(F), i64(4 * U)});
+  auto dr = poisoned<float>(exec, {i64(U), i64(4 * U)});
+  auto db = poisoned<float>(exec, {i64(4 * U)});
   mpx::lstm_backward<P>(exec, dhd, wd, rd, dx, dw, dr, db, ws);
 
   auto const ref = ref_lstm<ball, T>(in);
@@ -404,13 +390,13 @@ TEMPLATE_LIST_TEST_CASE("lstm_backward accumulates on request and can run twice"
   auto const rd = mpx_test::upload(exec, r, {U, 4 * U});
   auto const bd = mpx_test::upload(exec, b, {4 * U});
   auto const dhd = mpx_test::upload(exec, dh, {N, T, U});
-  auto h = poisoned<TestType, half>(exec, {N, T, U});
-  auto ws = poisoned<TestType, float>(exec, {i64(mpx::lstm_workspace_elements<P>(N, T, F, U))});
+  auto h = poisoned<half>(exec, {N, T, U});
+  auto ws = poisoned<float>(exec, {i64(mpx::lstm_workspace_elements<P>(N, T, F, U))});
   mpx::lstm_forward<P>(exec, xd, wd, rd, bd, h, ws);
-  auto dx = poisoned<TestType, half>(exec, {N, T, F});
-  auto dw = poisoned<TestType, float>(exec, {F, 4 * U});
-  auto dr = poisoned<TestType, float>(exec, {U, 4 * U});
-  auto db = poisoned<TestType, float>(exec, {4 * U});
+  auto dx = poisoned<half>(exec, {N, T, F});
+  auto dw = poisoned<float>(exec, {F, 4 * U});
+  auto dr = poisoned<float>(exec, {U, 4 * U});
+  auto db = poisoned<float>(exec, {4 * U});
   mpx::lstm_backward<P>(exec, dhd, wd, rd, dx, dw, dr, db, ws);
   auto const dx1 = mpx_test::download(exec, dx);
   auto const dw1 = mpx_test::download(exec, dw);
@@ -442,9 +428,9 @@ TEMPLATE_LIST_TEST_CASE("lstm with no steps or no sequences: empty h, zero param
     auto dx = mpx::make_tensor<float>(exec, {N, T, F});
     auto ws = mpx::make_tensor<float>(exec, {i64(mpx::lstm_workspace_elements<P>(N, T, F, U))});
     mpx::lstm_forward<P>(exec, x, w, r, b, h, ws);
-    auto dw = poisoned<TestType, float>(exec, {F, 4 * U});
-    auto dr = poisoned<TestType, float>(exec, {U, 4 * U});
-    auto db = poisoned<TestType, float>(exec, {4 * U});
+    auto dw = poisoned<float>(exec, {F, 4 * U});
+    auto dr = poisoned<float>(exec, {U, 4 * U});
+    auto db = poisoned<float>(exec, {4 * U});
     mpx::lstm_backward<P>(exec, dh, w, r, dx, dw, dr, db, ws);
     for (auto const& grads : {mpx_test::download(exec, dw), mpx_test::download(exec, dr), mpx_test::download(exec, db)})
       for (float g : grads) REQUIRE(g == 0.0f);

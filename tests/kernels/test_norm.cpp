@@ -19,6 +19,8 @@ namespace {
 
 using mpx_test::to_d;
 using mpx_test::uf;
+using mpx_test::poisoned;
+using mpx_test::widen;
 
 constexpr std::size_t extents[] = {1, 2, 7, 33, 1000};
 
@@ -95,12 +97,6 @@ struct col_at {
   std::size_t operator()(std::size_t g, std::size_t e) const { return e * cols + g; }
 };
 
-template <class T>
-std::vector<double> widen(std::vector<T> const& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_d(v[i]);
-  return out;
-}
 
 mpx::shape shape_of(std::size_t rows, std::size_t cols) {
   return mpx::shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
@@ -169,12 +165,6 @@ double column_roundings(std::size_t n) {
 }
 double row_roundings(std::size_t n) { return static_cast<double>(n) / 32 + 40; }
 
-template <class Exec, class T>
-mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape s) {
-  auto t = mpx::make_tensor<T>(exec, s);
-  mpx::fill(exec, t, mpx_test::poison<T>());
-  return t;
-}
 
 // Runs layer norm forward and backward on `exec` and checks against float64.
 template <class T, class Exec>
@@ -187,12 +177,12 @@ void run_layer_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
   auto const dyd = mpx_test::upload(exec, dy, s);
   auto const gd = mpx_test::upload(exec, gamma, vec(cols));
   auto const bd = mpx_test::upload(exec, beta, vec(cols));
-  auto y = poisoned<Exec, T>(exec, s);
-  auto dx = poisoned<Exec, T>(exec, s);
-  auto mean = poisoned<Exec, float>(exec, vec(rows));
-  auto rstd = poisoned<Exec, float>(exec, vec(rows));
-  auto dgamma = poisoned<Exec, float>(exec, vec(cols));
-  auto dbeta = poisoned<Exec, float>(exec, vec(cols));
+  auto y = poisoned<T>(exec, s);
+  auto dx = poisoned<T>(exec, s);
+  auto mean = poisoned<float>(exec, vec(rows));
+  auto rstd = poisoned<float>(exec, vec(rows));
+  auto dgamma = poisoned<float>(exec, vec(cols));
+  auto dbeta = poisoned<float>(exec, vec(cols));
   float const eps = 1e-5f;
   mpx::layer_norm_forward<mpx::mixed_float16>(exec, xd, gd, bd, y, mean, rstd, eps);
   mpx::layer_norm_backward<mpx::mixed_bfloat16>(exec, xd, dyd, gd, mean, rstd, dx, dgamma, dbeta);
@@ -218,12 +208,12 @@ void run_batch_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
   auto const bd = mpx_test::upload(exec, beta, vec(cols));
   auto run_mean = mpx_test::upload(exec, run_mean0, vec(cols));
   auto run_var = mpx_test::upload(exec, run_var0, vec(cols));
-  auto y = poisoned<Exec, T>(exec, s);
-  auto dx = poisoned<Exec, T>(exec, s);
-  auto mean = poisoned<Exec, float>(exec, vec(cols));
-  auto invstd = poisoned<Exec, float>(exec, vec(cols));
-  auto dgamma = poisoned<Exec, float>(exec, vec(cols));
-  auto dbeta = poisoned<Exec, float>(exec, vec(cols));
+  auto y = poisoned<T>(exec, s);
+  auto dx = poisoned<T>(exec, s);
+  auto mean = poisoned<float>(exec, vec(cols));
+  auto invstd = poisoned<float>(exec, vec(cols));
+  auto dgamma = poisoned<float>(exec, vec(cols));
+  auto dbeta = poisoned<float>(exec, vec(cols));
   mpx::batch_norm_options const o{0.9f, 1e-3f};
   mpx::batch_norm_forward_training<mpx::mixed_float16>(exec, xd, gd, bd, y, run_mean, run_var, mean, invstd, o);
   mpx::batch_norm_backward(exec, xd, dyd, gd, mean, invstd, dx, dgamma, dbeta);
@@ -253,7 +243,7 @@ void run_batch_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
   MPX_REQUIRE_WITHIN(running);
 
   // Inference from the updated running statistics.
-  auto yi = poisoned<Exec, T>(exec, s);
+  auto yi = poisoned<T>(exec, s);
   mpx::batch_norm_forward_inference(exec, xd, gd, bd, run_mean, run_var, yi, o.eps);
   auto const got = mpx_test::download(exec, yi);
   mpx_test::bound_checker inf("batch_norm inference");
@@ -360,10 +350,10 @@ TEMPLATE_LIST_TEST_CASE("batch_norm training, inference and backward are within 
     auto const bd = mpx_test::upload(exec, std::vector<float>(7, 0.0f), vec(7));
     auto rm = mpx_test::upload(exec, std::vector<float>(7, 0.0f), vec(7));
     auto rv = mpx_test::upload(exec, std::vector<float>(7, 1.0f), vec(7));
-    auto y4 = poisoned<TestType, T>(exec, s4);
-    auto y2 = poisoned<TestType, T>(exec, shape_of(30, 7));
-    auto m = poisoned<TestType, float>(exec, vec(7));
-    auto is = poisoned<TestType, float>(exec, vec(7));
+    auto y4 = poisoned<T>(exec, s4);
+    auto y2 = poisoned<T>(exec, shape_of(30, 7));
+    auto m = poisoned<float>(exec, vec(7));
+    auto is = poisoned<float>(exec, vec(7));
     mpx::batch_norm_forward_training(exec, xd, gd, bd, y4, rm, rv, m, is);
     auto const x2 = mpx_test::upload(exec, x, shape_of(30, 7));
     mpx::batch_norm_forward_training(exec, x2, gd, bd, y2, rm, rv, m, is);
@@ -387,9 +377,9 @@ TEMPLATE_LIST_TEST_CASE("norm statistics stay exact under a large common offset"
   auto const xd = mpx_test::upload(exec, x, s);
   auto const gd = mpx_test::upload(exec, std::vector<float>(cols, 1.0f), vec(cols));
   auto const bd = mpx_test::upload(exec, std::vector<float>(cols, 0.0f), vec(cols));
-  auto y = poisoned<TestType, float>(exec, s);
-  auto mean = poisoned<TestType, float>(exec, vec(rows));
-  auto rstd = poisoned<TestType, float>(exec, vec(rows));
+  auto y = poisoned<float>(exec, s);
+  auto mean = poisoned<float>(exec, vec(rows));
+  auto rstd = poisoned<float>(exec, vec(rows));
   mpx::layer_norm_forward(exec, xd, gd, bd, y, mean, rstd);
   auto const got = mpx_test::download(exec, y);
   auto const f = ref_normalise(widen(x), rows, cols, row_at{cols}, std::vector<double>(cols, 1.0),
@@ -410,9 +400,9 @@ TEMPLATE_LIST_TEST_CASE("a NaN in the input of a normalisation never passes as a
   auto const xd = mpx_test::upload(exec, x, s);
   auto const gd = mpx_test::upload(exec, std::vector<float>(cols, 1.0f), vec(cols));
   auto const bd = mpx_test::upload(exec, std::vector<float>(cols, 0.0f), vec(cols));
-  auto y = poisoned<TestType, float>(exec, s);
-  auto mean = poisoned<TestType, float>(exec, vec(rows));
-  auto rstd = poisoned<TestType, float>(exec, vec(rows));
+  auto y = poisoned<float>(exec, s);
+  auto mean = poisoned<float>(exec, vec(rows));
+  auto rstd = poisoned<float>(exec, vec(rows));
   mpx::layer_norm_forward(exec, xd, gd, bd, y, mean, rstd);
   auto const ly = mpx_test::download(exec, y);
   for (std::size_t c = 0; c < cols; ++c) REQUIRE(std::isnan(ly[2 * cols + c]));
@@ -420,8 +410,8 @@ TEMPLATE_LIST_TEST_CASE("a NaN in the input of a normalisation never passes as a
 
   auto rm = mpx_test::upload(exec, std::vector<float>(cols, 0.0f), vec(cols));
   auto rv = mpx_test::upload(exec, std::vector<float>(cols, 1.0f), vec(cols));
-  auto bm = poisoned<TestType, float>(exec, vec(cols));
-  auto bi = poisoned<TestType, float>(exec, vec(cols));
+  auto bm = poisoned<float>(exec, vec(cols));
+  auto bi = poisoned<float>(exec, vec(cols));
   mpx::batch_norm_forward_training(exec, xd, gd, bd, y, rm, rv, bm, bi);
   auto const by = mpx_test::download(exec, y);
   auto const brm = mpx_test::download(exec, rm);

@@ -48,34 +48,16 @@ namespace {
 
 using mpx_test::to_d;
 using mpx_test::uf;
+using mpx_test::poisoned;
+using mpx_test::widen;
 
 template <class T>
-struct policy_for;
-template <>
-struct policy_for<float> {
-  using type = mpx::float32;
-};
-template <>
-struct policy_for<mpx::half> {
-  using type = mpx::mixed_float16;
-};
-template <>
-struct policy_for<mpx::bfloat16> {
-  using type = mpx::mixed_bfloat16;
-};
-template <class T>
-using policy_of = typename policy_for<T>::type;
+using policy_of = mpx_test::preset_policy<T>;
 
 constexpr mpx::activation all_activations[] = {mpx::activation::linear, mpx::activation::relu,
                                                mpx::activation::sigmoid, mpx::activation::tanh,
                                                mpx::activation::gelu};
 
-template <class T, class Exec>
-mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape s) {
-  auto t = mpx::make_tensor<T>(exec, s);
-  mpx::fill(exec, t, mpx_test::poison<T>());
-  return t;
-}
 
 // The views the layer API takes (its Space is deduced, so a tensor is not converted).
 template <class T, class Space>
@@ -87,12 +69,6 @@ mpx::tensor_view<T, Space> mview(mpx::tensor<T, Space>& t) {
   return t.view();
 }
 
-template <class T>
-std::vector<double> widen(std::vector<T> const& v) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_d(v[i]);
-  return out;
-}
 
 mpx::shape make_shape(std::vector<std::int64_t> const& e) {
   return mpx::shape(std::span<std::int64_t const>(e.data(), e.size()));

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 //! Checks that `expr` throws `type` and that the message matches `matcher` (Catch2 v2
@@ -81,6 +82,29 @@ T poison() {
   else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
   else return T(0x5A);
 }
+
+//! A tensor of `shape` in the executor's space with every element poisoned.
+template <class T, class Exec>
+mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape shape) {
+  auto t = mpx::make_tensor<T>(exec, shape);
+  mpx::fill(exec, t, poison<T>());
+  return t;
+}
+
+//! The values of v in float64, the dtype every reference computes in.
+template <class T>
+std::vector<double> widen(std::vector<T> const& v) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = mpx::detail::to_double(v[i]);
+  return out;
+}
+
+//! The Keras-named preset whose storage dtype is T: float32, mixed_float16 or
+//! mixed_bfloat16.
+template <class T>
+using preset_policy = std::conditional_t<std::is_same_v<T, mpx::half>, mpx::mixed_float16,
+                                         std::conditional_t<std::is_same_v<T, mpx::bfloat16>,
+                                                            mpx::mixed_bfloat16, mpx::float32>>;
 
 //! Uniform values in [lo, hi), rounded to T, from a seeded generator.
 template <class T>

@@ -1,21 +1,12 @@
 // Mixed-precision policies: which dtype a layer stores tensors in, computes in,
 // accumulates sums in, and keeps its trainable parameters' master copy in. The presets
-// are named as in tf.keras.mixed_precision; they can be looked up by name at compile
-// time (Boost.Hana) or dispatched from a runtime string such as a --policy flag.
+// are named as in tf.keras.mixed_precision. Looking them up by name (Boost.Hana, or a
+// runtime string such as a --policy flag) is in core/policy_names.hpp, so a kernel that
+// only needs a policy's dtypes does not compile Hana.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
-
-#include <boost/hana/at.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/pair.hpp>
-#include <boost/hana/equal.hpp>
-#include <boost/hana/find_if.hpp>
-#include <boost/hana/optional.hpp>
-#include <boost/hana/string.hpp>
-#include <boost/hana/tuple.hpp>
-#include <boost/hana/type.hpp>
 
 #include <array>
 #include <concepts>
@@ -111,59 +102,6 @@ constexpr void require_float_accumulation() {
                 "losses overflow or lose their small terms in 16 bits), but the policy's "
                 "accumulate_type is a 16-bit type; use mpx::mixed_float16, mpx::mixed_bfloat16, "
                 "mpx::float32, or a policy<Storage, Compute, float>");
-}
-
-//! The presets, in the order they are listed to users.
-inline constexpr auto preset_policies = boost::hana::make_tuple(
-    boost::hana::make_pair(BOOST_HANA_STRING("float32"), boost::hana::type_c<float32>),
-    boost::hana::make_pair(BOOST_HANA_STRING("mixed_float16"), boost::hana::type_c<mixed_float16>),
-    boost::hana::make_pair(BOOST_HANA_STRING("mixed_bfloat16"), boost::hana::type_c<mixed_bfloat16>));
-
-//! The preset named by a compile-time Hana string, as a hana::type:
-//! `constexpr auto n = BOOST_HANA_STRING("mixed_float16"); using P = decltype(mpx::policy_by_name(n))::type;`
-template <char... Cs>
-constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
-  auto found = boost::hana::find_if(preset_policies, [&](auto const& entry) {
-    return boost::hana::first(entry) == name;
-  });
-  static_assert(!decltype(found == boost::hana::nothing)::value,
-                "mpx::policy_by_name: no preset policy has this name; the presets are "
-                "\"float32\", \"mixed_float16\" and \"mixed_bfloat16\"");
-  return boost::hana::second(*found);
-}
-
-//! The preset policy type named by a Hana string type.
-template <class HanaString>
-using policy_named = typename decltype(policy_by_name(HanaString{}))::type;
-
-namespace detail {
-[[noreturn]] inline void unknown_policy(std::string_view name) {
-  fail<invalid_argument>("with_policy", "unknown policy \"" + std::string(name) +
-                                            "\"; the presets are float32, mixed_float16 and mixed_bfloat16");
-}
-
-// Each step compares then calls; the last step throws instead of recursing. (An
-// if-constexpr branch that only throws, the obvious form, crashes nvcc 13's front end.)
-template <std::size_t I, class Result, class F>
-Result dispatch_policy(std::string_view name, F& f) {
-  constexpr std::size_t count = decltype(boost::hana::length(preset_policies))::value;
-  if constexpr (I + 1 < count) {
-    if (name != boost::hana::to<char const*>(boost::hana::first(boost::hana::at_c<I>(preset_policies))))
-      return dispatch_policy<I + 1, Result>(name, f);
-  } else {
-    if (name != boost::hana::to<char const*>(boost::hana::first(boost::hana::at_c<I>(preset_policies))))
-      unknown_policy(name);
-  }
-  return f(boost::hana::second(boost::hana::at_c<I>(preset_policies)));
-}
-}  // namespace detail
-
-//! Calls f(hana::type_c<P>) for the preset named `name` (from a command line, a config
-//! file) and returns what f returns; an unknown name throws mpx::invalid_argument that
-//! lists the presets. This is how one binary runs a model under any of them.
-template <class F, class Result = std::invoke_result_t<F&, boost::hana::basic_type<float32>>>
-Result with_policy(std::string_view name, F&& f) {
-  return detail::dispatch_policy<0, Result>(name, f);
 }
 
 }  // namespace mpx

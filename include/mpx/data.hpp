@@ -1,0 +1,8 @@
+// <mpx/data.hpp>: the IDX reader, Fashion-MNIST/MNIST loaders, batching and prefetch.
+// One include per area; <mpx/mpx.hpp> includes every area.
+#pragma once
+
+#include <mpx/data/batches.hpp>
+#include <mpx/data/dataset.hpp>
+#include <mpx/data/idx.hpp>
+#include <mpx/data/tensor_batches.hpp>

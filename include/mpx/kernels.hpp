@@ -1,0 +1,19 @@
+// <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm (cuBLASLt on the
+// GPU), activations, softmax, norms, dropout, conv2d, pooling, LSTM.
+// One include per area; <mpx/mpx.hpp> includes every area.
+#pragma once
+
+#include <mpx/kernels/activation.hpp>
+#include <mpx/kernels/batch_norm.hpp>
+#include <mpx/kernels/conv2d.hpp>
+#include <mpx/kernels/cublaslt.hpp>
+#include <mpx/kernels/dropout.hpp>
+#include <mpx/kernels/elementwise.hpp>
+#include <mpx/kernels/gemm.hpp>
+#include <mpx/kernels/layer_norm.hpp>
+#include <mpx/kernels/lstm.hpp>
+#include <mpx/kernels/max_pool.hpp>
+#include <mpx/kernels/multi_tensor.hpp>
+#include <mpx/kernels/reduce.hpp>
+#include <mpx/kernels/row_reduce.hpp>
+#include <mpx/kernels/softmax.hpp>

@@ -1,0 +1,9 @@
+// <mpx/numerics.hpp>: finite checks, numerics statistics, sums of squares, the exponent
+// histogram.
+// One include per area; <mpx/mpx.hpp> includes every area.
+#pragma once
+
+#include <mpx/numerics/finite.hpp>
+#include <mpx/numerics/histogram.hpp>
+#include <mpx/numerics/stats.hpp>
+#include <mpx/numerics/sum_of_squares.hpp>

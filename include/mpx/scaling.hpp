@@ -1,0 +1,8 @@
+// <mpx/scaling.hpp>: loss scalers (dynamic, static) and the multi-tensor unscale-and-
+// check.
+// One include per area; <mpx/mpx.hpp> includes every area.
+#pragma once
+
+#include <mpx/scaling/loss_scale_rules.hpp>
+#include <mpx/scaling/loss_scaler.hpp>
+#include <mpx/scaling/unscale_and_check.hpp>

@@ -1,0 +1,31 @@
+# Sourced by scripts/test.sh, scripts/example.sh and .ci/run: what every build of mpx's
+# own targets shares.
+#  - ccache (installed by setup.sh; Meson picks it up for g++ and nvcc): the cache is keyed
+#    on paths relative to the checkout, so a fresh clone somewhere else reuses it.
+#  - mpx_gpu_present: whether this machine has a GPU a CUDA build can run on.
+mpx_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export CCACHE_BASEDIR="$mpx_root"
+export CCACHE_NOHASHDIR=true
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-8G}"
+
+mpx_gpu_present() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+# The first GPU's name, for the one line that says what ran.
+mpx_gpu_name() {
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
+}
+
+# Configures build directory $1 with the options that follow: a new directory is set
+# up, an existing one takes the options (so switching between a host-only and a CUDA
+# build reuses what it can).
+mpx_configure() {
+  local dir=$1
+  shift
+  if [ -f "$dir/meson-private/coredata.dat" ]; then
+    meson configure "$dir" "$@" >/dev/null
+  else
+    meson setup "$dir" "$@"
+  fi
+}
