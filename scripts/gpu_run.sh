@@ -1,82 +1,326 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, with .gpu/ (scripts/gpu_kit.sh)
 # carried: every check that needs a GPU, in one call that fits a 10-minute command.
-# Logs go to $OUT (the device tool brings them back); the last lines printed are a
-# summary table. Steps:
-#   1. the device, as the driver and nvidia-smi report it
+#   1. the device: nvidia-smi, then gpu_probe (a device, an allocation, a kernel, a copy)
 #   2. the CUDA test suite
-#   3. compute-sanitizer memcheck and racecheck on the model and kernel tests
+#   3. compute-sanitizer memcheck and racecheck on the model and kernel tests, where a
+#      short probe shows that the sanitizer accepts the device (on some machines it
+#      answers "Device not supported": then the summary says it is unavailable)
 #   4. the main example, 5 epochs under each policy, eager and with --cuda-graph
-#   5. every benchmark on full sizes
-# Each step has its own time limit, so a hang in one still leaves the others' results.
+#   5. the other examples on the GPU, every benchmark on full sizes, PyTorch's counterparts
 #
 #   bash scripts/gpu_run.sh [all|tests|perf]   # tests: 1-3; perf: 1, 4-5; all: both
 #
 # `all` can approach the device's 10-minute limit per command: on a first run, prefer
 # `tests` and `perf` as two calls. Every step's limit is cut to what is left of
-# GPU_RUN_BUDGET seconds (default 570), so the summary is printed inside that limit.
+# GPU_RUN_BUDGET seconds (default 570), so the summary is written inside that limit.
+#
+# What comes back: the device tool returns at most 8 files from $OUT, so a run leaves there
+# summary-PHASE.txt (what happened, step by step), logs-PHASE.tar.gz (every step's full
+# log: tar -xzf) and, only while a step runs, step-running.log. The summary and the archive
+# are rewritten after every step, so a run cut off still returns what it did. The summary
+# is also printed last. Exit status: 0 when no step failed (skipped steps are no failure).
+#
+# Libraries: before the first step, ldd lists what the phase's programs cannot load; each
+# missing library is looked for in the kit, the CUDA toolkit (/usr/local/cuda*/lib64),
+# Python's nvidia-* packages (site-packages/nvidia/*/lib) and ldconfig's cache, then in the
+# kit's fallback CUDA runtime. The folders found go into LD_LIBRARY_PATH for mpx's programs
+# only; python3 (PyTorch) runs with the machine's own. The summary names what is still
+# missing.
+#
+# Hooks for the dry run (tests/scripts/test_gpu_kit_dry_run.sh), unset on a real run:
+# GPU_RUN_NVIDIA_SMI and GPU_RUN_SANITIZER (a program, or 'none'), GPU_RUN_WORK (the scratch
+# folder, default /tmp/mpx-gpu), GPU_RUN_STEP_LIMIT (caps every step, in seconds).
 set -uo pipefail
 phase=${1:-all}
-cd "$(dirname "$0")/.."
+case $phase in
+  all|tests|perf) ;;
+  *) echo "usage: bash scripts/gpu_run.sh [all|tests|perf]" >&2; exit 2 ;;
+esac
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/mpx-gpu-out}
 mkdir -p "$OUT"
 kit=$PWD/.gpu
-programs=/tmp/mpx-gpu
-rm -rf "$programs" && mkdir -p "$programs" && tar -xJf "$kit/programs.tar.xz" -C "$programs" ||
-  { echo "gpu_run: cannot unpack $kit/programs.tar.xz (run scripts/gpu_kit.sh and carry .gpu)" >&2; exit 1; }
-export LD_LIBRARY_PATH="$programs/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-export PATH="/usr/local/cuda/bin:$PATH"
+work=${GPU_RUN_WORK:-/tmp/mpx-gpu}
+programs=$work/programs
 bin=$programs/bin
-summary=()
+logs=$work/logs-$phase
 budget=${GPU_RUN_BUDGET:-570}
+step_cap=${GPU_RUN_STEP_LIMIT:-}
+summary_file=$OUT/summary-$phase.txt
+archive=$OUT/logs-$phase.tar.gz
+live=$OUT/step-running.log
+machine_ld=${LD_LIBRARY_PATH:-}  # what python3 and the machine's tools keep
+mpx_ld=$machine_ld               # what mpx's programs get, once the libraries are resolved
 
-step() {  # step NAME SECONDS COMMAND...: runs it, logs to $OUT/NAME.log, records the outcome
-  local name=$1 limit=$2
-  shift 2
-  local left=$((budget - SECONDS - 5))
-  if [ $left -lt 10 ]; then
-    summary+=("$(printf '%-28s %-22s' "$name" "not run: out of time")")
-    return
-  fi
-  [ $limit -le $left ] || limit=$left
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local verdict=ok
-  [ $rc -eq 0 ] || verdict="FAILED rc=$rc"
-  [ $rc -eq 124 ] && verdict="TIMED OUT after ${limit}s"
-  summary+=("$(printf '%-28s %-22s %5ss' "$name" "$verdict" $((SECONDS - start)))")
-  tail -n 4 "$OUT/$name.log" | sed "s/^/  [$name] /"
+notes=()     # lines above the table: kit, device, libraries, sanitizer
+rows=()      # one per step
+failures=0
+
+write_summary() {  # write_summary [LINE]: rewrites $OUT/summary-PHASE.txt
+  {
+    echo "== mpx GPU run: phase $phase on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC'), ${SECONDS}s in"
+    [ ${#notes[@]} -eq 0 ] || printf '%s\n' "${notes[@]}"
+    printf '%-22s %-52s %6s\n' step outcome time
+    [ ${#rows[@]} -eq 0 ] || printf '%s\n' "${rows[@]}"
+    [ -z "${1:-}" ] || echo "$1"
+    echo "full logs: $(basename "$archive") in \$OUT ($(find "$logs" -type f | wc -l) files; tar -xzf to read)"
+  } > "$summary_file.tmp" && mv -f "$summary_file.tmp" "$summary_file"
+}
+pack_logs() {  # rewrites $OUT/logs-PHASE.tar.gz from the logs so far
+  tar -czf "$archive.tmp" -C "$logs" . 2> /dev/null && mv -f "$archive.tmp" "$archive"
+}
+note() { notes+=("$1"); echo "$1"; }
+record() {  # record NAME OUTCOME [SECONDS]
+  rows+=("$(printf '%-22s %-52s %6s' "$1" "$2" "${3:+${3}s}")")
+}
+cap_log() {  # keeps a log to its first 2 MiB and last 6 MiB, so the archive stays small
+  local size
+  size=$(stat -c %s "$1" 2> /dev/null || echo 0)
+  [ "$size" -gt 8388608 ] || return 0
+  { head -c 2097152 "$1"; printf '\n[... gpu_run.sh cut %s bytes here ...]\n' $((size - 8388608)); tail -c 6291456 "$1"; } > "$1.cut" &&
+    mv -f "$1.cut" "$1"
 }
 
-echo "kit built from $(cat "$kit/commit" 2>/dev/null | tr '\n' ' ')"
-step device 30 nvidia-smi
+step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs it, records the outcome; returns its status
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - SECONDS - 15))  # 15 s kept for the summary and the archive
+  if [ $left -lt 10 ]; then
+    record "$name" "not run: out of time (GPU_RUN_BUDGET=${budget}s)"
+    write_summary
+    return 125
+  fi
+  [ "$limit" -le $left ] || limit=$left
+  [ -z "$step_cap" ] || [ "$limit" -le "$step_cap" ] || limit=$step_cap
+  write_summary "running now: $name (limit ${limit}s); its output so far: step-running.log"
+  printf '$ %s\n(limit %ss)\n' "$*" "$limit" > "$live"
+  local start=$SECONDS rc
+  timeout -k 10 "$limit" "$@" >> "$live" 2>&1
+  rc=$?
+  local verdict
+  case $rc in
+    0) verdict=ok ;;
+    77) verdict="skipped: no usable GPU (exit 77)" ;;
+    124) verdict="TIMED OUT after ${limit}s"; failures=$((failures + 1)) ;;
+    137) if [ $((SECONDS - start)) -ge "$limit" ]; then verdict="TIMED OUT after ${limit}s, then killed"
+         else verdict="FAILED: killed (signal 9; out of memory?)"; fi
+         failures=$((failures + 1)) ;;
+    126|127) verdict="FAILED rc=$rc: cannot run (program or library missing)"; failures=$((failures + 1)) ;;
+    *) if [ $rc -gt 128 ]; then verdict="FAILED: killed by signal $((rc - 128))"; else verdict="FAILED rc=$rc"; fi
+       failures=$((failures + 1)) ;;
+  esac
+  mv -f "$live" "$logs/$name.log"
+  cap_log "$logs/$name.log"
+  record "$name" "$verdict" $((SECONDS - start))
+  echo "-- $name: $verdict"
+  tail -n 4 "$logs/$name.log" | sed "s/^/  [$name] /"
+  write_summary
+  pack_logs
+  return $rc
+}
+mpx_step() {  # mpx_step NAME SECONDS PROGRAM ARGS...: a step running one of the kit's programs, with mpx's libraries
+  local name=$1 limit=$2 program=$3
+  shift 3
+  if [ ! -x "$bin/$program" ]; then
+    record "$name" "not run: $program is not in the kit"
+    return 125
+  fi
+  step "$name" "$limit" env "LD_LIBRARY_PATH=$mpx_ld" "$bin/$program" "$@"
+}
+
+rm -rf "$work" && mkdir -p "$programs" "$logs"
+rm -f "$live"
+if ! tar -xJf "$kit/programs.tar.xz" -C "$programs"; then
+  note "kit: cannot unpack $kit/programs.tar.xz: run scripts/gpu_kit.sh here and carry .gpu"
+  write_summary
+  cat "$summary_file"
+  exit 1
+fi
+note "kit: $(tr '\n' ';' < "$kit/info" 2> /dev/null | sed 's/;$//; s/;/; /g')"
+
+# The programs this phase runs, for the library check.
+phase_programs=()
+for p in "$bin"/*; do
+  case "$phase:$(basename "$p")" in
+    tests:gpu_probe|tests:mpx_tests_cuda|all:*) phase_programs+=("$p") ;;
+    tests:*|perf:mpx_tests_cuda) ;;
+    perf:*) phase_programs+=("$p") ;;
+  esac
+done
+
+# ---- libraries: find what the programs cannot load, and where it is on this machine ----
+lib_dirs=()  # LD_LIBRARY_PATH for mpx's programs, before the machine's own
+join_ld() { local IFS=:; echo "${lib_dirs[*]}${machine_ld:+${lib_dirs[*]:+:}$machine_ld}"; }
+search_dirs=("$programs/lib")
+shopt -s nullglob
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+         /usr/local/cuda-*/lib64 /usr/local/cuda-*/lib /usr/local/cuda-*/targets/x86_64-linux/lib \
+         /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+  [ -d "$d" ] && search_dirs+=("$d")
+done
+# Python's nvidia-* wheels (nvidia-cuda-runtime, nvidia-cublas: site-packages/nvidia/*/lib);
+# python3 only prints its path here, under the machine's own environment.
+while IFS= read -r p; do
+  for d in "$p"/nvidia/*/lib "$p"/nvidia/*/lib64; do [ -d "$d" ] && search_dirs+=("$d"); done
+done < <(timeout 30 python3 -c 'import sys; print("\n".join(p for p in sys.path if p))' 2> /dev/null)
+shopt -u nullglob
+ldconfig_bin=$(command -v ldconfig || echo /sbin/ldconfig)
+find_library() {  # find_library NAME: prints the folder that holds it
+  local d path
+  for d in "${search_dirs[@]}"; do
+    if [ -e "$d/$1" ]; then echo "$d"; return 0; fi
+  done
+  path=$("$ldconfig_bin" -p 2> /dev/null | awk -v n="$1" '$1 == n { print $NF; exit }')
+  if [ -n "$path" ] && [ -e "$path" ]; then dirname "$path"; return 0; fi
+  if [ -e "$programs/fallback/$1" ]; then echo "$programs/fallback"; return 0; fi
+  return 1
+}
+missing_libraries() {  # the libraries some program of the phase cannot load, one a line
+  [ ${#phase_programs[@]} -gt 0 ] || return 0
+  LD_LIBRARY_PATH=$(join_ld) ldd "${phase_programs[@]}" 2> /dev/null | awk '/=> not found/ { print $1 }' | sort -u
+}
+resolve_libraries() {
+  local log=$logs/libraries.log round lib dir added found=() missing=''
+  {
+    echo "glibc here: $(ldd --version 2>&1 | head -n 1)"
+    echo "searched, in order: ${search_dirs[*]}, ldconfig -p, $programs/fallback"
+  } > "$log"
+  if ! command -v ldd > /dev/null; then
+    note "libraries: not checked (no ldd on this machine); LD_LIBRARY_PATH for mpx: the kit's libraries"
+    lib_dirs=("$programs/lib")
+    mpx_ld=$(join_ld)
+    return
+  fi
+  for round in 1 2 3 4; do  # a library found can need others: look again
+    added=0
+    while read -r lib; do
+      [ -n "$lib" ] || continue
+      if dir=$(find_library "$lib"); then
+        case ":$(join_ld):" in *":$dir:"*) continue ;; esac
+        lib_dirs+=("$dir")
+        found+=("$lib from $dir")
+        echo "round $round: $lib found in $dir" >> "$log"
+        added=1
+      fi
+    done < <(missing_libraries)
+    [ $added -eq 1 ] || break
+  done
+  mpx_ld=$(join_ld)
+  echo "LD_LIBRARY_PATH for mpx's programs: $mpx_ld" >> "$log"
+  local p out
+  for p in "${phase_programs[@]}"; do
+    out=$(LD_LIBRARY_PATH=$mpx_ld ldd "$p" 2>&1)
+    printf '\n== ldd %s\n%s\n' "$(basename "$p")" "$out" >> "$log"
+    missing+=$(printf '%s\n' "$out" | awk -v prog="$(basename "$p")" -v OFS='\t' '
+      /=> not found/ { print $1, prog } /version .* not found/ { sub(/^[ \t]*/, ""); print $0, prog }')$'\n'
+  done
+  missing=$(printf '%s' "$missing" | sed '/^$/d')
+  [ ${#found[@]} -eq 0 ] || note "libraries found outside the loader's path: $(printf '%s, ' "${found[@]}" | sed 's/, $//')"
+  if [ -z "$missing" ]; then
+    note "libraries: all found; LD_LIBRARY_PATH for mpx's programs: ${mpx_ld:-(none)} (python3 keeps the machine's)"
+  else
+    note "libraries: MISSING, so those programs cannot start: $(printf '%s\n' "$missing" | awk -F '\t' '
+      { need[$1] = need[$1] (need[$1] ? ", " : "") $2 } END { for (l in need) printf "%s (needed by %s); ", l, need[l] }' |
+      sed 's/; $//')"
+    note "libraries: looked in the kit, /usr/local/cuda*/lib64, Python's nvidia/*/lib, ldconfig -p; details in libraries.log"
+  fi
+}
+
+# ---- the run ------------------------------------------------------------------------
+write_summary "starting"
+resolve_libraries
+write_summary
+pack_logs
+
+smi=${GPU_RUN_NVIDIA_SMI:-$(command -v nvidia-smi || echo /usr/local/nvidia/bin/nvidia-smi)}
+if [ -x "$smi" ]; then step device 30 "$smi"; else record device "unavailable: no nvidia-smi"; fi
+probe_rc=none
+if [ -x "$bin/gpu_probe" ]; then
+  mpx_step probe 60 gpu_probe
+  probe_rc=$?
+  note "device: $(grep -m 1 '^gpu_probe:' "$logs/probe.log" 2> /dev/null || echo "gpu_probe printed nothing")"
+else
+  record probe "not run: no gpu_probe in the kit (gpu_kit.sh had no nvcc)"
+fi
+
 if [ "$phase" != perf ]; then
-step tests_cuda 240 "$bin/mpx_tests_cuda" --reporter compact
-if command -v compute-sanitizer > /dev/null; then
-  step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 "$bin/mpx_tests_cuda" "[model],[conv],[lstm],[norm],[dropout],[histogram]" --reporter compact
-  step racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 1 "$bin/mpx_tests_cuda" "[numerics],[softmax],[losses],[norm]" --reporter compact
+mpx_step tests_cuda 240 mpx_tests_cuda --reporter compact
+
+# compute-sanitizer refuses some devices ("Device not supported", then error 999): a short
+# run on gpu_probe (or, without it, the suite's listing) decides before the long steps.
+sanitizer=${GPU_RUN_SANITIZER:-}
+if [ -z "$sanitizer" ]; then
+  sanitizer=$(command -v compute-sanitizer || true)
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
+    [ -n "$sanitizer" ] || { [ -x "$c" ] && sanitizer=$c; }
+  done
+fi
+sanitizer_ok=0
+if [ -z "$sanitizer" ] || [ "$sanitizer" = none ] || [ ! -x "$sanitizer" ]; then
+  sanitizer_state="unavailable: no compute-sanitizer on this machine"
+elif [ "$probe_rc" = 77 ]; then
+  sanitizer_state="unavailable: not probed, gpu_probe found no usable GPU"
+elif [ "$probe_rc" != none ] && [ "$probe_rc" != 0 ]; then
+  sanitizer_state="unavailable: not probed, gpu_probe itself failed (rc=$probe_rc)"
+else
+  probe_cmd=("$bin/gpu_probe")
+  [ "$probe_rc" != none ] || probe_cmd=("$bin/mpx_tests_cuda" --list-tests)
+  start=$SECONDS
+  { "$sanitizer" --version 2>&1 | tail -n 1; echo "\$ compute-sanitizer --tool memcheck ${probe_cmd[*]}"; } > "$logs/sanitizer_probe.log"
+  timeout -k 5 60 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 "${probe_cmd[@]}" \
+    >> "$logs/sanitizer_probe.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ] && ! grep -qiE 'not supported|ERROR SUMMARY: [1-9]' "$logs/sanitizer_probe.log"; then
+    sanitizer_ok=1
+    sanitizer_state="available ($(head -n 1 "$logs/sanitizer_probe.log"))"
+  else
+    reason=$(grep -m 1 -iE 'not supported|error|fail' "$logs/sanitizer_probe.log" | sed 's/^=* *//')
+    [ -n "$reason" ] || reason=$(tail -n 1 "$logs/sanitizer_probe.log")
+    sanitizer_state="unavailable: ${reason:0:100} (rc=$rc)"
+  fi
+  record sanitizer_probe "$sanitizer_state" $((SECONDS - start))
+fi
+note "sanitizer: $sanitizer_state"
+pack_logs
+if [ $sanitizer_ok -eq 1 ]; then
+  step memcheck 200 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 \
+    "$bin/mpx_tests_cuda" "[model],[conv],[lstm],[norm],[dropout],[histogram]" --reporter compact
+  step racecheck 150 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool racecheck --error-exitcode 1 \
+    "$bin/mpx_tests_cuda" "[numerics],[softmax],[losses],[norm]" --reporter compact
+else
+  record memcheck "skipped: sanitizer unavailable"
+  record racecheck "skipped: sanitizer unavailable"
 fi
 fi
+
 if [ "$phase" != tests ]; then
 data=$kit/data/fashion-mnist
 if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
-  step fashion_mnist 150 "$bin/fashion_mnist" --executor cuda --policy all --epochs 5 --data "$data" --probe
-  step fashion_mnist_graph 150 "$bin/fashion_mnist" --executor cuda --policy all --epochs 5 --data "$data" --cuda-graph
+  mpx_step fashion_mnist 150 fashion_mnist --executor cuda --policy all --epochs 5 --data "$data" --probe
+  mpx_step fashion_mnist_graph 150 fashion_mnist --executor cuda --policy all --epochs 5 --data "$data" --cuda-graph
+else
+  record fashion_mnist "not run: no Fashion-MNIST in the kit"
 fi
 for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
-  [ -x "$bin/$e" ] && step "$e" 60 "$bin/$e" --executor cuda
+  mpx_step "$e" 60 "$e" --executor cuda
 done
-[ -x "$bin/numerics_bench" ] && step numerics_bench 60 "$bin/numerics_bench" --executor cuda --repeat 20
-[ -x "$bin/scaling_bench" ] && step scaling_bench 90 "$bin/scaling_bench" --executor cuda --tensors 100,200,1000 --repeat 20
-[ -x "$bin/activation_bench" ] && step activation_bench 60 "$bin/activation_bench" --executor cuda --repeat 20
-[ -x "$bin/gemm_bench" ] && step gemm_bench 90 "$bin/gemm_bench" --executor cuda --repeat 10 --shapes all
-[ -x "$bin/layer_bench" ] && step layer_bench 90 "$bin/layer_bench" --executor cuda --repeat 20
-# PyTorch's counterparts of scaling_bench's rows, where the machine has PyTorch.
-python3 -c "import torch" 2> /dev/null &&
+mpx_step numerics_bench 60 numerics_bench --executor cuda --repeat 20
+mpx_step scaling_bench 90 scaling_bench --executor cuda --tensors 100,200,1000 --repeat 20
+mpx_step activation_bench 60 activation_bench --executor cuda --repeat 20
+mpx_step gemm_bench 90 gemm_bench --executor cuda --repeat 10 --shapes all
+mpx_step layer_bench 90 layer_bench --executor cuda --repeat 20
+# PyTorch's counterparts of scaling_bench's rows, where the machine has PyTorch; python3
+# runs with the machine's own LD_LIBRARY_PATH, never mpx's.
+if python3 -c "import torch" 2> /dev/null; then
   step torch_compare 90 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,200,1000
+else
+  record torch_compare "not run: no PyTorch here"
+fi
 fi
 
+write_summary
+pack_logs
 echo
-echo "== summary (full logs in \$OUT)"
-printf '%s\n' "${summary[@]}"
+cat "$summary_file"
+[ $failures -eq 0 ]

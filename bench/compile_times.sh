@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What including mpx costs a user's translation unit: CPU seconds (user + system) of
+# nvcc and of g++ for a file that includes one area header and nothing else, for
+# <mpx/mpx.hpp>, and for examples/user_kernel (a user's own kernel on mpx's types).
+# One architecture, the flags a user would pass (-std=c++20 -O2, no -g). Each compile
+# runs `repeat` times (default 3) and the smallest figure is printed: on a shared
+# machine the smallest is the least disturbed.
+#   bench/compile_times.sh [repeat]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repeat=${1:-3}
+cuda=${MPX_CUDA:-/usr/local/cuda}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+flags=(-std=c++20 -O2 -Iinclude -isystem "$cuda/include" -isystem "$cuda/include/cccl")
+[ -d /usr/include/x86_64-linux-gnu/openblas-pthread ] &&
+  flags+=(-I/usr/include/x86_64-linux-gnu/openblas-pthread -DMPX_HAS_CBLAS=1)
+flags+=(-DMPX_HAS_ZLIB=1)
+
+cpu_seconds() {  # cpu_seconds COMMAND...: the smallest user+system time of `repeat` runs
+  local best="" t i
+  for ((i = 0; i < repeat; ++i)); do
+    t=$( { /usr/bin/time -f '%U %S' "$@" >/dev/null 2>/dev/null; } 2>&1 | tail -1 | awk '{printf "%.1f", $1 + $2}')
+    if [ -z "$best" ] || awk -v a="$t" -v b="$best" 'BEGIN { exit !(a < b) }'; then best=$t; fi
+  done
+  echo "$best"
+}
+
+printf '%-28s %10s %10s\n' "translation unit" "nvcc (s)" "g++ (s)"
+for what in core exec kernels numerics losses scaling optim layers model data mpx user_kernel; do
+  if [ "$what" = user_kernel ]; then
+    src=examples/user_kernel/main.cpp
+  else
+    src=$work/$what.cpp
+    echo "#include <mpx/$what.hpp>" >"$src"
+  fi
+  cp "$src" "$work/unit.cu"
+  cp "$src" "$work/unit.cpp"
+  nv=$(cpu_seconds nvcc "${flags[@]}" -arch=sm_90 -c "$work/unit.cu" -o "$work/unit.o")
+  gx=$(cpu_seconds g++ "${flags[@]}" -c "$work/unit.cpp" -o "$work/unit.o")
+  label="<mpx/$what.hpp>"
+  [ "$what" = user_kernel ] && label="examples/user_kernel"
+  printf '%-28s %10s %10s\n' "$label" "$nv" "$gx"
+done
