@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
+#include <vector>
 
 namespace {
 
@@ -417,6 +419,128 @@ TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]
   for_type(mpx::bfloat16{});
 }
 
+namespace test_gemm {
+
+//! One product with a long inner extent: few outputs, K in the tens of thousands, the
+//! shape for which cuBLASLt's heuristic splits K over several blocks and sums their
+//! partial products in its workspace (split-K), and which the host's blocked product
+//! walks in gemm_kc-deep slices. Operands are multiples of 1/4 in [-1, 1] (all-positive
+//! when `positive`), exact in every dtype, so every product and every partial sum, in
+//! any order, is exact in float (multiples of 1/16 below 2^16): a float C must equal
+//! the float64 product bit for bit, whatever the split, and a dropped or doubled slice
+//! is off by far more than a rounding. A 16-bit C is checked against the documented
+//! bound; with positive operands S equals the product, so that bound is tight too.
+//! `nan_at_last_k`: op(A)[1][K - 1] is NaN, which must reach row 1 of C and nothing else.
+struct long_k_case {
+  std::int64_t batch = 0, m, n, k;
+  bool ta = false, tb = false, positive = false, nan_at_last_k = false;
+  float beta = 0.0f;
+};
+
+template <class Policy, class TC, class Exec>
+void check_long_k(Exec const& exec, long_k_case const& p) {
+  using T = typename Policy::storage_type;
+  std::int64_t const nb = p.batch == 0 ? 1 : p.batch;
+  auto shape_of = [&](std::int64_t rows, std::int64_t cols) {
+    return p.batch == 0 ? mpx::shape{rows, cols} : mpx::shape{p.batch, rows, cols};
+  };
+  auto const a_shape = p.ta ? shape_of(p.k, p.m) : shape_of(p.m, p.k);
+  auto const b_shape = p.tb ? shape_of(p.n, p.k) : shape_of(p.k, p.n);
+  auto const c_shape = shape_of(p.m, p.n);
+  std::mt19937_64 gen(mpx_test::seed + static_cast<std::uint64_t>(p.m * 131 + p.n * 17 + p.k));
+  auto quarters = [&](std::size_t count, bool positive) {
+    std::vector<T> v(count);
+    for (auto& x : v) {
+      auto const q = static_cast<int>(gen() % (positive ? 4 : 9));  // 1..4 or -4..4 quarters
+      x = mpx::cast<T>(0.25f * static_cast<float>(positive ? q + 1 : q - 4));
+    }
+    return v;
+  };
+  auto a = quarters(a_shape.size(), p.positive);
+  auto const b = quarters(b_shape.size(), p.positive);
+  std::int64_t const sa = p.batch == 0 ? 0 : p.m * p.k, sb = p.batch == 0 ? 0 : p.k * p.n;
+  std::int64_t const nan_row = 1;
+  if (p.nan_at_last_k)
+    for (std::int64_t bi = 0; bi < nb; ++bi)
+      a[static_cast<std::size_t>(bi * sa + (p.ta ? (p.k - 1) * p.m + nan_row : nan_row * p.k + p.k - 1))] =
+          mpx::dtype_traits<T>::quiet_nan();
+  std::vector<TC> c0(c_shape.size(), mpx_test::poison<TC>());
+  if (p.beta != 0.0f)
+    for (auto& x : c0) x = mpx::cast<TC>(0.25f * static_cast<float>(static_cast<int>(gen() % 9) - 4));
+
+  auto const ad = mpx_test::upload(exec, a, a_shape);
+  auto const bd = mpx_test::upload(exec, b, b_shape);
+  auto cd = mpx_test::upload(exec, c0, c_shape);
+  mpx::gemm<Policy>(exec, ad, bd, cd, {.transpose_a = p.ta, .transpose_b = p.tb, .beta = p.beta});
+  auto const got = mpx_test::download(exec, cd);
+
+  double const bound = error_bound<T, TC>(p.k);
+  double const tiny = mpx::detail::to_double(mpx::dtype_traits<TC>::min_subnormal());
+  std::size_t bad = 0, first = 0;
+  double first_expected = 0, nonzero = 0;
+  for (std::int64_t bi = 0; bi < nb; ++bi)
+    for (std::int64_t i = 0; i < p.m; ++i)
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        double exact = 0, scale = 0;
+        for (std::int64_t kk = 0; kk < p.k; ++kk) {
+          double const x = element(a, sa, bi, p.ta, p.m, p.k, i, kk);
+          double const y = element(b, sb, bi, p.tb, p.k, p.n, kk, j);
+          exact += x * y;
+          scale += std::abs(x * y);
+        }
+        std::size_t const at = static_cast<std::size_t>((bi * p.m + i) * p.n + j);
+        if (p.beta != 0.0f) {
+          exact += p.beta * mpx::detail::to_double(c0[at]);
+          scale += std::abs(p.beta * mpx::detail::to_double(c0[at]));
+        }
+        double const g = mpx::detail::to_double(got[at]);
+        bool ok;
+        if (std::isnan(exact)) ok = std::isnan(g);
+        else if (std::is_same_v<TC, float>) ok = g == exact;  // exact sums: no rounding anywhere
+        else ok = std::abs(g - exact) <= bound * scale + tiny;
+        if (!std::isnan(exact)) nonzero += std::abs(exact);
+        if (!ok && bad++ == 0) {
+          first = at;
+          first_expected = exact;
+        }
+      }
+  REQUIRE(nonzero > 0);
+  INFO(mpx::dtype_name<T> << " -> " << mpx::dtype_name<TC> << ": batch=" << p.batch << " M=" << p.m << " N=" << p.n
+                          << " K=" << p.k << " ta=" << p.ta << " tb=" << p.tb << " beta=" << p.beta << ": " << bad
+                          << " bad; first at " << first << ": got "
+                          << (got.empty() ? std::string() : mpx_test::describe(got[first])) << ", expected "
+                          << first_expected);
+  CHECK(bad == 0);
+}
+
+}  // namespace test_gemm
+
+TEMPLATE_LIST_TEST_CASE("gemm with a long inner extent (split-K on the GPU, K slices on the host) is exact in float",
+                        "[gemm]", mpx_test::executors) {
+  TestType exec;
+  using test_gemm::long_k_case;
+  std::int64_t const slice = mpx::detail::gemm_kc;
+  std::vector<long_k_case> const cases = {
+      {.m = 1, .n = 1, .k = 65537},
+      {.m = 2, .n = 3, .k = 8193, .nan_at_last_k = true},
+      {.m = 4, .n = 8, .k = 40009, .tb = true},
+      {.m = 8, .n = 8, .k = 16411, .ta = true, .beta = 1.0f},
+      {.batch = 3, .m = 5, .n = 7, .k = 12289, .tb = true, .nan_at_last_k = true},
+      {.m = 33, .n = 9, .k = 2 * slice + 1, .ta = true, .tb = true},
+  };
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (auto const& c : cases) test_gemm::check_long_k<policy_of<T>, float>(exec, c);
+    if constexpr (!std::is_same_v<T, float>) {
+      for (auto c : cases) {
+        c.positive = true;  // S equals the product: the bound is as tight as it gets
+        test_gemm::check_long_k<policy_of<T>, T>(exec, c);
+      }
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
 #if MPX_HAS_CUDA
 // The first gemm on a stream allocates that stream's cuBLASLt workspace with cudaMalloc,
 // which a graph capture cannot record: mpx says so instead of invalidating the capture
@@ -424,31 +548,42 @@ TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]
 TEST_CASE("gemm inside a CUDA graph capture: refused on a cold stream, captured on a warm one", "[gemm][cuda]") {
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
-  mpx::cuda_executor exec(stream);
-  auto a = mpx_test::upload(exec, std::vector<float>(6, 1.0f), {2, 3});
-  auto b = mpx_test::upload(exec, std::vector<float>(12, 2.0f), {3, 4});
-  auto c = mpx::make_tensor<float>(exec, {2, 4});
-  exec.synchronize();
-  auto capture = [&] {
-    cudaGraph_t graph = nullptr;
-    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-    std::string error;
-    try {
-      mpx::gemm<mpx::float32>(exec, a, b, c);
-    } catch (mpx::invalid_argument const& e) {
-      error = e.what();
+  // Tensors made on the stream free themselves on it (cudaFreeAsync): they live in this
+  // scope, which ends before the stream is destroyed, also when a REQUIRE throws.
+  struct stream_owner {
+    cudaStream_t stream;
+    ~stream_owner() {
+      static_cast<void>(cudaStreamSynchronize(stream));
+      static_cast<void>(cudaStreamDestroy(stream));
     }
-    cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
-    if (graph) cudaGraphDestroy(graph);
-    CHECK(ended == cudaSuccess);
-    return error;
-  };
-  CHECK_THAT(capture(), Catch::Contains("before capturing"));
-  mpx::gemm<mpx::float32>(exec, a, b, c);  // warms the stream up
-  exec.synchronize();
-  CHECK(capture().empty());
-  CHECK(mpx_test::download(exec, c) == std::vector<float>(8, 6.0f));
+  } const owner{stream};
+  {
+    mpx::cuda_executor exec(stream);
+    auto a = mpx_test::upload(exec, std::vector<float>(6, 1.0f), {2, 3});
+    auto b = mpx_test::upload(exec, std::vector<float>(12, 2.0f), {3, 4});
+    auto c = mpx::make_tensor<float>(exec, {2, 4});
+    exec.synchronize();
+    auto capture = [&] {
+      cudaGraph_t graph = nullptr;
+      REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+      std::string error;
+      try {
+        mpx::gemm<mpx::float32>(exec, a, b, c);
+      } catch (mpx::invalid_argument const& e) {
+        error = e.what();
+      }
+      cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      CHECK(ended == cudaSuccess);
+      return error;
+    };
+    CHECK_THAT(capture(), Catch::Contains("before capturing"));
+    mpx::gemm<mpx::float32>(exec, a, b, c);  // warms the stream up
+    exec.synchronize();
+    CHECK(capture().empty());
+    CHECK(mpx_test::download(exec, c) == std::vector<float>(8, 6.0f));
+  }  // a, b and c are freed on the stream, which is still alive
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
   mpx::release_gemm_resources();
-  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
 }
 #endif

@@ -231,3 +231,110 @@ TEMPLATE_LIST_TEST_CASE("rows too long for the kernels' column counters are refu
       mpx::sparse_categorical_cross_entropy<mpx::float32>(exec, row, mpx::view(labels), gradient_row, loss),
       mpx::invalid_argument, Catch::Contains("2^31 - 1025"));
 }
+
+namespace test_softmax {
+
+//! The float64 softmax of one row under mpx's edge semantics (kernels/softmax.hpp): -inf
+//! entries get 0 (log: -inf); a row with a NaN or +inf, or all -inf, is NaN throughout.
+std::vector<double> reference_row(std::vector<double> const& x, bool log) {
+  double m = -INFINITY;
+  bool poisoned = false;
+  for (double v : x) {
+    poisoned = poisoned || std::isnan(v) || v == INFINITY;
+    if (!std::isnan(v)) m = std::max(m, v);
+  }
+  if (poisoned || m == -INFINITY) return std::vector<double>(x.size(), NAN);
+  double s = 0;
+  for (double v : x) s += std::exp(v - m);
+  std::vector<double> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = log ? (x[i] - m) - std::log(s) : std::exp(x[i] - m) / s;
+  return y;
+}
+
+}  // namespace test_softmax
+
+// The warp kernels keep a row in registers, PerLane = 4, 8, 16 (or 32) values per lane
+// for rows of 65 to 1024 columns: widths on both sides of each switch, 11 rows (a block
+// holds 8: a full block and a partial one), and rows that are masked in part (-inf),
+// masked entirely (NaN by definition), or hold a NaN or a +inf (NaN rows).
+TEMPLATE_LIST_TEST_CASE("softmax warp kernels for rows of 65 to 513 columns match float64, edge rows included",
+                        "[softmax]", mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    double const uT = mpx_test::unit_roundoff<T>();
+    std::size_t const rows = 11;
+    for (std::size_t cols : {65, 127, 128, 129, 255, 256, 257, 511, 512, 513}) {
+      mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+      auto x = mpx_test::random_values<T>(rows * cols, -8, 8, 500 + cols);
+      auto const dy = mpx_test::random_values<T>(rows * cols, -1, 1, 600 + cols);
+      for (std::size_t c = 0; c < cols; ++c) {
+        if (c % 3 != 1) x[2 * cols + c] = mpx::cast<T>(-INFINITY);  // row 2: masked but every third
+        x[5 * cols + c] = mpx::cast<T>(-INFINITY);                  // row 5: masked entirely
+      }
+      x[3 * cols] = mpx::cast<T>(-INFINITY);                // row 3: only its first entry masked
+      x[7 * cols + cols - 1] = mpx::cast<T>(NAN);           // row 7: a NaN in the last column
+      x[9 * cols + cols / 2] = mpx::cast<T>(INFINITY);      // row 9: a +inf
+      x[10 * cols + cols - 1] = mpx::cast<T>(40.0f);        // row 10: the maximum in the last column
+      auto const xd = mpx_test::upload(exec, x, s);
+      auto const dyd = mpx_test::upload(exec, dy, s);
+      double const k = static_cast<double>(cols) / 32 + 48;
+      for (bool log : {false, true}) {
+        auto y = mpx_test::poisoned<T>(exec, s);
+        auto dx = mpx_test::poisoned<T>(exec, s);
+        if (log) mpx::log_softmax(exec, xd, y);
+        else mpx::softmax(exec, xd, y);
+        if (log) mpx::log_softmax_backward(exec, y, dyd, dx);
+        else mpx::softmax_backward(exec, y, dyd, dx);
+        // In place (y may be x): the same values, bit for bit.
+        auto inplace = mpx_test::upload(exec, x, s);
+        if (log) mpx::log_softmax(exec, inplace, inplace);
+        else mpx::softmax(exec, inplace, inplace);
+        auto const got_y = mpx_test::download(exec, y);
+        auto const got_dx = mpx_test::download(exec, dx);
+        std::string const name = std::string(log ? "log_softmax " : "softmax ") + std::string(mpx::dtype_name<T>) +
+                                 " cols=" + std::to_string(cols);
+        INFO(name);
+        REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, inplace), got_y).empty());
+        mpx_test::bound_checker fwd(name + " forward"), bwd(name + " backward");
+        std::size_t nan_rows = 0;
+        for (std::size_t r = 0; r < rows; ++r) {
+          std::size_t const base = r * cols;
+          std::vector<double> xr(cols);
+          for (std::size_t c = 0; c < cols; ++c) xr[c] = to_d(x[base + c]);
+          auto const ref = test_softmax::reference_row(xr, log);
+          nan_rows += std::isnan(ref[0]);
+          double m = -INFINITY, sum = 0;
+          for (double v : xr) m = std::max(m, v);
+          for (double v : xr) sum += std::exp(v - m);
+          double dot = 0, abs_dot = 0;
+          for (std::size_t c = 0; c < cols; ++c) {
+            double const yv = to_d(got_y[base + c]), g = to_d(dy[base + c]);
+            dot += log ? g : g * yv;
+            abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
+          }
+          for (std::size_t c = 0; c < cols; ++c) {
+            std::size_t const i = base + c;
+            double tol = 0;  // a masked entry is exactly 0 (log: -inf, which must match exactly)
+            if (std::isfinite(xr[c]) && std::isfinite(ref[c])) {
+              double const d = std::fabs(xr[c] - m);
+              tol = log ? uT * std::fabs(ref[c]) + (k + 2 * d + std::fabs(std::log(sum))) * mpx_test::uf
+                        : (uT + (k + 2 * d) * mpx_test::uf) * std::fabs(ref[c]) + mpx_test::min_subnormal<T>();
+            }
+            fwd.check(i, to_d(got_y[i]), ref[c], tol);
+            double const yv = to_d(got_y[i]), g = to_d(dy[i]);
+            double const ref_dx = log ? g - std::exp(yv) * dot : yv * (g - dot);
+            double const terms = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
+                                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
+            double const dx_tol = uT * std::fabs(ref_dx) + k * mpx_test::uf * terms + mpx_test::min_subnormal<T>();
+            bwd.check(i, to_d(got_dx[i]), ref_dx, std::isfinite(dx_tol) ? dx_tol : 0.0);
+          }
+        }
+        REQUIRE(nan_rows == 3);  // rows 5, 7 and 9: the reference is not all numbers, nor all NaN
+        MPX_REQUIRE_WITHIN(fwd);
+        MPX_REQUIRE_WITHIN(bwd);
+      }
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}

@@ -22,8 +22,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <random>
 
 #include <unistd.h>
 #include <string>
@@ -509,3 +512,165 @@ TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit fo
   compare(float{});
 }
 #endif
+
+namespace test_model {
+
+//! The float64 reference of count_correct's arg-max: the first of the largest logits;
+//! -1 (no prediction) for a row holding a NaN.
+template <class T>
+std::int32_t reference_prediction(std::vector<T> const& logits, std::size_t row, std::size_t cols) {
+  std::int32_t best = -1;
+  double best_value = 0;
+  for (std::size_t c = 0; c < cols; ++c) {
+    double const v = mpx::detail::to_double(logits[row * cols + c]);
+    if (std::isnan(v)) return -1;
+    if (best < 0 || v > best_value) {
+      best = static_cast<std::int32_t>(c);
+      best_value = v;
+    }
+  }
+  return best;
+}
+
+//! The arg-max a NaN-skipping count would take (the largest number in the row): a row
+//! holding a NaN gets this label, so counting it would be seen.
+template <class T>
+std::int32_t prediction_ignoring_nan(std::vector<T> const& logits, std::size_t row, std::size_t cols) {
+  std::int32_t best = 0;
+  double best_value = -INFINITY;
+  for (std::size_t c = 0; c < cols; ++c) {
+    double const v = mpx::detail::to_double(logits[row * cols + c]);
+    if (v > best_value) {
+      best = static_cast<std::int32_t>(c);
+      best_value = v;
+    }
+  }
+  return best;
+}
+
+//! A record whose every byte is 0xA5 (its floats NaN-free garbage), but for `correct`.
+inline mpx::step_record poisoned_record(std::uint32_t correct) {
+  mpx::step_record r;
+  std::memset(static_cast<void*>(&r), 0xA5, sizeof r);  // trivially copyable: bytes are its value
+  r.correct = correct;
+  return r;
+}
+
+inline bool same_bytes(mpx::step_record const& a, mpx::step_record const& b) {
+  return std::memcmp(static_cast<void const*>(&a), static_cast<void const*>(&b), sizeof a) == 0;
+}
+
+}  // namespace test_model
+
+// The accuracy count of classifier_trainer and evaluate, called directly: logits drawn
+// from a few values (ties everywhere), -inf and +inf entries, rows holding a NaN (never
+// correct, even where the largest number is the label), labels outside [0, classes);
+// sizes around a block of 256 rows. It adds to `correct` and touches nothing else.
+TEMPLATE_LIST_TEST_CASE("count_correct: first of tied maxima, never a row with NaN, awkward sizes", "[model]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t rows : {1, 2, 255, 256, 257, 1000})
+      for (std::size_t cols : {1, 2, 3, 10, 33, 129}) {
+        std::mt19937_64 gen(mpx_test::seed + rows * 1000 + cols);
+        float const levels[] = {-2.0f, -1.0f, 0.0f, 0.5f, 1.0f, 3.0f, -INFINITY, INFINITY};
+        std::vector<T> logits(rows * cols);
+        for (auto& x : logits) x = mpx::cast<T>(levels[gen() % (gen() % 16 == 0 ? 8 : 6)]);
+        std::vector<std::int32_t> labels(rows);
+        std::size_t nan_rows = 0, ties = 0, expected = 0;
+        for (std::size_t r = 0; r < rows; ++r) {
+          if (r % 7 == 3) {  // a NaN somewhere, its label the largest number's column
+            logits[r * cols + gen() % cols] = mpx::cast<T>(NAN);
+            labels[r] = test_model::prediction_ignoring_nan(logits, r, cols);
+            ++nan_rows;
+          } else if (r % 5 == 1) {
+            labels[r] = r % 2 ? -1 : static_cast<std::int32_t>(cols);  // outside the classes
+          } else if (r % 2) {
+            labels[r] = test_model::reference_prediction(logits, r, cols);  // correct
+          } else {
+            labels[r] = static_cast<std::int32_t>(gen() % cols);  // correct by chance, or a later tie
+          }
+          std::int32_t const p = test_model::reference_prediction(logits, r, cols);
+          expected += p >= 0 && p == labels[r];
+          if (p >= 0) {
+            double const top = mpx::detail::to_double(logits[r * cols + static_cast<std::size_t>(p)]);
+            for (std::size_t c = static_cast<std::size_t>(p) + 1; c < cols; ++c)
+              ties += mpx::detail::to_double(logits[r * cols + c]) == top;
+          }
+        }
+        if (rows >= 255 && cols >= 10) {
+          REQUIRE(nan_rows > 0);
+          REQUIRE(ties > 0);  // the first-of-ties rule is exercised
+          REQUIRE(expected > 0);
+        }
+        auto const logits_d = mpx_test::upload(exec, logits, {static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)});
+        auto const labels_d = mpx_test::upload(exec, labels);
+        auto const start = test_model::poisoned_record(5);
+        auto record = mpx_test::upload(exec, std::vector<mpx::step_record>{start});
+        mpx::tensor_view<T const, space> const lv(mpx::view(logits_d));
+        mpx::tensor_view<std::int32_t const, space> const yv(mpx::view(labels_d));
+        mpx::count_correct(exec, lv, yv, record.data());
+        mpx::count_correct(exec, lv, yv, record.data());  // adds again
+        auto got = mpx_test::download(exec, record)[0];
+        INFO(mpx::dtype_name<T> << " rows=" << rows << " cols=" << cols);
+        CHECK(got.correct == 5 + 2 * expected);
+        got.correct = start.correct;
+        CHECK(test_model::same_bytes(got, start));
+      }
+    // Labels for another batch are refused; an empty batch counts nothing.
+    auto const l = mpx_test::upload(exec, std::vector<T>(6, mpx::cast<T>(1.0f)), {2, 3});
+    auto const y = mpx_test::upload(exec, std::vector<std::int32_t>{0, 1, 2});
+    auto record = mpx_test::upload(exec, std::vector<mpx::step_record>{test_model::poisoned_record(0)});
+    CHECK_THROWS_TYPE_WITH(mpx::count_correct(exec, mpx::tensor_view<T const, space>(mpx::view(l)),
+                                              mpx::tensor_view<std::int32_t const, space>(mpx::view(y)), record.data()),
+                           mpx::shape_error, Catch::Contains("[2, 3]") && Catch::Contains("[3]"));
+    auto const none = mpx::make_tensor<T>(exec, {0, 3});
+    auto const no_labels = mpx::make_tensor<std::int32_t>(exec, {0});
+    mpx::count_correct(exec, mpx::tensor_view<T const, space>(mpx::view(none)),
+                       mpx::tensor_view<std::int32_t const, space>(mpx::view(no_labels)), record.data());
+    CHECK(mpx_test::download(exec, record)[0].correct == 0);
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+
+// The last act of a training step, called directly: every field from its source, the
+// count made before kept, NaN carried (a non-finite step's norm), and the scale read
+// from the record itself (as the trainer does) left as it was.
+TEMPLATE_LIST_TEST_CASE("the step record kernel writes every field from its source", "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto record = mpx_test::upload(exec, std::vector<mpx::step_record>{test_model::poisoned_record(17)});
+  auto const loss = mpx_test::upload(exec, std::vector<float>{2.5f});
+  auto const scale = mpx_test::upload(exec, std::vector<float>{1024.0f});
+  mpx::gradient_summary skipped;
+  skipped.found_nonfinite = 1;
+  skipped.first_nonfinite = 3;
+  skipped.norm = std::numeric_limits<float>::quiet_NaN();
+  mpx::resident<mpx::gradient_summary, space> verdict(exec, skipped);
+  mpx::detail::record_step(exec, record.data(), loss.data(), scale.data(), verdict.get(), 96);
+  auto r = mpx_test::download(exec, record)[0];
+  CHECK(r.loss == 2.5f);
+  CHECK(r.loss_scale == 1024.0f);
+  CHECK(r.skipped == 1);
+  CHECK(r.correct == 17);
+  CHECK(r.samples == 96);
+  CHECK(std::isnan(r.gradient_norm));
+
+  mpx::gradient_summary applied;
+  applied.norm = 3.75f;
+  verdict.write(exec, applied);
+  // The scale the step ran with, already in the record: read from there, kept.
+  mpx::copy(exec, mpx::tensor_view<float const, space>(scale.data(), mpx::shape{1}),
+            mpx::tensor_view<float, space>(&record.data()->loss_scale, mpx::shape{1}));
+  auto const other_scale = mpx_test::upload(exec, std::vector<float>{-1.0f});
+  mpx::detail::record_step(exec, record.data(), other_scale.data(), &record.data()->loss_scale, verdict.get(), 1);
+  r = mpx_test::download(exec, record)[0];
+  CHECK(r.loss == -1.0f);
+  CHECK(r.loss_scale == 1024.0f);
+  CHECK(r.skipped == 0);
+  CHECK(r.correct == 17);
+  CHECK(r.samples == 1);
+  CHECK(r.gradient_norm == 3.75f);
+}

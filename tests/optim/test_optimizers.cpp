@@ -505,6 +505,62 @@ TEMPLATE_LIST_TEST_CASE("checkpoints round-trip, and a bad one is refused with n
   std::filesystem::remove_all(dir);
 }
 
+// One launch carries a table of at most `capacity` parameters (their pointers travel in
+// the kernel's parameters); a longer list takes several launches per dtype, each
+// parameter in exactly one, all reading the same verdict and step count. Just above one
+// table and just above two, with a two-chunk parameter near the end: five Adam steps
+// against float64, one of them skipped for an inf in the very last parameter.
+TEMPLATE_LIST_TEST_CASE("adam over more parameters than one launch table holds matches float64; a late inf skips",
+                        "[optim]", mpx_test::executors) {
+  TestType exec;
+  using adam_type = decltype(adam_case<TestType>{}.make(exec, std::vector<mpx::parameter<mpx::memory_space_t<TestType>>>{}));
+  constexpr std::size_t capacity = mpx::detail::tensor_table<adam_type::lists>::capacity;
+  static_assert(adam_type::lists == 5, "value, gradient, master copy and two moments");
+  auto run = [&](auto tag, std::size_t count) {
+    using T = decltype(tag);
+    std::vector<std::size_t> sizes(count);
+    for (std::size_t i = 0; i < count; ++i) sizes[i] = 1 + (i * 7) % 23;
+    sizes[count - 2] = mpx::detail::multi_tensor_chunk + 1;  // two chunks, in the last table
+    parameter_set<TestType> set(exec, T{}, sizes);           // count parameters of T, then a float bias
+    std::size_t const last = count - 1;                      // the last parameter of T's last table
+    adam_case<TestType> const c;
+    float const scale = 256.0f;
+    mpx::loss_scale_optimizer lso(c.make(exec, set.parameters()), mpx::static_loss_scaler(exec, scale));
+    std::mt19937_64 gen(mpx_test::seed + 13 + count);
+    std::uint64_t applied = 0;
+    for (int step = 0; step < 5; ++step) {
+      auto g = set.random_gradients(gen, 1.0);
+      bool const skip = step == 3;
+      if (skip) g[last].back() = std::numeric_limits<double>::infinity();
+      std::vector<std::vector<double>> before;
+      if (skip)
+        for (std::size_t i = 0; i < set.entries.size(); ++i) before.push_back(set.values(exec, i));
+      auto const stored = set.write_gradients(exec, g, scale);
+      lso.step(exec);
+      auto const verdict = lso.last_check(exec);
+      INFO(mpx::dtype_name<T> << ", " << count << " parameters (" << capacity << " per table), step " << step);
+      if (skip) {
+        REQUIRE(verdict.found_nonfinite == 1);
+        CHECK(verdict.first_nonfinite == static_cast<std::int32_t>(last));
+        std::size_t changed = 0;
+        for (std::size_t i = 0; i < set.entries.size(); ++i) changed += set.values(exec, i) != before[i];
+        CHECK(changed == 0);
+        continue;
+      }
+      REQUIRE(verdict.found_nonfinite == 0);
+      ++applied;
+      reference_step(set, c.reference(), stored, 1.0 / scale, applied, c.lr(applied - 1));
+    }
+    INFO(mpx::dtype_name<T> << ", " << count << " parameters (" << capacity << " per table)");
+    CHECK(lso.optimizer().steps(exec) == applied);
+    CHECK(applied == 4);
+    set.check_against_reference(exec, 2e-5);
+  };
+  run(mpx::half{}, capacity + 1);
+  run(float{}, 2 * capacity + 1);  // with the float bias: 2 * capacity + 2 float parameters
+  run(mpx::bfloat16{}, 2 * capacity + 1);
+}
+
 // A linear decay that forgot to stop at zero.
 struct falls_below_zero {
   MPX_HD float operator()(std::uint64_t step) const noexcept { return 0.1f - 0.001f * static_cast<float>(step); }

@@ -3,8 +3,10 @@
 // and bounds, the stuck-scale report, the static scaler, and refused options.
 #include "support/testing.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <random>
+#include <thread>
 
 namespace {
 
@@ -206,7 +208,11 @@ TEMPLATE_LIST_TEST_CASE("static_loss_scaler keeps its scale, skips overflows, re
   int reports = 0;
   scaler.on_stuck([&](mpx::loss_scale_report const& r) {
     ++reports;
+    // Exact on every executor: the report describes the step that reached report_after,
+    // however many later steps the GPU had run when it was read.
     CHECK(r.consecutive == 4);
+    CHECK(r.scale == 128.0f);
+    CHECK(r.first_nonfinite == 0);
   });
   std::vector<bool> const overflows = {false, true, true, true, false, true, true, true, true, true, false};
   auto const got = run_scaler(exec, scaler, overflows);
@@ -234,4 +240,126 @@ TEMPLATE_LIST_TEST_CASE("loss scalers refuse meaningless options", "[scaling]", 
   CHECK_THROWS_TYPE_WITH(mpx::static_loss_scaler(exec, 0.0f), mpx::invalid_argument, Catch::Contains("positive"));
   CHECK_THROWS_TYPE_WITH(mpx::static_loss_scaler(exec, std::numeric_limits<float>::infinity()), mpx::invalid_argument,
                          Catch::Contains("finite"));
+}
+
+namespace test_loss_scaler {
+
+// Holds back everything enqueued on a stream until released (or destroyed): a host
+// function at the head of the stream waits for a flag. The host executor runs each call
+// at once, so there the hold does nothing. While held, nothing may wait for the stream.
+template <class Exec>
+class stream_hold {
+ public:
+  explicit stream_hold([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+    if constexpr (!mpx::is_host_executor_v<Exec>) {
+      MPX_CUDA_CHECK(cudaLaunchHostFunc(exec.stream(), &stream_hold::wait, &open_));
+      stream_ = exec.stream();
+      held_ = true;
+    }
+#endif
+  }
+  ~stream_hold() {
+    release();
+#if MPX_HAS_CUDA
+    // The waiting function reads open_: let it return before the flag goes.
+    if (held_) static_cast<void>(cudaStreamSynchronize(stream_));
+#endif
+  }
+  stream_hold(stream_hold const&) = delete;
+  stream_hold& operator=(stream_hold const&) = delete;
+  void release() { open_.store(true); }
+  [[nodiscard]] bool held() const { return held_; }
+
+ private:
+  static void wait(void* flag) {
+    auto const* open = static_cast<std::atomic<bool> const*>(flag);
+    while (!open->load()) std::this_thread::yield();
+  }
+  std::atomic<bool> open_{false};
+  bool held_ = false;
+#if MPX_HAS_CUDA
+  cudaStream_t stream_ = nullptr;
+#endif
+};
+
+}  // namespace test_loss_scaler
+
+// The signal the host reads is written once per run of overflows, at the step that
+// reaches report_after; later steps of the same run leave it alone, so a late read (the
+// GPU's case) sees the same values as a read at that step. Driven on the host directly.
+TEST_CASE("the stuck signal holds the step that reached report_after, not a later one", "[scaling]") {
+  mpx::static_scale_rule const rule{8.0f, 3};
+  mpx::loss_scale_state state = rule.initial_state();
+  mpx::detail::stuck_signal signal{};
+  std::uint64_t optimizer_steps = 0;
+  auto step = [&](bool overflow, std::int32_t first) {
+    mpx::gradient_summary summary;
+    summary.found_nonfinite = overflow ? 1u : 0u;
+    summary.first_nonfinite = overflow ? first : -1;
+    mpx::detail::finish_step(rule, &state, &summary, &optimizer_steps, &signal);
+  };
+  step(false, -1);
+  step(true, 4);
+  step(true, 5);
+  CHECK(signal.consecutive == 0);  // two in a row: not yet
+  step(true, 2);                   // the third: signalled, with this step's gradient
+  CHECK(signal.consecutive == 3);
+  CHECK(signal.first_nonfinite == 2);
+  CHECK(signal.scale == 8.0f);
+  std::uint32_t const first_run = signal.streak;
+  for (std::int32_t later : {7, 1, 6}) {
+    step(true, later);  // the same run goes on: the signal does not move
+    CHECK(signal.consecutive == 3);
+    CHECK(signal.first_nonfinite == 2);
+    CHECK(signal.streak == first_run);
+  }
+  step(false, -1);  // ends the run
+  step(true, 9);
+  step(true, 9);
+  CHECK(signal.streak == first_run);  // a new run, not yet at report_after
+  step(true, 0);
+  CHECK(signal.consecutive == 3);
+  CHECK(signal.first_nonfinite == 0);
+  CHECK(signal.streak != first_run);
+  CHECK(optimizer_steps == 2);
+  CHECK(state.skipped_steps == 9);
+}
+
+// The same through the scaler, with every step enqueued before the first can run on a
+// GPU: the report, read only at the end, is the one of the step that reached
+// report_after (gradient 'layer/a'), not of the last step (where only 'layer/b' overflows).
+TEMPLATE_LIST_TEST_CASE("a late stuck report describes the step that reached report_after", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  mpx::static_loss_scaler scaler(exec, 64.0f, 3);
+  auto a = mpx::make_tensor<float>(exec, {5});
+  auto b = mpx::make_tensor<float>(exec, {7});
+  mpx::gradient_list<TestType> list(exec, {a, b}, {"layer/a", "layer/b"});
+  std::vector<mpx::loss_scale_report> reports;
+  scaler.on_stuck([&](mpx::loss_scale_report const& r) { reports.push_back(r); });
+  float const inf = std::numeric_limits<float>::infinity();
+  exec.synchronize();
+  {
+    test_loss_scaler::stream_hold<TestType> hold(exec);
+    for (int step = 0; step < 7; ++step) {
+      mpx::fill(exec, a, step < 3 ? inf : 1.0f);
+      mpx::fill(exec, b, step < 3 ? 1.0f : -inf);
+      scaler.unscale_and_check(exec, list);
+      scaler.update(exec, list);
+    }
+    if (hold.held()) CHECK(reports.empty());  // nothing has run yet
+    hold.release();
+    exec.synchronize();
+  }
+  scaler.poll();
+  REQUIRE(reports.size() == 1);
+  CHECK(reports[0].consecutive == 3);
+  CHECK(reports[0].first_nonfinite == 0);
+  CHECK(reports[0].gradient == "layer/a");
+  CHECK(reports[0].scale == 64.0f);
+  CHECK_THAT(reports[0].message, Catch::Contains("3 step(s) in a row") && Catch::Contains("'layer/a'"));
+  CHECK(scaler.state(exec).skipped_steps == 7);
+  scaler.poll();  // the same run, read again: not reported twice
+  CHECK(reports.size() == 1);
 }

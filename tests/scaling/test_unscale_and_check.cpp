@@ -295,3 +295,113 @@ TEMPLATE_LIST_TEST_CASE("gradient_list refuses names that do not match its gradi
   mpx::gradient_list<TestType> unnamed(exec, g.refs);
   CHECK(unnamed.name(1) == "gradient 1");
 }
+
+namespace test_unscale_and_check {
+
+//! Tensors of more chunks than this are folded by a warp in the finish kernel, smaller
+//! ones by one thread (finish_check_kernel's small_tensor_chunks).
+constexpr std::size_t warp_path_chunks = 32;
+#if MPX_HAS_CUDA
+static_assert(mpx::detail::small_tensor_chunks == warp_path_chunks, "update the sizes of the test below");
+#endif
+constexpr std::size_t chunk = mpx::detail::multi_tensor_chunk;
+
+}  // namespace test_unscale_and_check
+
+// The finish kernel folds each tensor of more than 32 chunks (over 524,288 elements) with
+// all lanes of a warp, the rest one per thread; warps scan the list 32 tensors at a
+// time, 1,024 tensors per pass. Here: large tensors of each dtype (just over 32 chunks,
+// exactly 32, 40, one misaligned), among 1,100 small ones, one large at index 1,050 (the
+// second pass); non-finite values in their last chunks, and a small tensor's beating a
+// later large one's.
+TEMPLATE_LIST_TEST_CASE("unscale_and_check folds tensors of over 32 chunks by warps, late chunks included", "[scaling]",
+                        mpx_test::executors) {
+  TestType exec;
+  using test_unscale_and_check::chunk;
+  constexpr std::size_t just_over = test_unscale_and_check::warp_path_chunks * chunk + 5;  // 33 chunks
+  mixed_gradients<TestType> g(exec, 0, 11);
+  std::mt19937_64 gen(mpx_test::seed + 12);
+  auto values = [&](std::size_t n) {
+    std::uniform_real_distribution<double> dist(-1, 1);
+    std::vector<double> v(n);
+    for (auto& x : v) x = dist(gen);
+    return v;
+  };
+  std::size_t const count = 1100, late_large = 1050;
+  for (std::size_t i = 0; i < count; ++i) {
+    switch (i) {
+      case 1: g.template add<float>(exec, values(just_over), false); break;
+      case 3: g.template add<mpx::half>(exec, values(32 * chunk + 1), true); break;  // misaligned view
+      case 5: g.template add<float>(exec, values(32 * chunk), false); break;         // 32 chunks: a thread's
+      case 6: g.template add<mpx::bfloat16>(exec, values(40 * chunk), false); break;
+      case late_large: g.template add<float>(exec, values(34 * chunk + 7), false); break;
+      default:
+        if (i % 3 == 0) g.template add<mpx::half>(exec, values(1 + i % 13), false);
+        else if (i % 3 == 1) g.template add<mpx::bfloat16>(exec, values(1 + i % 13), false);
+        else g.template add<float>(exec, values(1 + i % 13), false);
+    }
+  }
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto eight = scale_on(exec, 8.0f);
+  auto check = [&](std::int32_t expected_first) {
+    mpx::unscale_and_check(exec, list, eight.data(), 0.0f, mpx::unscaling::deferred);
+    auto const summary = list.summary(exec);
+    CHECK(summary.first_nonfinite == expected_first);
+    CHECK(summary.found_nonfinite == (expected_first >= 0 ? 1u : 0u));
+    if (expected_first >= 0) {
+      CHECK_FALSE(mpx::is_finite(summary.norm));
+      return;
+    }
+    auto const ref = reference(g.values, 1.0 / 8);
+    REQUIRE(ref.norm > 0);
+    CHECK(std::abs(summary.norm - ref.norm) <= 1e-5 * ref.norm);
+    auto const norms = list.norms(exec);
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < count; ++i)
+      if (!(std::abs(norms[i] - ref.norms[i]) <= 1e-5 * ref.norms[i] + 1e-30) && bad++ == 0) first = i;
+    INFO(bad << " tensor norms off; first: " << first << " (" << g.refs[first].size() << " elements): got "
+              << norms[first] << ", float64 " << ref.norms[first]);
+    CHECK(bad == 0);
+  };
+  float const inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  check(-1);
+  struct planting {
+    std::size_t tensor, element;
+    float value;
+  };
+  auto plant_all = [&](std::vector<planting> const& ps, std::int32_t expected_first) {
+    std::vector<float> kept;
+    for (auto const& p : ps) {
+      kept.push_back(static_cast<float>(g.values[p.tensor][p.element]));
+      g.plant(exec, p.tensor, p.element, p.value);
+    }
+    INFO("expected first non-finite gradient: " << expected_first);
+    check(expected_first);
+    for (std::size_t i = ps.size(); i-- > 0;) g.plant(exec, ps[i].tensor, ps[i].element, kept[i]);
+  };
+  plant_all({{1, 32 * chunk + 3, inf}}, 1);                        // the 33rd chunk, 5 elements long
+  plant_all({{3, 32 * chunk, -inf}}, 3);                           // the misaligned half's last chunk, 1 element
+  plant_all({{late_large, 34 * chunk + 6, nan}}, 1050);            // the second warp pass, last element
+  plant_all({{late_large, 17 * chunk, nan}, {700, 0, -inf}}, 700); // a thread's tensor before a warp's
+  plant_all({{late_large, 3, inf}, {6, 40 * chunk - 1, nan}}, 6);  // a warp's tensor before another warp's
+  plant_all({{5, 32 * chunk - 1, inf}}, 5);                        // exactly 32 chunks: the thread path
+  check(-1);  // every planted value restored: no stale verdict
+
+  // In place: the large tensors' values, each rounded once.
+  auto const before = g.values;
+  mpx::unscale_and_check(exec, list, eight.data());
+  CHECK(list.summary(exec).found_nonfinite == 0);
+  for (std::size_t i : {std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{6}, late_large}) {
+    mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+      using T = decltype(t);
+      auto const got = g.template contents<T>(exec, i);
+      std::size_t bad = 0, first = 0;
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        double const expected = mpx::detail::to_double(mpx::cast<T>(static_cast<float>(before[i][k]) / 8.0f));
+        if (!(got[k] == expected) && bad++ == 0) first = k;
+      }
+      INFO("gradient " << i << ": " << bad << " values off; first at " << first);
+      CHECK(bad == 0);
+    });
+  }
+}

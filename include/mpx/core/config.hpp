@@ -32,6 +32,20 @@
 //! <mpx/core/error.hpp> (expanded lazily, so this header stays dependency-free).
 #define MPX_CUDA_CHECK(expr) ::mpx::detail::check_cuda((expr), #expr, __FILE__, __LINE__)
 
-//! Checks the launch of the kernel just enqueued (bad configuration, missing image).
+//! The GPU architectures the including translation unit is compiled for, as nvcc lists
+//! them ("800,900"; empty outside nvcc): a GPU with no code among them is told so.
+#if defined(__CUDA_ARCH_LIST__)
+#define MPX_DETAIL_STRINGIFY_(x) #x
+#define MPX_DETAIL_STRINGIFY(x) MPX_DETAIL_STRINGIFY_(x)
+#define MPX_BUILT_ARCHITECTURES MPX_DETAIL_STRINGIFY(__CUDA_ARCH_LIST__)
+#else
+#define MPX_BUILT_ARCHITECTURES ""
+#endif
+
+//! Checks the launch of the kernel just enqueued (`what`: its name). The error found may
+//! be this launch's (bad configuration, missing image) or an earlier operation's (an
+//! asynchronous fault of a kernel enqueued before); the message says which (see
+//! mpx::detail::launch_failure in <mpx/core/error.hpp>). A GPU the program has no code
+//! for is named, with the architectures it was built for.
 #define MPX_CUDA_CHECK_LAUNCH(what) \
-  ::mpx::detail::check_cuda(cudaGetLastError(), "launch of " what, __FILE__, __LINE__)
+  ::mpx::detail::check_launch((what), __FILE__, __LINE__, MPX_BUILT_ARCHITECTURES)

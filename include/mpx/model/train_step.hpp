@@ -46,21 +46,34 @@ struct step_record {
 
 namespace detail {
 
-//! Index of the largest of n values, the first on ties; a NaN logit never counts as correct.
+//! Index of the largest of n values, the first on ties (-inf included); -1, which no
+//! label equals, when the row holds a NaN (a diverged model predicts nothing) or is empty.
 template <class T>
 MPX_HD std::int32_t argmax_row(T const* row, std::int64_t n) {
+  if (n <= 0) return -1;
   std::int32_t best = 0;
   float bv = cast<float>(row[0]);
+  if (bv != bv) return -1;
   for (std::int64_t j = 1; j < n; ++j) {
     float const v = cast<float>(row[j]);
-    if (v > bv || (bv != bv)) {
+    if (v != v) return -1;
+    if (v > bv) {
       bv = v;
       best = static_cast<std::int32_t>(j);
     }
   }
-  return bv == bv ? best : -1;
+  return best;
 }
 
+//! Whether a row of logits predicts `label` (never when argmax_row gives -1).
+template <class T>
+MPX_HD bool predicts(T const* row, std::int64_t n, std::int32_t label) {
+  std::int32_t const best = argmax_row(row, n);
+  return best >= 0 && best == label;
+}
+
+//! Fills a step's record from the loss, the scale, the check's verdict and the batch
+//! size; `correct` (counted before) is kept. `scale` may point into *out.
 template <class T>
 MPX_HD void write_step_record(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
                               std::uint32_t samples) {
@@ -76,7 +89,7 @@ template <class T>
 __global__ void count_correct_kernel(T const* logits, std::int32_t const* labels, std::int64_t rows, std::int64_t cols,
                                      step_record* out) {
   std::int64_t const r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r < rows && argmax_row(logits + r * cols, cols) == labels[r]) atomicAdd(&out->correct, 1u);
+  if (r < rows && predicts(logits + r * cols, cols, labels[r])) atomicAdd(&out->correct, 1u);
 }
 template <class T>
 __global__ void step_record_kernel(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
@@ -85,9 +98,28 @@ __global__ void step_record_kernel(step_record* out, float const* loss, float co
 }
 #endif
 
+//! Writes *out (in the executor's space) as the last act of a training step; see
+//! write_step_record. Enqueued only on a cuda_executor. (A function of its own so that
+//! the record's kernel can be tested without a trainer.)
+template <executor Exec>
+void record_step([[maybe_unused]] Exec const& exec, step_record* out, float const* loss, float const* scale,
+                 gradient_summary const* summary, std::uint32_t samples) {
+  if constexpr (is_host_executor_v<Exec>) {
+    write_step_record<float>(out, loss, scale, summary, samples);
+  } else {
+#if MPX_HAS_CUDA
+    step_record_kernel<float><<<1, 1, 0, exec.stream()>>>(out, loss, scale, summary, samples);
+    MPX_CUDA_CHECK_LAUNCH("mpx::step_record_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
 }  // namespace detail
 
-//! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label.
+//! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label
+//! (the first of tied maxima; a row holding a NaN logit never counts).
 template <executor Exec, class T, class Space = memory_space_t<Exec>>
 void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space> logits, tensor_view<std::int32_t const, Space> labels,
                    step_record* record) {
@@ -98,7 +130,7 @@ void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space
                                                         labels.shape().to_string() + " hold different batches");
   if (rows == 0) return;
   if constexpr (is_host_executor_v<Exec>) {
-    for (std::int64_t r = 0; r < rows; ++r) record->correct += detail::argmax_row(logits.data() + r * cols, cols) == labels[r];
+    for (std::int64_t r = 0; r < rows; ++r) record->correct += detail::predicts(logits.data() + r * cols, cols, labels[r]);
   } else {
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>((rows + 255) / 256);
@@ -325,20 +357,10 @@ class classifier_trainer {
   std::array<std::byte, sizeof(rule_type)> captured_rule_{};
 #endif
 
-  void write_record([[maybe_unused]] Exec const& exec, step_record* rec, std::uint32_t samples) {
-    gradient_summary const* s = optimizer_.optimizer().gradients().summary_data();
-    if constexpr (is_host_executor_v<Exec>) {
-      float const scale_used = rec->loss_scale;
-      detail::write_step_record<float>(rec, loss_.data(), &scale_used, s, samples);
-    } else {
-#if MPX_HAS_CUDA
-      // loss_scale was captured before the step; keep it, the scaler may have moved on.
-      detail::step_record_kernel<float><<<1, 1, 0, exec.stream()>>>(rec, loss_.data(), &rec->loss_scale, s, samples);
-      MPX_CUDA_CHECK_LAUNCH("mpx::step_record_kernel");
-#else
-      detail::kernels_need_nvcc<Exec>();
-#endif
-    }
+  void write_record(Exec const& exec, step_record* rec, std::uint32_t samples) {
+    // loss_scale was captured before the step; keep it, the scaler may have moved on.
+    detail::record_step(exec, rec, loss_.data(), &rec->loss_scale, optimizer_.optimizer().gradients().summary_data(),
+                        samples);
   }
 
   Model& model_;

@@ -31,19 +31,24 @@ class loss_scale_error : public error {
   using error::error;
 };
 
-//! What a scaler tells its on_stuck callback.
+//! What a scaler tells its on_stuck callback. Every field describes the step at which
+//! the run of overflows reached the rule's report_after, whenever the report is
+//! delivered (on a GPU it may be delivered a few steps later): the values are final.
 struct loss_scale_report {
   float scale;                 //!< the scale the overflowing steps ran at (the minimum)
-  std::uint32_t consecutive;   //!< non-finite steps in a row at that scale
-  std::int32_t first_nonfinite;  //!< index of the first non-finite gradient of the latest one (-1: unknown)
-  std::string gradient;        //!< its name, when known
+  std::uint32_t consecutive;   //!< non-finite steps in a row at that scale: report_after (more only
+                               //!< when a restored state was already past it)
+  std::int32_t first_nonfinite;  //!< index of the first non-finite gradient of that step (-1: unknown)
+  std::string gradient;        //!< its name in the list of the latest update, when known
   std::string message;         //!< all of the above in words
 };
 
 namespace detail {
 
-//! The part of the state the host polls without waiting: written by the device after
-//! every update as one 16-byte store.
+//! What the host polls without waiting: the step at which the latest run of overflows
+//! at the minimum reached report_after (consecutive == 0: no run has yet). Written by
+//! the device as one 16-byte store, once per run, at that step and never after: however
+//! late the host reads it, it reads that step's values, not a later step's.
 struct alignas(16) stuck_signal {
   std::uint32_t consecutive;
   std::uint32_t streak;  //!< identifies the run of overflows (the skipped count when it began)
@@ -52,7 +57,7 @@ struct alignas(16) stuck_signal {
 };
 
 //! The end of a step: the rule's update, the optimizer's step count (advanced only when
-//! the step was applied), and the signal the host polls.
+//! the step was applied), and the signal the host polls (see stuck_signal).
 template <class Rule>
 MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradient_summary const* summary,
                                std::uint64_t* optimizer_steps, stuck_signal* signal) {
@@ -60,9 +65,14 @@ MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradie
   float const scale_used = state->scale;
   rule.update(*state, found);
   if (!found && optimizer_steps) ++*optimizer_steps;
+  std::uint32_t const consecutive = state->overflows_at_minimum;
+  if (consecutive < rule.report_after) return;
+  auto const streak = static_cast<std::uint32_t>(state->skipped_steps - state->overflows_at_minimum);
+  std::uint32_t const signalled = signal->consecutive;  // only this function writes it, in stream order
+  if (signalled != 0 && signal->streak == streak) return;  // this run is already signalled
   stuck_signal s;
-  s.consecutive = state->overflows_at_minimum;
-  s.streak = static_cast<std::uint32_t>(state->skipped_steps - state->overflows_at_minimum);
+  s.consecutive = consecutive;
+  s.streak = streak;
   s.first_nonfinite = summary->first_nonfinite;
   s.scale = scale_used;
   *signal = s;
@@ -115,7 +125,7 @@ class signal_slot<device_space> {
   //! The latest signal the device has written; it may lag the stream by a few steps.
   //! The device's 16-byte store need not reach host memory as one piece, so a read
   //! could mix two signals: read until two reads in a row agree (the device writes once
-  //! per step, so this ends at once in practice).
+  //! per run of overflows, so this ends at once in practice).
   [[nodiscard]] stuck_signal read() const noexcept {
     auto once = [this] {
       std::array<std::uint32_t, 4> words;
@@ -174,7 +184,9 @@ class loss_scaler {
 
   //! Ends a step: applies the rule to the verdict of gradients' last check, and advances
   //! *optimizer_steps (in this space) when the step was applied. Enqueued only; then
-  //! reports a stuck scale if the device has signalled one (see poll).
+  //! reports a stuck scale if the device has signalled one (see poll): on the host
+  //! executor at the very step that reached report_after, on a GPU possibly some steps
+  //! later, with the same report.
   void update([[maybe_unused]] Exec const& exec, gradient_list<Exec> const& gradients, std::uint64_t* optimizer_steps = nullptr) {
     if (&gradients.names() != names_source_) {  // a copy: poll() may run after the list moved
       names_ = gradients.names();
@@ -198,9 +210,13 @@ class loss_scaler {
   //! update() throws mpx::loss_scale_error).
   void on_stuck(std::function<void(loss_scale_report const&)> callback) { on_stuck_ = std::move(callback); }
 
-  //! Reports a stuck scale that the device has signalled, without waiting for the GPU
-  //! (the signal may lag a few steps). update() calls it; call it between replays of a
-  //! captured CUDA graph.
+  //! Reports a stuck scale that the device has signalled, without waiting for the GPU.
+  //! update() calls it; call it between replays of a captured CUDA graph.
+  //! Guarantees: each run of overflows at the minimum is reported at most once, and its
+  //! report (loss_scale_report) describes the step at which the run reached
+  //! report_after, however late it is read. On a GPU the signal may not have arrived
+  //! yet: after exec.synchronize(), poll() reports every run that had reached
+  //! report_after (only the latest, if several did since the previous poll).
   void poll() {
     detail::stuck_signal const s = signal_.read();
     if (s.consecutive < rule_.report_after || (reported_ && s.streak == reported_streak_)) return;
