@@ -20,7 +20,8 @@ flags+=(-DMPX_HAS_ZLIB=1)
 cpu_seconds() {  # cpu_seconds COMMAND...: the smallest user+system time of `repeat` runs
   local best="" t i
   for ((i = 0; i < repeat; ++i)); do
-    t=$( { /usr/bin/time -f '%U %S' "$@" >/dev/null 2>/dev/null; } 2>&1 | tail -1 | awk '{printf "%.1f", $1 + $2}')
+    /usr/bin/time -o "$work/time" -f '%U %S' "$@" >/dev/null 2>&1
+    t=$(awk '{printf "%.1f", $1 + $2}' "$work/time")
     if [ -z "$best" ] || awk -v a="$t" -v b="$best" 'BEGIN { exit !(a < b) }'; then best=$t; fi
   done
   echo "$best"
