@@ -1,8 +1,11 @@
 // mpx::transform_reduce: map every element to an accumulator and combine them, on any
 // executor, deterministically. The CUDA path is one pass over the data (16-byte loads,
-// per-thread accumulation, a CUB block reduction to one partial per block) and a CUB
-// device reduction over the partials; the grid depends only on the size and the device,
-// so the result is the same run after run.
+// per-thread accumulation, a CUB block reduction to one partial per block) and one block
+// that combines the partials in a fixed order; the grid depends only on the size and the
+// device, so the result is the same run after run. (The second stage is a block, not
+// cub::DeviceReduce: there are at most a few thousand partials, and DeviceReduce's
+// dispatch machinery cost every user translation unit that includes this header about
+// two seconds of compile time.)
 #pragma once
 
 #include <mpx/core/config.hpp>
@@ -16,7 +19,6 @@
 
 #if MPX_HAS_CUDA
 #include <cub/block/block_reduce.cuh>
-#include <cub/device/device_reduce.cuh>
 #endif
 
 namespace mpx {
@@ -60,6 +62,20 @@ __global__ void __launch_bounds__(block_size)
   if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
 }
 
+//! One block: *result = the combination of partials[0, count), thread i taking i,
+//! i + block_size, ... and the block reduction combining the threads in a fixed order.
+template <class Acc, class Combine>
+__global__ void __launch_bounds__(block_size)
+    combine_partials_kernel(Acc const* __restrict__ partials, unsigned count, Acc identity, Combine combine,
+                            Acc* __restrict__ result) {
+  Acc acc = identity;
+  for (unsigned i = threadIdx.x; i < count; i += block_size) acc = combine(acc, partials[i]);
+  using block_reduce = cub::BlockReduce<Acc, block_size>;
+  __shared__ typename block_reduce::TempStorage temp;
+  Acc const total = block_reduce(temp).Reduce(acc, combine);
+  if (threadIdx.x == 0) *result = total;
+}
+
 template <class T, class Acc, class Map, class Combine>
 Acc cuda_transform_reduce(cudaStream_t stream, T const* x, std::size_t n, Acc identity, Map const& map,
                           Combine const& combine) {
@@ -68,20 +84,15 @@ Acc cuda_transform_reduce(cudaStream_t stream, T const* x, std::size_t n, Acc id
   split_for_vectors<width>(n, split, x);  // one pointer: always splits
   unsigned const grid = grid_for(std::max({split.vectors, split.head, split.tail}), 4);
 
-  // One stream-ordered scratch allocation: the partials, the result, CUB's temp storage.
-  std::size_t cub_bytes = 0;
-  MPX_CUDA_CHECK(cub::DeviceReduce::Reduce(nullptr, cub_bytes, static_cast<Acc*>(nullptr), static_cast<Acc*>(nullptr),
-                                           static_cast<int>(grid), combine, identity, stream));
-  std::size_t const partial_bytes = (grid + 1) * sizeof(Acc);
-  std::size_t const cub_offset = (partial_bytes + 255) / 256 * 256;
-  buffer<std::byte, device_space> scratch(cub_offset + cub_bytes, stream);
-  Acc* partials = reinterpret_cast<Acc*>(scratch.data());
+  // One stream-ordered scratch allocation: the partials and the result.
+  buffer<Acc, device_space> scratch(static_cast<std::size_t>(grid) + 1, stream);
+  Acc* partials = scratch.data();
   Acc* result = partials + grid;
 
   reduce_to_partials_kernel<width><<<grid, block_size, 0, stream>>>(x, split, identity, map, combine, partials);
   MPX_CUDA_CHECK_LAUNCH("mpx::reduce_to_partials_kernel");
-  MPX_CUDA_CHECK(cub::DeviceReduce::Reduce(scratch.data() + cub_offset, cub_bytes, partials, result,
-                                           static_cast<int>(grid), combine, identity, stream));
+  combine_partials_kernel<<<1, block_size, 0, stream>>>(partials, grid, identity, combine, result);
+  MPX_CUDA_CHECK_LAUNCH("mpx::combine_partials_kernel");
   Acc host_result;
   MPX_CUDA_CHECK(cudaMemcpyAsync(&host_result, result, sizeof(Acc), cudaMemcpyDeviceToHost, stream));
   MPX_CUDA_CHECK(cudaStreamSynchronize(stream));

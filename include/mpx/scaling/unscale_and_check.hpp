@@ -27,10 +27,6 @@
 #include <utility>
 #include <vector>
 
-#include <thrust/execution_policy.h>
-#include <thrust/iterator/counting_iterator.h>
-#include <thrust/transform_reduce.h>
-
 #if MPX_HAS_CUDA
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_reduce.cuh>
@@ -57,7 +53,19 @@ struct gradient_summary {
 //! makes the check a read-only pass: loss_scale_optimizer defers.
 enum class unscaling { in_place, deferred };
 
+//! A loss scale given as its inverse (PyTorch's GradScaler hands 1 / scale to its
+//! check): the gradients are multiplied by exactly *value, with no reciprocal of a
+//! reciprocal rounded in between. `value` points into the executor's space.
+struct inverse_scale {
+  float const* value;
+};
+
 namespace detail {
+
+//! The factor that unscales: 1 / *scale, or *scale itself when it is already the inverse.
+MPX_HD inline float unscaling_factor(float const* scale, bool is_inverse) noexcept {
+  return is_inverse ? *scale : 1.0f / *scale;
+}
 
 //! What one chunk of one gradient contributed.
 struct chunk_partial {
@@ -97,8 +105,10 @@ MPX_HD inline float clip_coefficient_for(float norm, float max_norm) noexcept {
   return c < 1.0f ? c : 1.0f;
 }
 
-// Host: the same chunks in the same order, each one a Thrust host-policy reduction that
-// unscales as it reads.
+// Host: the same chunks in the same order, each one a left fold that unscales as it
+// reads. (A loop, not thrust::transform_reduce with the host policy, which folds the
+// same way: under nvcc Thrust's headers cost every translation unit that includes
+// this one about 2.5 s of compile time.)
 template <class T, bool InPlace>
 struct unscale_chunk_on_host {
   T* data;
@@ -122,9 +132,10 @@ void host_unscale_and_check(tensor_table<1> const& table, float inverse_scale, c
   for (std::uint32_t b = 0; b < table.blocks(); ++b) {
     chunk_location const loc = locate_chunk(table, b);
     T* data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-    partials[table.first_partial + b] = thrust::transform_reduce(
-        thrust::host, thrust::counting_iterator<std::size_t>(0), thrust::counting_iterator<std::size_t>(loc.count),
-        unscale_chunk_on_host<T, InPlace>{data, {inverse_scale}}, chunk_partial{0, 0}, combine_partials{});
+    unscale_chunk_on_host<T, InPlace> const unscale{data, {inverse_scale}};
+    chunk_partial partial{0, 0};
+    for (std::size_t i = 0; i < loc.count; ++i) partial = combine_partials{}(partial, unscale(i));
+    partials[table.first_partial + b] = partial;
   }
 }
 
@@ -155,11 +166,11 @@ inline void host_finish_check(std::uint32_t tensors, std::uint32_t const* ranges
 #if MPX_HAS_CUDA
 template <class T, bool InPlace>
 __global__ void __launch_bounds__(block_size)
-    unscale_and_check_kernel(tensor_table<1> const table, float const* __restrict__ scale,
+    unscale_and_check_kernel(tensor_table<1> const table, float const* __restrict__ scale, bool is_inverse,
                              chunk_partial* __restrict__ partials) {
   chunk_location const loc = locate_chunk(table, blockIdx.x);
   T* const data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-  unscale_element<InPlace> const op{1.0f / *scale};
+  unscale_element<InPlace> const op{unscaling_factor(scale, is_inverse)};
   float sum = 0;
   bool bad = false;
   constexpr int width = vector_width<T>;
@@ -180,7 +191,7 @@ __global__ void __launch_bounds__(block_size)
   if (threadIdx.x == 0) partials[table.first_partial + blockIdx.x] = {block_sum, block_bad ? 1u : 0u};
 }
 
-static_assert(sizeof(tensor_table<1>) + 2 * sizeof(void*) <= kernel_parameter_limit,
+static_assert(sizeof(tensor_table<1>) + 3 * sizeof(void*) <= kernel_parameter_limit,
               "unscale_and_check_kernel's parameters exceed what CUDA 12.1+ accepts");
 
 inline constexpr int finish_threads = 1024;
@@ -199,7 +210,7 @@ template <int Threads = finish_threads>
 __global__ void __launch_bounds__(Threads)
     finish_check_kernel(std::uint32_t tensors, std::uint32_t const* __restrict__ ranges,
                         chunk_partial const* __restrict__ partials, float max_norm, float const* __restrict__ scale,
-                        bool deferred, float* __restrict__ tensor_sum_of_squares,
+                        bool is_inverse, bool deferred, float* __restrict__ tensor_sum_of_squares,
                         gradient_summary* __restrict__ summary) {
   constexpr int warps = Threads / 32;
   constexpr std::int32_t none = 0x7fffffff;
@@ -261,13 +272,19 @@ __global__ void __launch_bounds__(Threads)
     s.first_nonfinite = first == none ? -1 : first;
     s.found_nonfinite = first == none ? 0u : 1u;
     s.norm = sqrtf(all);
-    set_clipping(s, max_norm, deferred ? 1.0f / *scale : 1.0f);
+    set_clipping(s, max_norm, deferred ? unscaling_factor(scale, is_inverse) : 1.0f);
     *summary = s;
   }
 }
 #endif
 
 inline constexpr std::array<dtype_id, 3> all_dtypes = {dtype_id::float16, dtype_id::bfloat16, dtype_id::float32};
+
+//! The scale operand of unscale_and_check, whichever way the caller gave it.
+struct scale_operand {
+  float const* value;
+  bool is_inverse;
+};
 
 }  // namespace detail
 
@@ -338,8 +355,8 @@ class gradient_list {
 
  private:
   template <executor E>
-  friend void unscale_and_check(E const& exec, gradient_list<E>& gradients, float const* scale, float max_norm,
-                                unscaling mode);
+  friend void unscale_and_check(E const& exec, gradient_list<E>& gradients, detail::scale_operand scale,
+                                float max_norm, unscaling mode);
 
   std::vector<tensor_ref<space>> gradients_;
   std::vector<std::string> names_;
@@ -350,20 +367,14 @@ class gradient_list {
   resident<gradient_summary, space> summary_;
 };
 
-//! Multiplies every gradient by 1 / *scale (scale: a float in the executor's space, such
-//! as a loss scaler's) in place, or with unscaling::deferred leaves them scaled and
-//! records the factor to read them with; and records in `gradients` whether any value
-//! was NaN or ±inf, which gradient first held one, the norms (in unscaled units) and the
-//! factor that clips the global norm to `max_norm` (<= 0: no clipping). On a
-//! cuda_executor it only enqueues work: no allocation, no synchronisation, so it can be
-//! captured in a CUDA graph.
+// The work of both public overloads below.
 template <executor Exec>
-void unscale_and_check([[maybe_unused]] Exec const& exec, gradient_list<Exec>& gradients, float const* scale,
-                       float max_norm = 0, unscaling mode = unscaling::in_place) {
+void unscale_and_check([[maybe_unused]] Exec const& exec, gradient_list<Exec>& gradients, detail::scale_operand scale,
+                       float max_norm, unscaling mode) {
   auto const n = static_cast<std::uint32_t>(gradients.size());
   bool const deferred = mode == unscaling::deferred;
   if constexpr (is_host_executor_v<Exec>) {
-    float const inverse = 1.0f / *scale;
+    float const inverse = detail::unscaling_factor(scale.value, scale.is_inverse);
     for (std::size_t d = 0; d < detail::all_dtypes.size(); ++d) {
       visit_dtype(detail::all_dtypes[d], [&](auto t) {
         for (auto const& table : gradients.plans_[d].tables) {
@@ -382,19 +393,41 @@ void unscale_and_check([[maybe_unused]] Exec const& exec, gradient_list<Exec>& g
         for (auto const& table : gradients.plans_[d].tables) {
           if (table.blocks() == 0) continue;  // only empty tensors
           auto const kernel = deferred ? detail::unscale_and_check_kernel<T, false> : detail::unscale_and_check_kernel<T, true>;
-          kernel<<<table.blocks(), detail::block_size, 0, exec.stream()>>>(table, scale, gradients.partials_.data());
+          kernel<<<table.blocks(), detail::block_size, 0, exec.stream()>>>(table, scale.value, scale.is_inverse,
+                                                                           gradients.partials_.data());
           MPX_CUDA_CHECK_LAUNCH("mpx::unscale_and_check_kernel");
         }
       });
     }
     detail::finish_check_kernel<><<<1, detail::finish_threads, 0, exec.stream()>>>(
-        n, gradients.ranges_.data(), gradients.partials_.data(), max_norm, scale, deferred,
+        n, gradients.ranges_.data(), gradients.partials_.data(), max_norm, scale.value, scale.is_inverse, deferred,
         gradients.sum_of_squares_.data(), gradients.summary_.get());
     MPX_CUDA_CHECK_LAUNCH("mpx::finish_check_kernel");
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif
   }
+}
+
+//! Multiplies every gradient by 1 / *scale (scale: a float in the executor's space, such
+//! as a loss scaler's) in place, or with unscaling::deferred leaves them scaled and
+//! records the factor to read them with; and records in `gradients` whether any value
+//! was NaN or ±inf, which gradient first held one, the norms (in unscaled units) and the
+//! factor that clips the global norm to `max_norm` (<= 0: no clipping). On a
+//! cuda_executor it only enqueues work: no allocation, no synchronisation, so it can be
+//! captured in a CUDA graph.
+template <executor Exec>
+void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, float const* scale, float max_norm = 0,
+                       unscaling mode = unscaling::in_place) {
+  unscale_and_check(exec, gradients, detail::scale_operand{scale, false}, max_norm, mode);
+}
+
+//! The same, multiplying by *inverse.value as given (GradScaler's inv_scale), so the
+//! result is bit for bit `g * inv_scale` rounded once to the gradient's dtype.
+template <executor Exec>
+void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, inverse_scale inverse, float max_norm = 0,
+                       unscaling mode = unscaling::in_place) {
+  unscale_and_check(exec, gradients, detail::scale_operand{inverse.value, true}, max_norm, mode);
 }
 
 }  // namespace mpx
