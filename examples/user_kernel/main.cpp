@@ -7,10 +7,10 @@
 //
 // The kernel is a fused swish activation, y = x * sigmoid(x) * scale, reading and
 // writing the policy's storage type and computing in its accumulate type (float). It
-// counts, per block, the values it wrote that are not finite (a scale too large for
-// half), so a caller needs no second pass. mpx exposes no block-level reduction for
-// user kernels (its own helpers live in mpx::detail), so the block check below is CUB's
-// BlockReduce over mpx::is_finite; mpx::count_nonfinite, the separate pass, must agree.
+// counts the values it wrote that are not finite (a scale too large for half) with
+// mpx's block-level check (mpx::block_add_nonfinite: one CUB block sum and at most one
+// atomic per block), so a caller needs no second pass; mpx::count_nonfinite, the
+// separate pass, must agree.
 //
 // Built by nvcc (main.cu) and run with a GPU, all of it runs on the GPU. Built as plain
 // C++, or run without a GPU, the same element function runs in a host loop on
@@ -25,6 +25,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#include <mpx/numerics/block_finite.hpp>
 #include <mpx/numerics/finite.hpp>
 #include <mpx/numerics/stats.hpp>
 
@@ -36,10 +37,6 @@
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#if MPX_HAS_CUDA
-#include <cub/block/block_reduce.cuh>
-#endif
 
 namespace {
 
@@ -73,11 +70,7 @@ __global__ void __launch_bounds__(threads)
     y[i] = v;
     bad += mpx::is_finite(v) ? 0u : 1u;
   }
-  // The block-level finite check: one count per block, one atomic per block that found any.
-  using block_reduce = cub::BlockReduce<unsigned, threads>;
-  __shared__ typename block_reduce::TempStorage temp;
-  unsigned const block_bad = block_reduce(temp).Sum(bad);
-  if (threadIdx.x == 0 && block_bad) atomicAdd(nonfinite, static_cast<unsigned long long>(block_bad));
+  mpx::block_add_nonfinite<threads>(bad, nonfinite);  // every thread of the block calls it
 }
 #endif
 

@@ -78,6 +78,32 @@ double element(std::vector<T> const& x, std::int64_t stride, std::int64_t b, boo
   return mpx::detail::to_double(x[at]);
 }
 
+//! One element of C in float64: alpha * sum over kk of op(A)[bi][i][kk] * op(B)[bi][kk][j]
+//! + beta * c_old, and `scale`, the sum of the terms' magnitudes the error bound scales.
+struct reference_entry {
+  double exact = 0, scale = 0;
+};
+template <class T>
+reference_entry reference_product(std::vector<T> const& a, std::vector<T> const& b, std::int64_t sa,
+                                  std::int64_t sb, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                                  std::int64_t bi, std::int64_t i, std::int64_t j, double alpha, double beta,
+                                  double c_old) {
+  reference_entry r;
+  for (std::int64_t kk = 0; kk < k; ++kk) {
+    double const x = element(a, sa, bi, ta, m, k, i, kk);
+    double const y = element(b, sb, bi, tb, k, n, kk, j);
+    r.exact += x * y;
+    r.scale += std::abs(x * y);
+  }
+  r.exact *= alpha;
+  r.scale *= std::abs(alpha);
+  if (beta != 0) {
+    r.exact += beta * c_old;
+    r.scale += std::abs(beta * c_old);
+  }
+  return r;
+}
+
 struct outcome {
   std::size_t worst = 0;      // index of the largest error relative to what is allowed
   double worst_ratio = 0;     // error / allowed there (infinite for NaN)
@@ -115,21 +141,9 @@ outcome run_and_check(Exec const& exec, problem const& p) {
   for (std::int64_t bi = 0; bi < nb; ++bi)
     for (std::int64_t i = 0; i < p.m; ++i)
       for (std::int64_t j = 0; j < p.n; ++j) {
-        double exact = 0, scale = 0;
-        for (std::int64_t kk = 0; kk < p.k; ++kk) {
-          double const x = element(a, sa, bi, p.ta, p.m, p.k, i, kk);
-          double const y = element(b, sb, bi, p.tb, p.k, p.n, kk, j);
-          exact += x * y;
-          scale += std::abs(x * y);
-        }
         std::size_t const at = static_cast<std::size_t>((bi * p.m + i) * p.n + j);
-        exact *= p.alpha;
-        scale *= std::abs(p.alpha);
-        if (p.beta != 0) {
-          double const old = mpx::detail::to_double(c0[at]);
-          exact += p.beta * old;
-          scale += std::abs(p.beta * old);
-        }
+        auto const [exact, scale] = reference_product(a, b, sa, sb, p.ta, p.tb, p.m, p.n, p.k, bi, i, j, p.alpha,
+                                                      p.beta, mpx::detail::to_double(c0[at]));
         nonzero += std::abs(exact);
         double const g = mpx::detail::to_double(got[at]);
         double const error = std::abs(g - exact);
@@ -481,18 +495,9 @@ void check_long_k(Exec const& exec, long_k_case const& p) {
   for (std::int64_t bi = 0; bi < nb; ++bi)
     for (std::int64_t i = 0; i < p.m; ++i)
       for (std::int64_t j = 0; j < p.n; ++j) {
-        double exact = 0, scale = 0;
-        for (std::int64_t kk = 0; kk < p.k; ++kk) {
-          double const x = element(a, sa, bi, p.ta, p.m, p.k, i, kk);
-          double const y = element(b, sb, bi, p.tb, p.k, p.n, kk, j);
-          exact += x * y;
-          scale += std::abs(x * y);
-        }
         std::size_t const at = static_cast<std::size_t>((bi * p.m + i) * p.n + j);
-        if (p.beta != 0.0f) {
-          exact += p.beta * mpx::detail::to_double(c0[at]);
-          scale += std::abs(p.beta * mpx::detail::to_double(c0[at]));
-        }
+        auto const [exact, scale] = reference_product(a, b, sa, sb, p.ta, p.tb, p.m, p.n, p.k, bi, i, j, 1.0,
+                                                      p.beta, mpx::detail::to_double(c0[at]));
         double const g = mpx::detail::to_double(got[at]);
         bool ok;
         if (std::isnan(exact)) ok = std::isnan(g);

@@ -38,6 +38,29 @@ std::vector<double> ref_softmax_backward(std::vector<double> const& y, std::vect
   for (std::size_t i = 0; i < y.size(); ++i) dx[i] = log ? dy[i] - std::exp(y[i]) * dot : y[i] * (dy[i] - dot);
   return dx;
 }
+//! The backward reference of row `base / cols` from the stored output y and dy, with the
+//! sum of magnitudes each element's error bound scales.
+struct backward_row_reference {
+  std::vector<double> dx, terms;
+};
+template <class T>
+backward_row_reference ref_backward_row(std::vector<T> const& y, std::vector<T> const& dy, std::size_t base,
+                                        std::size_t cols, bool log) {
+  double dot = 0, abs_dot = 0;
+  for (std::size_t c = 0; c < cols; ++c) {
+    double const yv = to_d(y[base + c]), g = to_d(dy[base + c]);
+    dot += log ? g : g * yv;
+    abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
+  }
+  backward_row_reference r{std::vector<double>(cols), std::vector<double>(cols)};
+  for (std::size_t c = 0; c < cols; ++c) {
+    double const yv = to_d(y[base + c]), g = to_d(dy[base + c]);
+    r.dx[c] = log ? g - std::exp(yv) * dot : yv * (g - dot);
+    r.terms[c] = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
+                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
+  }
+  return r;
+}
 std::vector<double> ref_softmax(std::vector<double> const& x, bool log) {
   double m = -INFINITY, s = 0;
   for (double v : x) m = std::max(m, v);
@@ -104,12 +127,7 @@ TEMPLATE_LIST_TEST_CASE("softmax and log_softmax forward and backward are within
           std::size_t const base = r * cols;
           row_stats const st = ref_row(x, base, cols);
           double const log_s = std::log(st.sum);
-          double dot = 0, abs_dot = 0;
-          for (std::size_t c = 0; c < cols; ++c) {
-            double const yv = to_d(got_y[base + c]), g = to_d(dy[base + c]);
-            dot += log ? g : g * yv;
-            abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
-          }
+          auto const back = ref_backward_row(got_y, dy, base, cols, log);
           for (std::size_t c = 0; c < cols; ++c) {
             std::size_t const i = base + c;
             double const d = std::fabs(to_d(x[i]) - st.max);
@@ -118,11 +136,9 @@ TEMPLATE_LIST_TEST_CASE("softmax and log_softmax forward and backward are within
                                    : (uT + (k + 2 * d) * uf) * std::fabs(ref) + mpx_test::min_subnormal<T>();
             fwd.check(i, to_d(got_y[i]), ref, tol);
             if (!log) row_total += ref;
-            double const yv = to_d(got_y[i]), g = to_d(dy[i]);
-            double const ref_dx = log ? g - std::exp(yv) * dot : yv * (g - dot);
-            double const terms = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
-                                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
-            bwd.check(i, to_d(got_dx[i]), ref_dx, uT * std::fabs(ref_dx) + k * uf * terms + mpx_test::min_subnormal<T>());
+            double const ref_dx = back.dx[c];
+            bwd.check(i, to_d(got_dx[i]), ref_dx,
+                      uT * std::fabs(ref_dx) + k * uf * back.terms[c] + mpx_test::min_subnormal<T>());
           }
         }
         INFO("rows=" << rows << " cols=" << cols);
@@ -304,30 +320,20 @@ TEMPLATE_LIST_TEST_CASE("softmax warp kernels for rows of 65 to 513 columns matc
           for (std::size_t c = 0; c < cols; ++c) xr[c] = to_d(x[base + c]);
           auto const ref = test_softmax::reference_row(xr, log);
           nan_rows += std::isnan(ref[0]);
-          double m = -INFINITY, sum = 0;
-          for (double v : xr) m = std::max(m, v);
-          for (double v : xr) sum += std::exp(v - m);
-          double dot = 0, abs_dot = 0;
-          for (std::size_t c = 0; c < cols; ++c) {
-            double const yv = to_d(got_y[base + c]), g = to_d(dy[base + c]);
-            dot += log ? g : g * yv;
-            abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
-          }
+          row_stats const st = ref_row(x, base, cols);
+          auto const back = ref_backward_row(got_y, dy, base, cols, log);
           for (std::size_t c = 0; c < cols; ++c) {
             std::size_t const i = base + c;
             double tol = 0;  // a masked entry is exactly 0 (log: -inf, which must match exactly)
             if (std::isfinite(xr[c]) && std::isfinite(ref[c])) {
-              double const d = std::fabs(xr[c] - m);
-              tol = log ? uT * std::fabs(ref[c]) + (k + 2 * d + std::fabs(std::log(sum))) * mpx_test::uf
+              double const d = std::fabs(xr[c] - st.max);
+              tol = log ? uT * std::fabs(ref[c]) + (k + 2 * d + std::fabs(std::log(st.sum))) * mpx_test::uf
                         : (uT + (k + 2 * d) * mpx_test::uf) * std::fabs(ref[c]) + mpx_test::min_subnormal<T>();
             }
             fwd.check(i, to_d(got_y[i]), ref[c], tol);
-            double const yv = to_d(got_y[i]), g = to_d(dy[i]);
-            double const ref_dx = log ? g - std::exp(yv) * dot : yv * (g - dot);
-            double const terms = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
-                                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
-            double const dx_tol = uT * std::fabs(ref_dx) + k * mpx_test::uf * terms + mpx_test::min_subnormal<T>();
-            bwd.check(i, to_d(got_dx[i]), ref_dx, std::isfinite(dx_tol) ? dx_tol : 0.0);
+            double const dx_tol =
+                uT * std::fabs(back.dx[c]) + k * mpx_test::uf * back.terms[c] + mpx_test::min_subnormal<T>();
+            bwd.check(i, to_d(got_dx[i]), back.dx[c], std::isfinite(dx_tol) ? dx_tol : 0.0);
           }
         }
         REQUIRE(nan_rows == 3);  // rows 5, 7 and 9: the reference is not all numbers, nor all NaN

@@ -3,7 +3,9 @@
 // the tail, behind a misaligned start), and statistics against a float64 reference.
 #include "../support/testing.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 
 namespace {
 
@@ -235,3 +237,56 @@ TEMPLATE_LIST_TEST_CASE("empty tensors are finite and have empty stats", "[numer
   CHECK(mpx::stats(exec, e) == mpx::numerics_stats{});
   CHECK(mpx::sum_of_squares<mpx::float32>(exec, e) == 0.0f);
 }
+
+#if MPX_HAS_CUDA
+namespace test_numerics_block {
+//! Counts the non-finite values of x with the block-level check, twice in the same
+//! kernel (the second call reuses the block's shared memory: it must agree).
+template <int Threads, class T>
+__global__ void __launch_bounds__(Threads)
+    count_twice_kernel(T const* x, std::size_t n, unsigned long long* first, unsigned long long* second) {
+  unsigned bad = 0;
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * Threads;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * Threads + threadIdx.x; i < n; i += stride)
+    bad += mpx::is_finite(x[i]) ? 0u : 1u;
+  mpx::block_add_nonfinite<Threads>(bad, first);
+  mpx::block_add_nonfinite<Threads>(bad, second);
+}
+
+template <int Threads, class T>
+void check_block_count(mpx::cuda_executor const& exec, std::vector<T> const& values, std::size_t expected) {
+  auto const x = mpx_test::upload(exec, values);
+  auto counters = mpx_test::upload(exec, std::vector<unsigned long long>{0, 0});
+  unsigned const grid = static_cast<unsigned>(std::min<std::size_t>((values.size() + Threads - 1) / Threads, 37));
+  count_twice_kernel<Threads><<<grid, Threads, 0, exec.stream()>>>(x.data(), values.size(), counters.data(),
+                                                                   counters.data() + 1);
+  MPX_CUDA_CHECK_LAUNCH("test_numerics_block::count_twice_kernel");
+  auto const counts = mpx::to_host(exec, counters);
+  INFO(mpx::dtype_name<T> << " n=" << values.size() << " threads=" << Threads);
+  CHECK(counts[0] == expected);
+  CHECK(counts[1] == expected);
+  CHECK(mpx::count_nonfinite(exec, x) == expected);
+}
+}  // namespace test_numerics_block
+
+TEST_CASE("block_add_nonfinite counts what count_nonfinite counts, per block of any width", "[numerics][cuda]") {
+  mpx::cuda_executor exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : {1ul, 31ul, 257ul, 4099ul, 65537ul, 300007ul}) {
+      auto values = mpx_test::random_values<T>(n, -1000, 1000, n);
+      std::mt19937_64 gen(mpx_test::seed + 3 * n);
+      std::size_t const planted = n < 5 ? n : 5 + gen() % 40;
+      std::set<std::size_t> places;
+      while (places.size() < std::min(planted, n)) places.insert(gen() % n);
+      int k = 0;
+      for (std::size_t p : places)
+        values[p] = (k++ % 2) ? mpx::dtype_traits<T>::quiet_nan() : mpx::dtype_traits<T>::infinity();
+      test_numerics_block::check_block_count<64>(exec, values, places.size());
+      test_numerics_block::check_block_count<256>(exec, values, places.size());
+      test_numerics_block::check_block_count<1024>(exec, values, places.size());
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+}
+#endif
