@@ -19,6 +19,12 @@ bfloat16 and float) it times, with CUDA events on the current stream, the median
     weight, m, v, all float but the 16-bit gradient and value): that float32 row is the
     apples-to-apples comparison of time.
   * the check and the fused step back to back (GradScaler.unscale_ then step).
+  * the same three through mpx's PyTorch extension (interop/torch, built with CUDA:
+    tests/torch/run.sh leaves it in build-torch-cuda/lib, or pip install it), on the
+    same tensors and stream: mpx_torch.non_finite_check_and_unscale_ (2 * sizeof(T)
+    bytes per element) and mpx_torch.Adam's step with float32 master weights (28 bytes
+    per element for every T). Without the extension those rows are left out, and a line
+    says why.
 
 GB/s counts every byte read plus every byte written, once; the copy (a device-to-device
 copy of N float32 values) counts its read and its write, 8 bytes per element, as
@@ -30,6 +36,7 @@ scaling_bench does. Without PyTorch or without a GPU this says so and exits 0.
 import argparse
 import struct
 import sys
+from pathlib import Path
 
 MASK64 = (1 << 64) - 1
 CHUNK = 16384  # mpx::detail::multi_tensor_chunk, for the description line only
@@ -134,8 +141,23 @@ def main():
     return run(torch, args)
 
 
+def load_mpx_torch():
+    """mpx_torch built with CUDA, installed or where tests/torch/run.sh builds it; or the
+    reason it is not there."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.append(str(root / "build-torch-cuda" / "lib"))
+    try:
+        import mpx_torch
+    except ImportError as e:
+        return None, f"mpx_torch is not importable ({e}); build it with CUDA (see docs/pytorch.md)"
+    if not mpx_torch.built_with_cuda:
+        return None, "this mpx_torch was built for the CPU only; rebuild it with MPX_TORCH_CUDA=1"
+    return mpx_torch, None
+
+
 def run(torch, args):
     device = torch.device("cuda")
+    mpx_torch, why_not = load_mpx_torch()
     n = args.elements
 
     def median_seconds(fn):
@@ -155,10 +177,10 @@ def run(torch, args):
 
     copy_gbps = None
 
-    def row(op, dtype_name, k, bytes_per_element, seconds):
+    def row(op, dtype_name, k, bytes_per_element, seconds, who="torch"):
         gbps = bytes_per_element * n / seconds / 1e9
         share = 100.0 * gbps / copy_gbps if copy_gbps else 100.0
-        print(f"{'torch':<6} {op:<26} {dtype_name:<9} {k:>7} {n:>11} {bytes_per_element:>6.0f} "
+        print(f"{who:<6} {op:<26} {dtype_name:<9} {k:>7} {n:>11} {bytes_per_element:>6.0f} "
               f"{seconds * 1e3:>10.4f} {gbps:>9.1f} {share:>8.1f}%", flush=True)
         return gbps
 
@@ -168,6 +190,7 @@ def run(torch, args):
           "(8 B per float element), as scaling_bench does.\n"
           "B/elem: check (in place) 2*sizeof(T); foreach_norm sizeof(T) (read only); fused adam 7*sizeof(T) "
           "(no master weights; moments in T): 14 for 16-bit, 28 for float32 (= mpx's adam for every T).")
+    print("rows 'mpx': mpx_torch on the same tensors and stream" if mpx_torch else f"no 'mpx' rows: {why_not}")
     print(f"{'exec':<6} {'op':<26} {'dtype':<9} {'tensors':>7} {'elements':>11} {'B/elem':>6} {'ms':>10} "
           f"{'GB/s':>9} {'of copy':>9}")
 
@@ -220,9 +243,34 @@ def run(torch, args):
                 raise SystemExit(f"torch_compare: fused Adam on {name} did not change the first parameter")
             if not all(bool(torch.isfinite(p).all()) for p in params):
                 raise SystemExit(f"torch_compare: fused Adam on {name} left NaN or inf in the parameters")
-            del optimizer, params, grads
+            if mpx_torch:
+                del optimizer
+                mpx_rows(torch, mpx_torch, row, median_seconds, params, grads, found_inf, inv_scale, name, k, size)
+            del params, grads
             torch.cuda.empty_cache()
     return 0
+
+
+def mpx_rows(torch, mpx_torch, row, median_seconds, params, grads, found_inf, inv_scale, name, k, size):
+    """mpx_torch's check, Adam step and both, on the tensors torch's rows used."""
+
+    def check():
+        mpx_torch.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+    row("check (in place)", name, k, 2 * size, median_seconds(check), who="mpx")
+    optimizer = mpx_torch.Adam(params, lr=1e-3)
+    before = params[0].detach().clone()
+    row("adam (f32 master)", name, k, 28, median_seconds(optimizer.step), who="mpx")
+
+    def check_and_step():
+        check()
+        optimizer.step()
+
+    row("check + adam", name, k, 2 * size + 28, median_seconds(check_and_step), who="mpx")
+    if found_inf.item() != 0:
+        raise SystemExit(f"torch_compare: mpx's check found a non-finite {name} gradient")
+    if torch.equal(before, params[0].detach()):
+        raise SystemExit(f"torch_compare: mpx's Adam on {name} did not change the first parameter")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # /usr/local/cuda (or $MPX_CUDA): Meson, Ninja, ccache (builds reuse earlier compiles,
 # nvcc's included), Catch2 v2, Boost 1.81 (Hana), pkg-config,
 # OpenBLAS (optional for the library: mpx::gemm's host path uses it where found), zlib
-# (optional: gzip-compressed IDX files) and Fashion-MNIST (for the examples and the test
-# that loads the real data set).
+# (optional: gzip-compressed IDX files), Fashion-MNIST (for the examples and the test
+# that loads the real data set), CMake (the CMake package's test) and matplotlib
+# (scripts/plot_run.py).
 set -euo pipefail
 cuda=${MPX_CUDA:-/usr/local/cuda}
 if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
@@ -12,7 +13,7 @@ if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
   exit 1
 fi
 packages=(meson ninja-build ccache catch2 libboost1.81-dev pkg-config python3 g++ libopenblas-dev zlib1g-dev
-          dataset-fashion-mnist)
+          dataset-fashion-mnist cmake)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -21,3 +22,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
 fi
+# matplotlib draws scripts/plot_run.py's figures (fashion_mnist --plot); pip, not apt:
+# python3 here may be another interpreter than Debian's.
+python3 -c 'import matplotlib' 2>/dev/null || python3 -m pip install --quiet matplotlib

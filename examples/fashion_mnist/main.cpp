@@ -13,22 +13,27 @@
 //
 //   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
-//                 [--test-limit N] [--data DIR] [--csv FILE] [--seed N] [--cuda-graph]
-//                 [--probe]
+//                 [--test-limit N] [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N]
+//                 [--cuda-graph] [--probe]
 //
 // --cuda-graph captures one training step in a CUDA graph and replays it (GPU only).
 // --probe prints, before training, the share of each parameter's gradients that a
 // batch loses at each loss scale (mpx::probe_loss_scales): why a scale is needed.
+// --csv FILE writes one log per policy, FILE.<policy>.csv (one row per step); --plot
+// FILE.png draws them with scripts/plot_run.py (python3 and matplotlib), one colour per
+// policy, writing the logs next to the PNG when --csv is not given.
 //
 // Without a GPU the default is one epoch of the 60,000 training images on the host, about
 // 70 seconds on two cores; on a GPU, five epochs.
 #include <mpx/mpx.hpp>
 
 #include <sys/resource.h>
+#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -44,6 +49,7 @@ struct settings {
   std::size_t test_limit = 0;  // 0: all 10,000
   std::string data = std::string(mpx::fashion_mnist_default_directory);
   std::string csv;
+  std::string plot;  // a PNG drawn from the CSV logs
   std::uint64_t seed = 1;
   bool cuda_graph = false;
   bool probe = false;  // print probe_loss_scales on the first batch before training
@@ -51,6 +57,7 @@ struct settings {
 
 struct outcome {
   std::string policy;
+  std::string csv;  // its log, if one was written
   double seconds_per_epoch = 0;
   double test_accuracy = 0;
   double test_loss = 0;
@@ -139,7 +146,7 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
     mpx::fit_options options;
     options.epochs = s.epochs;
     options.cuda_graph = s.cuda_graph;
-    if (!s.csv.empty()) options.csv_log = s.csv + "." + o.policy + ".csv";
+    if (!s.csv.empty()) options.csv_log = o.csv = s.csv + "." + o.policy + ".csv";
     auto const history = mpx::fit(exec, model, optimizer, train_batches, options, &test_batches);
     double total = 0;
     for (auto const& e : history) {
@@ -190,7 +197,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::im
   std::fprintf(code ? stderr : stdout,
                "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N] [--batch-size N]\n"
                "          [--executor auto|host|cuda] [--train-limit N] [--test-limit N] [--data DIR] [--csv FILE]\n"
-               "          [--seed N] [--cuda-graph] [--probe]\n",
+               "          [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n",
                program);
   std::exit(code);
 }
@@ -221,6 +228,7 @@ settings parse(int argc, char** argv) {
     else if (a == "--test-limit") s.test_limit = number();
     else if (a == "--data") s.data = value();
     else if (a == "--csv") s.csv = value();
+    else if (a == "--plot") s.plot = value();
     else if (a == "--seed") s.seed = number();
     else if (a == "--cuda-graph") s.cuda_graph = true;
     else if (a == "--probe") s.probe = true;
@@ -239,11 +247,57 @@ settings parse(int argc, char** argv) {
     std::fprintf(stderr, "unknown executor '%s': expected auto, host or cuda\n", s.executor.c_str());
     std::exit(2);
   }
+  if (!s.plot.empty() && s.csv.empty()) {  // the logs go next to the PNG: run.png -> run.<policy>.csv
+    std::filesystem::path const png = s.plot;
+    s.csv = (png.parent_path() / png.stem()).string();
+  }
   if (s.batch_size == 0) {
     std::fprintf(stderr, "--batch-size must be positive\n");
     std::exit(2);
   }
   return s;
+}
+
+// scripts/plot_run.py: where the build says the source tree has it, else next to this
+// program (an installed copy).
+std::filesystem::path plot_script() {
+#ifdef MPX_PLOT_RUN_SCRIPT
+  if (std::filesystem::exists(MPX_PLOT_RUN_SCRIPT)) return MPX_PLOT_RUN_SCRIPT;
+#endif
+  std::error_code ec;
+  auto const beside = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "plot_run.py";
+  return !ec && std::filesystem::exists(beside) ? beside : std::filesystem::path{};
+}
+
+std::string shell_quoted(std::string const& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// Draws the runs' logs into one PNG. A missing python3, matplotlib or script is said
+// plainly and does not fail the program: the training it reports has already happened.
+void draw_plot(std::vector<outcome> const& results, std::string const& png, std::string const& title) {
+  auto const script = plot_script();
+  if (script.empty()) {
+    std::printf("\n--plot: scripts/plot_run.py was not found; not drawing %s (the CSV logs are written)\n", png.c_str());
+    return;
+  }
+  if (std::system("command -v python3 >/dev/null 2>&1") != 0) {
+    std::printf("\n--plot: python3 is not on PATH; not drawing %s (the CSV logs are written)\n", png.c_str());
+    return;
+  }
+  std::string command = "python3 " + shell_quoted(script.string());
+  for (auto const& r : results) command += " " + shell_quoted(r.csv);
+  command += " -o " + shell_quoted(png) + " --title " + shell_quoted(title);
+  std::printf("\n");
+  std::fflush(stdout);
+  int const status = std::system(command.c_str());
+  int const code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (code == 3)
+    std::printf("--plot: matplotlib is missing (pip install matplotlib); the CSV logs are written\n");
+  else if (code != 0)
+    std::printf("--plot: %s failed (exit %d); the CSV logs are written\n", script.c_str(), code);
 }
 
 bool gpu_available() {
@@ -303,6 +357,11 @@ int main(int argc, char** argv) try {
                 "and trains 5 epochs by default; the target is at least 90%% test accuracy under each policy, the\n"
                 "mixed ones within half a point of float32 (docs/performance.md says what has been measured).\n",
                 train_set.size(), s.epochs);
+  if (!s.plot.empty())
+    draw_plot(results, s.plot,
+              "Fashion-MNIST CNN: " + std::to_string(train_set.size()) + " images, " + std::to_string(s.epochs) +
+                  " epoch(s), batch " + std::to_string(s.batch_size) + ", " + (use_gpu ? "cuda" : "host") +
+                  " executor");
   return 0;
 } catch (mpx::error const& e) {
   std::fprintf(stderr, "fashion_mnist: %s\n", e.what());

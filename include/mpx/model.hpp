@@ -8,3 +8,4 @@
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/train_step.hpp>
+#include <mpx/model/training_state.hpp>

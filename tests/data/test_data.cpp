@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 namespace {
@@ -25,23 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
 
-//! A fresh directory for one test case, removed afterwards. The host and CUDA suites
-//! may run at once: the name holds the process id and the executor.
-struct temp_dir {
-  fs::path path;
-  explicit temp_dir(std::string const& tag)
-      : path(fs::temp_directory_path() / ("mpx_test_data_" + tag + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ignored;
-    fs::remove_all(path, ignored);
-  }
-  temp_dir(temp_dir const&) = delete;
-  temp_dir& operator=(temp_dir const&) = delete;
-  [[nodiscard]] fs::path operator/(std::string const& name) const { return path / name; }
-};
+using temp_dir = mpx_test::scratch_dir;
 
 void write_bytes(fs::path const& path, std::vector<std::uint8_t> const& bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -206,6 +191,77 @@ TEST_CASE("idx: every malformed file is refused, naming the file and the fault",
     auto const inner = mpx::detail::gzip_bytes(std::vector<std::uint8_t>{0, 0, 8, 1, 0, 0, 0, 5, 1}, "x", "test");
     CHECK_THROWS_TYPE_WITH(mpx::read_idx(file("inner.gz", inner)), mpx::data_error,
                            Contains("inner.gz") && Contains("need 5 data bytes") && Contains("found 1"));
+  }
+}
+
+// Found by trying hostile files against the reader (issue 21): an unbounded gzip
+// inflation, a decision that depended on the order of the dimensions, names the file
+// system refuses. Each is refused with a data_error naming the file, or read exactly.
+TEST_CASE("idx: hostile files: gzip bombs, exact dimension products, names no file system takes",
+          "[data][idx][errors]") {
+  temp_dir dir("hostile");
+  auto const file = [&](std::string const& name, std::vector<std::uint8_t> const& bytes) {
+    write_bytes(dir / name, bytes);
+    return dir / name;
+  };
+  auto const header = [](std::vector<std::uint32_t> const& dims) {
+    std::vector<std::uint8_t> h{0, 0, 8, static_cast<std::uint8_t>(dims.size())};
+    for (std::uint32_t d : dims)
+      for (int shift = 24; shift >= 0; shift -= 8) h.push_back(static_cast<std::uint8_t>(d >> shift));
+    return h;
+  };
+  auto const peak_rss_kib = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_maxrss;
+  };
+
+  // The exact product decides: a zero anywhere makes an empty array, however large the
+  // other dimensions and in whatever order (2^96 before a zero used to "overflow").
+  constexpr std::uint32_t big = 0xFFFFFFFFu;
+  for (auto const& dims : std::vector<std::vector<std::uint32_t>>{{big, big, big, 0}, {0, big, big, big}, {big, 0, big, big}}) {
+    mpx::idx_array const a = mpx::read_idx(file("zero", header(dims)));
+    CHECK(a.data.empty());
+    CHECK(a.dims == std::vector<std::int64_t>(dims.begin(), dims.end()));
+    auto one_more = header(dims);
+    one_more.push_back(7);
+    CHECK_THROWS_TYPE_WITH(mpx::read_idx(file("zero_plus_one", one_more)), mpx::data_error,
+                           Contains("trailing garbage: 1 bytes after the 0 data bytes"));
+  }
+  // Just below 2^64 data bytes the count is exact; at 2^64 no file can hold it.
+  CHECK_THROWS_TYPE_WITH(mpx::read_idx(file("2^63", header({65536, 65536, 65536, 32768}))), mpx::data_error,
+                         Contains("need 9223372036854775808 data bytes after the header, found 0"));
+  CHECK_THROWS_TYPE_WITH(mpx::read_idx(file("2^64", header({65536, 65536, 65536, 65536}))), mpx::data_error,
+                         Contains("2^64") && Contains("[65536, 65536, 65536, 65536]"));
+
+  // Names the file system refuses are data_errors too, never filesystem_error.
+  fs::create_symlink(dir / "loop_b", dir / "loop_a");
+  fs::create_symlink(dir / "loop_a", dir / "loop_b");
+  CHECK_THROWS_TYPE_WITH(mpx::read_idx(dir / "loop_a"), mpx::data_error,
+                         Contains("loop_a") && Contains("symbolic links"));
+  std::string const long_name(300, 'x');
+  CHECK_THROWS_TYPE_WITH(mpx::read_idx(dir / long_name), mpx::data_error,
+                         Contains(long_name) && Contains("File name too long"));
+
+  if constexpr (mpx::idx_gzip_available) {
+    // A bomb: the header describes 4 bytes, the stream goes on to 256 MiB of zeros (32
+    // members of 8 MiB). Only the 12 bytes described, plus one, may be inflated.
+    auto bomb = mpx::detail::gzip_bytes(std::vector<std::uint8_t>{0, 0, 8, 1, 0, 0, 0, 4, 1, 2, 3, 4}, "x", "test");
+    auto const zeros = mpx::detail::gzip_bytes(std::vector<std::uint8_t>(8u << 20), "x", "test");
+    for (int i = 0; i < 32; ++i) bomb.insert(bomb.end(), zeros.begin(), zeros.end());
+    auto const bomb_file = file("bomb.gz", bomb);
+    long const before = peak_rss_kib();
+    CHECK_THROWS_TYPE_WITH(mpx::read_idx(bomb_file), mpx::data_error,
+                           Contains("bomb.gz") && Contains("inflates to more than the 12 bytes its header describes"));
+    CHECK(peak_rss_kib() - before < 64 * 1024);
+    // A header asking for 4 GiB in a stream of 10 bytes: a truncation, nothing reserved.
+    auto const asks = mpx::detail::gzip_bytes(std::vector<std::uint8_t>{0, 0, 8, 1, 255, 255, 255, 255, 1, 2}, "x", "test");
+    CHECK_THROWS_TYPE_WITH(mpx::read_idx(file("asks.gz", asks)), mpx::data_error,
+                           Contains("asks.gz") && Contains("need 4294967295 data bytes after the header, found 2"));
+    CHECK(peak_rss_kib() - before < 64 * 1024);
+    // The same header and data as a plain file, gzip-compressed: still read exactly.
+    auto const fine = mpx::detail::gzip_bytes(header({big, 0}), "x", "test");
+    CHECK(mpx::read_idx(file("fine.gz", fine)).dims == std::vector<std::int64_t>{big, 0});
   }
 }
 

@@ -146,6 +146,32 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check in place: every value rounded once, n
   }
 }
 
+TEMPLATE_LIST_TEST_CASE("unscale_and_check with an inverse scale multiplies by it exactly, as GradScaler does",
+                        "[scaling]", mpx_test::executors) {
+  TestType exec;
+  mixed_gradients<TestType> g(exec, 30, 7);
+  auto const before = g.values;
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  // Not a power of two, and one whose reciprocal's reciprocal is not itself in float: a
+  // scale given as 1 / inverse would unscale by a neighbouring float.
+  float const inverse = 0.003f;
+  REQUIRE(1.0f / (1.0f / inverse) != inverse);
+  auto s = scale_on(exec, inverse);
+  mpx::unscale_and_check(exec, list, mpx::inverse_scale{s.data()});
+  CHECK(list.summary(exec).found_nonfinite == 0);
+  for (std::size_t i = 0; i < g.refs.size(); ++i) {
+    INFO("gradient " << i << " (" << mpx::to_string(g.refs[i].dtype()) << ")");
+    mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+      using T = decltype(t);
+      auto const got = g.template contents<T>(exec, i);
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        double const expected = mpx::detail::to_double(mpx::cast<T>(static_cast<float>(before[i][k]) * inverse));
+        if (got[k] != expected) FAIL("element " << k << ": got " << got[k] << ", expected " << expected);
+      }
+    });
+  }
+}
+
 TEMPLATE_LIST_TEST_CASE("unscale_and_check deferred leaves the gradients untouched and reports the factor",
                         "[scaling]", mpx_test::executors) {
   TestType exec;

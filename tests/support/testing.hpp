@@ -1,7 +1,7 @@
 // Test support shared by every test file: the executor list a test case runs over
 // (host everywhere; CUDA too in the nvcc-built suite), moving data between a host
-// vector and an executor's space, seeded random inputs, poisoning, and first-mismatch
-// reporting.
+// vector and an executor's space, seeded random inputs, poisoning, first-mismatch
+// reporting, and scratch directories.
 #pragma once
 
 #include <mpx/mpx.hpp>
@@ -10,12 +10,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include <unistd.h>
 
 //! Checks that `expr` throws `type` and that the message matches `matcher` (Catch2 v2
 //! checks the type and the message in separate macros; this runs the expression twice).
@@ -144,5 +147,23 @@ std::string first_mismatch(std::vector<T> const& got, std::vector<T> const& expe
   return std::to_string(count) + " mismatches; first at index " + std::to_string(first) + ": got " +
          describe(got[first]) + ", expected " + describe(expected[first]);
 }
+
+//! A fresh directory for one test case, removed afterwards (also when a check fails).
+//! The host and CUDA suites may run at once: the name holds the tag and the process id.
+struct scratch_dir {
+  std::filesystem::path path;
+  explicit scratch_dir(std::string const& tag)
+      : path(std::filesystem::temp_directory_path() / ("mpx_test_" + tag + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~scratch_dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+  scratch_dir(scratch_dir const&) = delete;
+  scratch_dir& operator=(scratch_dir const&) = delete;
+  [[nodiscard]] std::filesystem::path operator/(std::string const& name) const { return path / name; }
+};
 
 }  // namespace mpx_test

@@ -4,12 +4,16 @@
 
 #include <mpx/core/config.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <version>
+#if __has_include(<source_location>)
+#include <source_location>
+#endif
 
 #if __has_include(<cuda_runtime_api.h>)
 #include <cuda_runtime_api.h>
@@ -19,6 +23,32 @@
 #endif
 
 namespace mpx {
+
+#if defined(__cpp_lib_source_location) && __cpp_lib_source_location >= 201907L
+using source_location = std::source_location;
+#else
+//! std::source_location where the standard library lacks it (libstdc++ 12 under clang
+//! 14 and 15, which have no __builtin_source_location): file and line of the call, from
+//! the builtins GCC and clang evaluate at the outermost call of a default argument.
+class source_location {
+ public:
+  [[nodiscard]] static constexpr source_location current(char const* file = __builtin_FILE(),
+                                                         std::uint_least32_t line = __builtin_LINE()) noexcept {
+    source_location loc;
+    loc.file_ = file;
+    loc.line_ = line;
+    return loc;
+  }
+  [[nodiscard]] constexpr char const* file_name() const noexcept { return file_; }
+  [[nodiscard]] constexpr std::uint_least32_t line() const noexcept { return line_; }
+  [[nodiscard]] constexpr std::uint_least32_t column() const noexcept { return 0; }
+  [[nodiscard]] constexpr char const* function_name() const noexcept { return ""; }
+
+ private:
+  char const* file_ = "";
+  std::uint_least32_t line_ = 0;
+};
+#endif
 
 //! Base of every exception mpx throws.
 class error : public std::runtime_error {
@@ -65,14 +95,14 @@ inline std::string to_text(double x) {
   return buffer;
 }
 
-inline std::string where(std::source_location loc) {
+inline std::string where(source_location loc) {
   return std::string(loc.file_name()) + ":" + std::to_string(loc.line());
 }
 
 //! Throws E with "mpx::<op>: <message> (at file:line)".
 template <class E = error>
 [[noreturn]] void fail(std::string_view op, std::string_view message,
-                       std::source_location loc = std::source_location::current()) {
+                       source_location loc = source_location::current()) {
   throw E("mpx::" + std::string(op) + ": " + std::string(message) + " (at " + where(loc) + ")");
 }
 

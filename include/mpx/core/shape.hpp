@@ -62,7 +62,7 @@ class shape {
 namespace detail {
 //! Throws mpx::shape_error "mpx::<op>: <what> [a] and [b] differ" unless a == b.
 inline void require_same_shape(std::string_view op, shape const& a, shape const& b,
-                               std::source_location loc = std::source_location::current()) {
+                               mpx::source_location loc = mpx::source_location::current()) {
   if (!(a == b))
     fail<shape_error>(op, "shapes " + a.to_string() + " and " + b.to_string() + " differ", loc);
 }

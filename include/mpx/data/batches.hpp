@@ -258,9 +258,14 @@ class batch_loader {
   //! The order of the current epoch (indices into the data set).
   [[nodiscard]] std::span<std::size_t const> order() const noexcept { return order_; }
 
-  //! Begins epoch `epoch` (any number; the shuffle depends on it and on the seed) and
-  //! starts preparing its first batch.
-  void start_epoch(std::uint64_t epoch) {
+  //! Begins epoch `epoch` (any number; the shuffle depends on it and on the seed) at its
+  //! batch `first_batch` (0: the start; a resumed run passes its training_position), and
+  //! starts preparing that batch. invalid_argument when the epoch has fewer batches.
+  void start_epoch(std::uint64_t epoch, std::size_t first_batch = 0) {
+    if (first_batch > batches_per_epoch())
+      detail::fail<invalid_argument>("batch_loader::start_epoch",
+                                     "batch " + std::to_string(first_batch) + " of an epoch of " +
+                                         std::to_string(batches_per_epoch()) + " batches");
     epoch_ = epoch;
     started_ = true;
     if (options_.shuffle) {
@@ -269,8 +274,8 @@ class batch_loader {
       order_.resize(data_->size());
       std::iota(order_.begin(), order_.end(), std::size_t{0});
     }
-    next_batch_ = 0;
-    if (batches_per_epoch() > 0) staging_->stage(samples_of(0));
+    next_batch_ = first_batch;
+    if (next_batch_ < batches_per_epoch()) staging_->stage(samples_of(next_batch_));
   }
 
   //! The epoch's next batch, or nullopt when the epoch is over. Starts epoch 0 if no

@@ -2,10 +2,13 @@
 // element type, the number of dimensions, each dimension as a 32-bit count) followed by
 // the elements. Files may be gzip-compressed (detected by their first bytes, not their
 // name). A file that is missing, truncated, too long or malformed is refused with
-// mpx::data_error naming the file and the fault: never a short or silent read.
+// mpx::data_error naming the file and the fault: never a short or silent read, and
+// never more memory than the file could hold (a gzip stream is inflated no further
+// than its header says). docs/robustness.md lists every check; fuzz/ fuzzes them.
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/core/read_file.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -84,43 +87,34 @@ inline std::string hex_bytes(std::span<std::uint8_t const> bytes) {
 }
 
 [[noreturn]] inline void refuse_idx(std::string_view op, std::string_view name, std::string const& why,
-                                    std::source_location loc = std::source_location::current()) {
+                                    mpx::source_location loc = mpx::source_location::current()) {
   fail<data_error>(op, "'" + std::string(name) + "': " + why, loc);
 }
 
 //! Every byte of a file; data_error when it cannot be opened or read.
 inline std::vector<std::uint8_t> read_file_bytes(std::filesystem::path const& path, std::string_view op) {
   std::string const name = path.string();
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) refuse_idx(op, name, "it is a directory, not a file");
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) refuse_idx(op, name, std::string("cannot open it: ") + std::strerror(errno));
-  std::vector<std::uint8_t> bytes;
-  std::uint8_t chunk[1 << 16];
-  std::size_t got = 0;
-  while ((got = std::fread(chunk, 1, sizeof chunk, f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
-  bool const failed = std::ferror(f) != 0;
-  int const saved_errno = errno;
-  std::fclose(f);
-  if (failed) refuse_idx(op, name, std::string("reading it failed: ") + std::strerror(saved_errno));
-  return bytes;
+  return read_whole_file<std::uint8_t>(path, [&](std::string const& why) { refuse_idx(op, name, why); });
 }
 
 inline bool is_gzip(std::span<std::uint8_t const> bytes) noexcept {
   return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b;
 }
 
-//! The decompressed contents of a gzip file (all members, if several are concatenated).
+//! The decompressed contents of a gzip file (all members, if several are concatenated),
+//! at most `limit` bytes of them: inflation stops there, so a stream that inflates to
+//! gigabytes costs no more memory than the caller allows.
 inline std::vector<std::uint8_t> gunzip([[maybe_unused]] std::span<std::uint8_t const> compressed,
-                                        std::string_view name, std::string_view op) {
+                                        std::string_view name, std::string_view op,
+                                        [[maybe_unused]] std::size_t limit) {
 #if MPX_HAS_ZLIB
   std::vector<std::uint8_t> out;
   // The gzip trailer holds the size modulo 2^32: a hint, bounded by deflate's best ratio
-  // so a corrupt trailer cannot ask for gigabytes.
+  // and by the limit, so a corrupt trailer cannot ask for gigabytes.
   if (compressed.size() >= 18) {
     auto const* t = compressed.data() + compressed.size() - 4;
     std::size_t const hint = t[0] | (t[1] << 8) | (t[2] << 16) | (static_cast<std::size_t>(t[3]) << 24);
-    out.reserve(std::min(hint, compressed.size() * 1032));
+    out.reserve(std::min({hint, compressed.size() * 1032, limit}));
   }
   z_stream z{};
   if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) refuse_idx(op, name, "zlib could not start decompressing");
@@ -130,14 +124,15 @@ inline std::vector<std::uint8_t> gunzip([[maybe_unused]] std::span<std::uint8_t 
   } guard{&z};
   std::size_t in_at = 0;
   std::size_t out_at = 0;
-  for (;;) {
+  while (out_at < limit) {
     if (z.avail_in == 0 && in_at < compressed.size()) {
       auto const n = static_cast<uInt>(std::min<std::size_t>(compressed.size() - in_at, UINT_MAX));
       z.next_in = const_cast<Bytef*>(compressed.data() + in_at);  // zlib's API is not const-correct
       z.avail_in = n;
       in_at += n;
     }
-    if (out.size() - out_at == 0) out.resize(std::max<std::size_t>(out.size() * 2, out_at + (1 << 16)));
+    if (out.size() - out_at == 0)
+      out.resize(std::min(limit, std::max<std::size_t>(out.size() * 2, out_at + (1 << 16))));
     auto const room = static_cast<uInt>(std::min<std::size_t>(out.size() - out_at, UINT_MAX));
     z.next_out = out.data() + out_at;
     z.avail_out = room;
@@ -212,60 +207,122 @@ inline std::vector<std::uint8_t> gzip_bytes([[maybe_unused]] std::span<std::uint
 
 }  // namespace detail
 
+namespace detail {
+
+//! The largest IDX header: the magic and eight dimensions.
+inline constexpr std::size_t idx_max_header = 4 + 4 * 8;
+
+//! What an IDX header says: its own size, the dimensions and the data bytes they need.
+struct idx_header {
+  std::size_t bytes = 0;
+  std::vector<std::int64_t> dims;
+  std::size_t data_bytes = 0;
+
+  [[nodiscard]] std::string dims_text() const {
+    std::string out = "[";
+    for (std::size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+    return out + "]";
+  }
+};
+
+//! Reads the header at the start of `bytes` (the data may follow, or not yet); refuses a
+//! wrong magic, element type or rank, a short header, or dimensions whose product does
+//! not fit 64 bits. The product is exact: a zero dimension anywhere makes it zero.
+inline idx_header parse_idx_header(std::span<std::uint8_t const> bytes, std::string_view name) {
+  constexpr std::string_view op = "read_idx";
+  if (bytes.size() < 4)
+    refuse_idx(op, name,
+               "truncated: " + std::to_string(bytes.size()) +
+                   " bytes, too short for the 4-byte IDX magic (0x00 0x00 <type> <dimensions>)");
+  if (bytes[0] != 0 || bytes[1] != 0)
+    refuse_idx(op, name,
+               "not an IDX file: wrong magic: it starts with " + hex_bytes(bytes.first(4)) +
+                   ", not 0x00 0x00 <type> <dimensions>");
+  std::uint8_t const type = bytes[2];
+  std::size_t const rank = bytes[3];
+  if (type != idx_unsigned_byte)
+    refuse_idx(op, name,
+               "element type " + idx_type_name(type) + " is not supported: mpx reads IDX files of unsigned bytes (0x08)");
+  if (rank == 0 || rank > 8)
+    refuse_idx(op, name, "bad number of dimensions " + std::to_string(rank) + " in the magic (mpx reads 1 to 8)");
+  idx_header out{4 + 4 * rank, {}, 0};
+  if (bytes.size() < out.bytes)
+    refuse_idx(op, name,
+               "truncated: the header of " + std::to_string(rank) + " dimensions needs " + std::to_string(out.bytes) +
+                   " bytes, found " + std::to_string(bytes.size()));
+  bool zero = false;
+  for (std::size_t i = 0; i < rank; ++i) {
+    auto const* d = bytes.data() + 4 + 4 * i;
+    std::uint32_t const extent = (std::uint32_t{d[0]} << 24) | (std::uint32_t{d[1]} << 16) |
+                                 (std::uint32_t{d[2]} << 8) | std::uint32_t{d[3]};
+    out.dims.push_back(extent);
+    zero = zero || extent == 0;
+  }
+  if (zero) return out;  // no data, however large the other dimensions
+  std::size_t product = 1;
+  for (std::int64_t extent : out.dims) {
+    auto const e = static_cast<std::size_t>(extent);
+    if (product > (SIZE_MAX - out.bytes) / e)  // header + data must fit a size_t too
+      refuse_idx(op, name,
+                 "dimensions " + out.dims_text() + " describe more than 2^64 bytes of data; no file holds that");
+    product *= e;
+  }
+  out.data_bytes = product;
+  return out;
+}
+
+}  // namespace detail
+
 //! Parses the bytes of an (uncompressed) IDX file; `name` is what errors call it.
 //! Only unsigned-byte elements (type 0x08) are read; data_error for anything else,
 //! and for a wrong magic, a bad number of dimensions, fewer bytes than the dimensions
 //! ask for (expected and found are named) or bytes after the data.
 inline idx_array parse_idx(std::span<std::uint8_t const> bytes, std::string_view name = "<memory>") {
   constexpr std::string_view op = "read_idx";
-  if (bytes.size() < 4)
+  detail::idx_header const header = detail::parse_idx_header(bytes, name);
+  std::size_t const found = bytes.size() - header.bytes;
+  std::size_t const expected = header.data_bytes;
+  if (found < expected)
     detail::refuse_idx(op, name,
-                       "truncated: " + std::to_string(bytes.size()) +
-                           " bytes, too short for the 4-byte IDX magic (0x00 0x00 <type> <dimensions>)");
-  if (bytes[0] != 0 || bytes[1] != 0)
-    detail::refuse_idx(op, name,
-                       "not an IDX file: wrong magic: it starts with " + detail::hex_bytes(bytes.first(4)) +
-                           ", not 0x00 0x00 <type> <dimensions>");
-  std::uint8_t const type = bytes[2];
-  std::size_t const rank = bytes[3];
-  if (type != detail::idx_unsigned_byte)
-    detail::refuse_idx(op, name,
-                       "element type " + detail::idx_type_name(type) +
-                           " is not supported: mpx reads IDX files of unsigned bytes (0x08)");
-  if (rank == 0 || rank > 8)
-    detail::refuse_idx(op, name,
-                       "bad number of dimensions " + std::to_string(rank) + " in the magic (mpx reads 1 to 8)");
-  std::size_t const header = 4 + 4 * rank;
-  if (bytes.size() < header)
-    detail::refuse_idx(op, name,
-                       "truncated: the header of " + std::to_string(rank) + " dimensions needs " +
-                           std::to_string(header) + " bytes, found " + std::to_string(bytes.size()));
-  idx_array out;
-  std::size_t expected = 1;
-  bool overflow = false;
-  for (std::size_t i = 0; i < rank; ++i) {
-    auto const* d = bytes.data() + 4 + 4 * i;
-    std::uint32_t const extent = (std::uint32_t{d[0]} << 24) | (std::uint32_t{d[1]} << 16) |
-                                 (std::uint32_t{d[2]} << 8) | std::uint32_t{d[3]};
-    out.dims.push_back(extent);
-    if (extent != 0 && expected > SIZE_MAX / extent) overflow = true;
-    expected *= extent;
-  }
-  std::string dims = "[";
-  for (std::size_t i = 0; i < rank; ++i) dims += (i ? ", " : "") + std::to_string(out.dims[i]);
-  dims += "]";
-  std::size_t const found = bytes.size() - header;
-  if (overflow || found < expected)
-    detail::refuse_idx(op, name,
-                       "truncated: dimensions " + dims + " need " +
-                           (overflow ? std::string("more than 2^64") : std::to_string(expected)) +
+                       "truncated: dimensions " + header.dims_text() + " need " + std::to_string(expected) +
                            " data bytes after the header, found " + std::to_string(found));
   if (found > expected)
     detail::refuse_idx(op, name,
                        "trailing garbage: " + std::to_string(found - expected) + " bytes after the " +
-                           std::to_string(expected) + " data bytes that dimensions " + dims + " describe");
-  out.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(header), bytes.end());
+                           std::to_string(expected) + " data bytes that dimensions " + header.dims_text() +
+                           " describe");
+  idx_array out;
+  out.dims = header.dims;
+  out.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(header.bytes), bytes.end());
   return out;
+}
+
+//! Decodes the bytes of an IDX file, plain or gzip-compressed (recognised by its first
+//! two bytes, 1f 8b); `name` is what errors call it. A gzip stream is inflated no
+//! further than its header says the file holds, plus one byte to see that it holds
+//! more: a stream that inflates past it is refused before it can fill memory.
+inline idx_array decode_idx(std::span<std::uint8_t const> bytes, std::string_view name = "<memory>") {
+  constexpr std::string_view op = "read_idx";
+  if (!detail::is_gzip(bytes)) return parse_idx(bytes, name);
+  std::vector<std::uint8_t> const start = detail::gunzip(bytes, name, op, detail::idx_max_header);
+  detail::idx_header header;
+  try {
+    header = detail::parse_idx_header(start, name);
+  } catch (data_error const&) {
+    // A corrupt stream can inflate to a nonsense header before zlib sees the damage:
+    // name the damage when there is some. Bounded by deflate's best ratio (1032:1),
+    // the most the file could hold.
+    static_cast<void>(detail::gunzip(bytes, name, op, bytes.size() * 1032));
+    throw;
+  }
+  std::size_t const total = header.bytes + header.data_bytes;
+  std::vector<std::uint8_t> const inflated = detail::gunzip(bytes, name, op, total + 1);
+  if (inflated.size() > total)
+    detail::refuse_idx(op, name,
+                       "its gzip stream inflates to more than the " + std::to_string(total) +
+                           " bytes its header describes (dimensions " + header.dims_text() +
+                           "): trailing garbage, or a decompression bomb; the rest was not inflated");
+  return parse_idx(inflated, name);
 }
 
 //! Reads an IDX file of unsigned bytes, plain or gzip-compressed (recognised by its
@@ -274,11 +331,7 @@ inline idx_array parse_idx(std::span<std::uint8_t const> bytes, std::string_view
 //! unsupported element type or a corrupt gzip stream, or is compressed and this build
 //! has no zlib.
 inline idx_array read_idx(std::filesystem::path const& path) {
-  constexpr std::string_view op = "read_idx";
-  std::string const name = path.string();
-  std::vector<std::uint8_t> bytes = detail::read_file_bytes(path, op);
-  if (detail::is_gzip(bytes)) bytes = detail::gunzip(bytes, name, op);
-  return parse_idx(bytes, name);
+  return decode_idx(detail::read_file_bytes(path, "read_idx"), path.string());
 }
 
 //! The bytes of an IDX file holding `array` (unsigned bytes): what write_idx writes,

@@ -47,8 +47,15 @@ class tensor_batches {
   //! ceil(N / batch_size): the last batch holds what is left.
   [[nodiscard]] std::size_t batches_per_epoch() const noexcept { return (size() + batch_size_ - 1) / batch_size_; }
 
-  //! Every epoch visits the samples in the same order.
-  void start_epoch(std::size_t /*epoch*/) noexcept { next_index_ = 0; }
+  //! Every epoch visits the samples in the same order, here from batch `first_batch`
+  //! (0: the start; a resumed run passes its training_position).
+  void start_epoch(std::size_t /*epoch*/, std::size_t first_batch = 0) {
+    if (first_batch > batches_per_epoch())
+      detail::fail<invalid_argument>("tensor_batches::start_epoch",
+                                     "batch " + std::to_string(first_batch) + " of an epoch of " +
+                                         std::to_string(batches_per_epoch()) + " batches");
+    next_index_ = first_batch;
+  }
 
   //! The next batch of the epoch, or nullopt after the last.
   [[nodiscard]] std::optional<batch> next() {

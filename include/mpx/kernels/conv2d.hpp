@@ -20,7 +20,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -81,7 +80,7 @@ inline std::string conv2d_shapes_text(shape const& x, shape const& w, conv2d_nam
 
 //! The geometry of x * w, or mpx::shape_error / invalid_argument naming both shapes.
 inline conv2d_geometry conv2d_shapes(std::string_view op, shape const& x, shape const& w, conv2d_options const& o,
-                                     std::source_location loc, conv2d_names names = {}) {
+                                     mpx::source_location loc, conv2d_names names = {}) {
   auto const both = conv2d_shapes_text(x, w, names);
   if (x.rank() != 4 || w.rank() != 4)
     fail<shape_error>(op, both + ": both must be rank 4", loc);
@@ -129,7 +128,7 @@ inline shape conv2d_output_of(conv2d_geometry const& g) { return shape{g.n, g.oh
 
 //! Throws shape_error unless `got` (the tensor called `what`) has the shape `wanted`.
 inline void conv2d_require(std::string_view op, std::string_view what, shape const& got, shape const& wanted,
-                           shape const& x, shape const& w, std::source_location loc, conv2d_names names = {}) {
+                           shape const& x, shape const& w, mpx::source_location loc, conv2d_names names = {}) {
   if (!(got == wanted))
     fail<shape_error>(op,
                       std::string(what) + " has shape " + got.to_string() + " but " +
@@ -141,7 +140,7 @@ inline void conv2d_require(std::string_view op, std::string_view what, shape con
 //! Images per im2col chunk the workspace holds: it must be [rows, KH*KW*Cin] with rows
 //! >= OH*OW (one image); rows beyond N*OH*OW are left alone.
 inline std::int64_t conv2d_chunk_images(std::string_view op, conv2d_geometry const& g, shape const& ws,
-                                        shape const& x, shape const& w, std::source_location loc,
+                                        shape const& x, shape const& w, mpx::source_location loc,
                                         conv2d_names names = {}) {
   if (ws.rank() != 2 || ws[1] != g.patch() || ws[0] < g.pixels())
     fail<shape_error>(op,
@@ -451,7 +450,7 @@ V image_rows(V const& matrix, conv2d_geometry const& g, std::int64_t n0, std::in
 //! channels, an empty batch or extent, a kernel wider than the padded input), and
 //! mpx::invalid_argument for a stride or dilation < 1 or a negative padding.
 inline shape conv2d_output_shape(shape const& x_shape, shape const& w_shape, conv2d_options const& options = {},
-                                 std::source_location loc = std::source_location::current()) {
+                                 mpx::source_location loc = mpx::source_location::current()) {
   return detail::conv2d_output_of(detail::conv2d_shapes("conv2d_output_shape", x_shape, w_shape, options, loc));
 }
 
@@ -460,7 +459,7 @@ inline shape conv2d_output_shape(shape const& x_shape, shape const& w_shape, con
 //! then work through the batch that many images at a time), or more (the extra rows are
 //! left alone: a workspace sized for the largest batch serves every smaller one).
 inline shape conv2d_workspace_shape(shape const& x_shape, shape const& w_shape, conv2d_options const& options = {},
-                                    std::source_location loc = std::source_location::current()) {
+                                    mpx::source_location loc = mpx::source_location::current()) {
   auto const g = detail::conv2d_shapes("conv2d_workspace_shape", x_shape, w_shape, options, loc);
   return shape{g.n * g.pixels(), g.patch()};
 }
@@ -470,7 +469,7 @@ inline shape conv2d_workspace_shape(shape const& x_shape, shape const& w_shape, 
 //! dilation_h + 1 - H, 0), half of it (rounded down) on top, the rest at the bottom
 //! (pad_h, extra_pad_h). Strides and dilations are kept from `options`.
 inline conv2d_options conv2d_padding_same(shape const& x_shape, shape const& w_shape, conv2d_options options = {},
-                                          std::source_location loc = std::source_location::current()) {
+                                          mpx::source_location loc = mpx::source_location::current()) {
   options.pad_h = options.pad_w = options.extra_pad_h = options.extra_pad_w = 0;
   if (x_shape.rank() == 4 && w_shape.rank() == 4 && options.stride_h >= 1 && options.stride_w >= 1) {
     auto const total = [](std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t d) {
@@ -501,7 +500,7 @@ inline conv2d_options conv2d_padding_same(shape const& x_shape, shape const& w_s
 //! w's shapes. Asynchronous on a cuda_executor. Error bounds: docs/conv_and_pooling.md.
 template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like Y, tensor_like Cols>
 void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, conv2d_options const& options = {},
-                    std::source_location loc = std::source_location::current()) {
+                    mpx::source_location loc = mpx::source_location::current()) {
   detail::check_conv2d_types<Policy, value_t<X>, value_t<W>, value_t<Y>, value_t<Cols>>();
   detail::require_access<Exec, space_t<X>, space_t<W>, space_t<Y>, space_t<Cols>>();
   auto const xv = mpx::view(x);
@@ -535,7 +534,7 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
 template <class Policy, executor Exec, tensor_like DY, tensor_like W, tensor_like DX, tensor_like Cols>
 void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& workspace,
                           conv2d_options const& options = {},
-                          std::source_location loc = std::source_location::current()) {
+                          mpx::source_location loc = mpx::source_location::current()) {
   detail::check_conv2d_types<Policy, value_t<DY>, value_t<W>, value_t<DX>, value_t<Cols>>();
   detail::require_access<Exec, space_t<DY>, space_t<W>, space_t<DX>, space_t<Cols>>();
   auto const dyv = mpx::view(dy);
@@ -574,7 +573,7 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
 template <class Policy, executor Exec, tensor_like X, tensor_like DY, tensor_like DW, tensor_like Cols>
 void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& workspace,
                              conv2d_options const& options = {}, conv2d_columns columns = conv2d_columns::recompute,
-                             std::source_location loc = std::source_location::current()) {
+                             mpx::source_location loc = mpx::source_location::current()) {
   detail::check_conv2d_types<Policy, value_t<X>, value_t<DY>, value_t<Cols>>();
   static_assert(!policy_type<Policy> || std::is_same_v<value_t<DW>, typename Policy::storage_type> ||
                     std::is_same_v<value_t<DW>, float>,
@@ -619,7 +618,7 @@ template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like
           tensor_like Cols>
 void conv2d_backward(Exec const& exec, X&& x, W&& w, DY&& dy, DX&& dx, DW&& dw, Cols&& workspace,
                      conv2d_options const& options = {}, conv2d_columns columns = conv2d_columns::recompute,
-                     std::source_location loc = std::source_location::current()) {
+                     mpx::source_location loc = mpx::source_location::current()) {
   conv2d_backward_weights<Policy>(exec, x, dy, dw, workspace, options, columns, loc);
   conv2d_backward_data<Policy>(exec, dy, w, dx, workspace, options, loc);
 }

@@ -17,7 +17,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <source_location>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -38,7 +37,7 @@ namespace detail {
 
 //! Throws mpx::cublas_error naming the call, the status and where it was made.
 inline void check_cublas(cublasStatus_t status, char const* call,
-                         std::source_location loc = std::source_location::current()) {
+                         mpx::source_location loc = mpx::source_location::current()) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   throw cublas_error(std::string("mpx: cuBLAS call failed: ") + call + " returned " + cublasLtGetStatusName(status) +
                          " (" + cublasLtGetStatusString(status) + ") at " + where(loc),
@@ -276,6 +275,16 @@ class lt_context {
     for (int i = 0; i < 4; ++i)
       check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof(aligns[i])),
                    "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)");
+    // Split-K partial products must be summed in the compute type. The in-place and
+    // output-type schemes sum them in C's type, which for a 16-bit C rounds every
+    // partial sum to half or bfloat16: one rounding per slice of K, not the one rounding
+    // at the end that gemm's error bound (and docs/gemm.md) promises.
+    std::uint32_t const schemes = p.c_type == CUDA_R_32F ? std::uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
+                                                         : std::uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE |
+                                                                         CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+    check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                                      sizeof(schemes)),
+                 "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)");
 
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;

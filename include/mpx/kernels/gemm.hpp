@@ -21,7 +21,6 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
-#include <source_location>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -95,7 +94,7 @@ struct gemm_dims {
 };
 
 [[noreturn]] inline void gemm_shape_failure(shape const& a, shape const& b, shape const& c, gemm_options const& o,
-                                            std::string const& why, std::source_location loc) {
+                                            std::string const& why, mpx::source_location loc) {
   fail<shape_error>("gemm", "shapes do not agree: A " + a.to_string() + (o.transpose_a ? " transposed" : "") +
                                 ", B " + b.to_string() + (o.transpose_b ? " transposed" : "") + ", C " +
                                 c.to_string() + ": " + why,
@@ -105,7 +104,7 @@ struct gemm_dims {
 //! Checks the shapes of A, B and C against each other and the transposes; throws
 //! mpx::shape_error naming all three.
 inline gemm_dims gemm_shapes(shape const& a, shape const& b, shape const& c, gemm_options const& o,
-                             std::source_location loc = std::source_location::current()) {
+                             mpx::source_location loc = mpx::source_location::current()) {
   auto const rank_ok = [](shape const& s) { return s.rank() == 2 || s.rank() == 3; };
   if (!rank_ok(a) || !rank_ok(b) || !rank_ok(c))
     gemm_shape_failure(a, b, c, o, "each must be a matrix [rows, cols] or a batch of them [batch, rows, cols]", loc);
@@ -446,7 +445,7 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
 //! mpx::cublas_error). Error bounds: docs/gemm.md.
 template <class Policy, executor Exec, tensor_like A, tensor_like B, tensor_like C>
 void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options const& options = {},
-          std::source_location loc = std::source_location::current()) {
+          mpx::source_location loc = mpx::source_location::current()) {
   detail::check_gemm_types<Policy, value_t<A>, value_t<B>, value_t<C>>();
   detail::require_access<Exec, space_t<A>, space_t<B>, space_t<C>>();
   auto const av = mpx::view(a);

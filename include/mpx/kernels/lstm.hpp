@@ -19,7 +19,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -254,7 +253,7 @@ struct lstm_extents {
 
 //! Throws shape_error "<what> of shape [..] does not match <other> of shape [..] (<why>)".
 inline void lstm_require_shape(std::string_view op, std::string_view what, shape const& got, shape const& expected,
-                               std::string_view other, shape const& other_shape, std::source_location loc) {
+                               std::string_view other, shape const& other_shape, mpx::source_location loc) {
   if (got == expected) return;
   fail<shape_error>(op,
                     std::string(what) + " of shape " + got.to_string() + " does not match " + std::string(other) +
@@ -264,7 +263,7 @@ inline void lstm_require_shape(std::string_view op, std::string_view what, shape
 }
 
 inline void lstm_require_workspace(std::string_view op, shape const& ws, std::size_t needed, lstm_extents const& e,
-                                   std::source_location loc) {
+                                   mpx::source_location loc) {
   if (ws.size() >= needed) return;
   fail<shape_error>(op, "a workspace of shape " + ws.to_string() + " holds " + std::to_string(ws.size()) +
                             " floats, but N = " + std::to_string(e.n) + ", T = " + std::to_string(e.t) +
@@ -281,7 +280,7 @@ tensor_view<S, Space> lstm_part(float* base, std::size_t offset, shape const& s)
 template <class Policy, class Exec, class XV, class WV, class RV, class BV, class HV, class WSV>
 void lstm_forward_impl(Exec const& exec, XV const& xv, WV const& wv, RV const& rv, BV const& bv,
                        typename Policy::storage_type const* h0, float const* c0, HV const& hv, WSV const& wsv,
-                       std::source_location loc) {
+                       mpx::source_location loc) {
   using S = typename Policy::storage_type;
   using space = memory_space_t<Exec>;
   constexpr std::string_view op = "lstm_forward";
@@ -361,7 +360,7 @@ std::size_t lstm_workspace_elements(std::int64_t batch, std::int64_t steps, std:
 template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like R, tensor_like B, tensor_like H,
           tensor_like WS>
 void lstm_forward(Exec const& exec, X&& x, W&& kernel, R&& recurrent_kernel, B&& bias, H&& h, WS&& workspace,
-                  std::source_location loc = std::source_location::current()) {
+                  mpx::source_location loc = mpx::source_location::current()) {
   detail::require_float_lstm<Policy>();
   detail::require_access<Exec, space_t<X>, space_t<W>, space_t<R>, space_t<B>, space_t<H>, space_t<WS>>();
   detail::require_lstm_storage<Policy, value_t<X>>();
@@ -385,7 +384,7 @@ void lstm_forward(Exec const& exec, X&& x, W&& kernel, R&& recurrent_kernel, B&&
 template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like R, tensor_like B, tensor_like H0,
           tensor_like C0, tensor_like H, tensor_like WS>
 void lstm_forward(Exec const& exec, X&& x, W&& kernel, R&& recurrent_kernel, B&& bias, H0&& h0, C0&& c0, H&& h,
-                  WS&& workspace, std::source_location loc = std::source_location::current()) {
+                  WS&& workspace, mpx::source_location loc = mpx::source_location::current()) {
   detail::require_float_lstm<Policy>();
   detail::require_access<Exec, space_t<X>, space_t<W>, space_t<R>, space_t<B>, space_t<H0>, space_t<C0>,
                          space_t<H>, space_t<WS>>();
@@ -434,7 +433,7 @@ template <class Policy, executor Exec, tensor_like DH, tensor_like W, tensor_lik
           tensor_like DR, tensor_like DB, tensor_like WS>
 void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, DX&& dx, DW&& dkernel,
                    DR&& drecurrent_kernel, DB&& dbias, WS&& workspace, lstm_backward_options const& options = {},
-                   std::source_location loc = std::source_location::current()) {
+                   mpx::source_location loc = mpx::source_location::current()) {
   detail::require_float_lstm<Policy>();
   detail::require_access<Exec, space_t<DH>, space_t<W>, space_t<R>, space_t<DX>, space_t<DW>, space_t<DR>,
                          space_t<DB>, space_t<WS>>();

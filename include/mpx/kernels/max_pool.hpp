@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <source_location>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -57,7 +56,7 @@ struct pool_geometry {
 
 //! The geometry of pooling x, or mpx::shape_error / invalid_argument naming x's shape.
 inline pool_geometry pool_shapes(std::string_view op, shape const& x, pool_options const& o,
-                                 std::source_location loc) {
+                                 mpx::source_location loc) {
   if (x.rank() != 4) fail<shape_error>(op, "x " + x.to_string() + " must be rank 4 [N, H, W, C]", loc);
   pool_geometry g;
   g.pool_h = o.pool_h;
@@ -93,7 +92,7 @@ inline pool_geometry pool_shapes(std::string_view op, shape const& x, pool_optio
 inline shape pool_output_of(pool_geometry const& g) { return shape{g.n, g.oh, g.ow, g.c}; }
 
 inline void pool_require(std::string_view op, std::string_view what, shape const& got, shape const& wanted,
-                         shape const& x, std::source_location loc) {
+                         shape const& x, mpx::source_location loc) {
   if (!(got == wanted))
     fail<shape_error>(op,
                       std::string(what) + " has shape " + got.to_string() + " but pooling x " + x.to_string() +
@@ -174,7 +173,7 @@ inline void host_window_select(pool_geometry const& g, float const* image, pool_
 }
 
 //! The host kernels index within an image in 32 bits.
-inline void require_host_pool_image(std::string_view op, pool_geometry const& g, std::source_location loc) {
+inline void require_host_pool_image(std::string_view op, pool_geometry const& g, mpx::source_location loc) {
   if (g.h * g.w * g.c > 0x7FFF'FFFF)
     fail<invalid_argument>(op, "an image of more than 2^31 - 1 elements (H * W * C) is not supported on the host",
                            loc);
@@ -313,7 +312,7 @@ __global__ void __launch_bounds__(block_size)
 //! smaller than the window; mpx::invalid_argument for a pool or stride < 1 or a padding
 //! outside [0, pool).
 inline shape max_pool2d_output_shape(shape const& x_shape, pool_options const& options = {},
-                                     std::source_location loc = std::source_location::current()) {
+                                     mpx::source_location loc = mpx::source_location::current()) {
   return detail::pool_output_of(detail::pool_shapes("max_pool2d_output_shape", x_shape, options, loc));
 }
 
@@ -323,7 +322,7 @@ inline shape max_pool2d_output_shape(shape const& x_shape, pool_options const& o
 //! element). Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like X, tensor_like Y>
 void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_options const& options = {},
-                        std::source_location loc = std::source_location::current()) {
+                        mpx::source_location loc = mpx::source_location::current()) {
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_forward: x and y must hold the same dtype");
   detail::require_access<Exec, space_t<X>, space_t<Y>>();
   auto const xv = mpx::view(x);
@@ -359,7 +358,7 @@ void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_op
 template <executor Exec, tensor_like X, tensor_like Y, tensor_like DY, tensor_like DX>
 void max_pool2d_backward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
                          pool_options const& options = {},
-                         std::source_location loc = std::source_location::current()) {
+                         mpx::source_location loc = mpx::source_location::current()) {
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_backward: x and y must hold the same dtype");
   static_assert(std::is_same_v<value_t<DY>, value_t<DX>>,
                 "mpx::max_pool2d_backward: dy and dx must hold the same dtype");

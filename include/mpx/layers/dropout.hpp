@@ -12,6 +12,9 @@
 #include <mpx/layers/layer.hpp>
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace mpx {
 
@@ -76,6 +79,18 @@ class dropout : public layer_base {
   }
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>&) {}
+  //! The count of training forwards, which decides the next mask: training state, saved
+  //! and restored by save_training_state / load_training_state so a resumed run draws
+  //! the masks an uninterrupted one would.
+  template <memory_space Space>
+  void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
+    out.emplace_back(name() + "/training_forwards", step_.template view<Space>());
+  }
+  //! The seed the masks are drawn with (from the model's build seed): training state too,
+  //! so a run resumed into a model built with another seed draws the same masks.
+  void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
+    out.emplace_back(name() + "/seed", &seed_);
+  }
   [[nodiscard]] std::size_t parameter_count() const noexcept { return 0; }
 
  private:

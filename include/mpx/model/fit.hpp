@@ -5,8 +5,9 @@
 // returning a pointer-like (std::optional, pointer) to a batch, and `batches_per_epoch()`, with `images` and
 // `labels` tensor views in the executor's memory (mpx::batch_loader is one).
 //
-// Progress: on a terminal one line redrawn in place (steps/s, loss, accuracy, loss
-// scale, skipped steps); otherwise plain lines, a few per epoch, that a log file keeps.
+// Progress: on a terminal a Keras-style bar redrawn in place (ETA, steps/s, loss,
+// accuracy, loss scale, skipped steps; progress.hpp), then one summary line per epoch;
+// otherwise plain lines, a few per epoch, without `\r` or escape codes, that a log keeps.
 // The CSV log has one row per step: epoch, step, loss, loss_scale, skipped,
 // gradient_norm, accuracy, seconds since the start.
 #pragma once
@@ -15,6 +16,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
+#include <mpx/model/progress.hpp>
 #include <mpx/model/train_step.hpp>
 
 #include <algorithm>
@@ -89,20 +91,11 @@ struct epoch_meter {
   [[nodiscard]] double accuracy() const { return samples ? static_cast<double>(correct) / static_cast<double>(samples) : 0; }
 };
 
-inline std::string progress_line(std::size_t epoch, std::size_t epochs, std::size_t step, std::size_t steps,
-                                 double seconds, epoch_meter const& m, bool bar) {
-  char buf[320];
-  std::string b;
-  if (bar && steps) {
-    constexpr int width = 24;
-    int const done = static_cast<int>(static_cast<double>(width) * static_cast<double>(step) / static_cast<double>(steps));
-    b = "[" + std::string(static_cast<std::size_t>(done), '=') + (done < width ? ">" : "") +
-        std::string(static_cast<std::size_t>(width - done - (done < width ? 1 : 0)), ' ') + "] ";
-  }
-  std::snprintf(buf, sizeof buf, "epoch %zu/%zu %s%zu/%zu  %.0f steps/s  loss %.4f  acc %.2f%%  scale %g  skipped %zu",
-                epoch, epochs, b.c_str(), step, steps, seconds > 0 ? static_cast<double>(step) / seconds : 0.0,
-                m.loss(), 100 * m.accuracy(), static_cast<double>(m.scale), m.skipped);
-  return buf;
+// The progress fields of the epoch so far.
+inline progress_fields progress_of(epoch_meter const& m, std::size_t epoch, std::size_t epochs, std::size_t step,
+                                   std::size_t steps, double seconds, bool finished) {
+  return {.epoch = epoch, .epochs = epochs, .step = step, .steps = steps, .seconds = seconds, .loss = m.loss(),
+          .accuracy = m.accuracy(), .loss_scale = m.scale, .skipped = m.skipped, .finished = finished};
 }
 
 }  // namespace detail
@@ -200,12 +193,14 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
       if (show_redraw || show_plain || trainer.pending() >= 1024) {
         drain();
         double const s = std::chrono::duration<double>(now - epoch_start).count();
-        if (show_redraw) {
-          std::printf("\r%s\033[K", detail::progress_line(epoch, options.epochs, step, steps, s, meter, true).c_str());
+        auto const fields = detail::progress_of(meter, epoch, options.epochs, step, steps, s, false);
+        if (show_redraw) {  // back to the line's start, the new line, then clear what the old one left
+          std::printf("\r%s\033[K", progress_line(fields, terminal_columns()).c_str());
           std::fflush(stdout);
           last_shown = now;
         } else if (show_plain) {
-          std::printf("%s\n", detail::progress_line(epoch, options.epochs, step, steps, s, meter, false).c_str());
+          std::printf("%s\n", progress_line(fields, 0).c_str());
+          std::fflush(stdout);  // a log being followed (tail -f) sees it now
           next_plain += std::max<std::size_t>(1, steps / 4);
         }
       }
@@ -219,19 +214,18 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     summary.accuracy = meter.accuracy();
     summary.loss_scale = optimizer.scaler().scale(exec);
     summary.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
-    if (!options.quiet) {
-      std::printf("%s%s  (%.2f s)", redraw ? "\r" : "",
-                  detail::progress_line(epoch, options.epochs, meter.steps, steps, summary.seconds, meter, redraw).c_str(),
-                  summary.seconds);
+    if (!options.quiet) {  // the epoch's summary replaces the redrawn line and stays
+      auto const fields = detail::progress_of(meter, epoch, options.epochs, meter.steps, steps, summary.seconds, true);
+      std::printf("%s%s", redraw ? "\r\033[K" : "", progress_line(fields, redraw ? terminal_columns() : 0).c_str());
     }
     if (validation) {
       summary.validated = true;
       summary.validation = evaluate(exec, model, *validation);
       if (!options.quiet)
-        std::printf("  val_loss %.4f  val_acc %.2f%%", summary.validation.loss, 100 * summary.validation.accuracy);
+        std::printf("  val_loss %.4f  val_acc %.4f", summary.validation.loss, summary.validation.accuracy);
     }
     if (!options.quiet) {
-      std::printf("%s\n", redraw ? "\033[K" : "");
+      std::printf("\n");
       std::fflush(stdout);
     }
     if (csv) csv.flush();

@@ -2,8 +2,9 @@
 // such as batch norm's running statistics), safely: the file is versioned and
 // checksummed and written atomically (optim/checkpoint_file.hpp), and a load checks
 // every tensor's name, dtype and shape before it writes any, so a refused file leaves
-// the model as it was. The optimizer and loss scaler are saved beside it with
-// loss_scale_optimizer::save; save_training_state writes both.
+// the model as it was. A whole training run (this file, the optimizer with its loss
+// scaler, the layers' counters, the position in the data) is saved and resumed by
+// save_training_state / load_training_state (model/training_state.hpp).
 #pragma once
 
 #include <mpx/core/error.hpp>
@@ -14,6 +15,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,51 +56,55 @@ void save_model(Exec const& exec, Model& model, std::filesystem::path const& pat
   out.commit(path);
 }
 
+//! What load_model does with a file that does not describe the model exactly.
+enum class model_load {
+  exact,    //!< refuse it: the file must hold every tensor of the model and nothing else
+  partial,  //!< load the tensors both have (transfer learning); the others keep their values
+};
+
 //! Restores weights and state saved by save_model into a model built with the same
-//! layers. A missing or corrupt file, or one whose tensors differ in name, dtype or
-//! shape, is refused with mpx::checkpoint_error naming the tensor; nothing is changed
-//! then. Synchronises. An optimizer made before the load still holds float master copies
-//! of the old weights, and its next step would write them back: call its
-//! reload_master_weights(exec) (or make it after loading, or use load_training_state).
+//! layers. A missing or corrupt file, a tensor whose dtype or shape differs, and (unless
+//! `mode` is model_load::partial) a file that lacks a tensor of the model or holds one
+//! the model does not have, is refused with mpx::checkpoint_error naming the file and
+//! the tensors; nothing is changed then. Synchronises. An optimizer made before the load
+//! still holds float master copies of the old weights, and its next step would write
+//! them back: call its reload_master_weights(exec) (or make it after loading, or use
+//! load_training_state).
 template <executor Exec, class Model>
-void load_model(Exec const& exec, Model& model, std::filesystem::path const& path) {
+void load_model(Exec const& exec, Model& model, std::filesystem::path const& path,
+                model_load mode = model_load::exact) {
   using Space = memory_space_t<Exec>;
   detail::checkpoint_reader in(path, "mpx::sequential");
   auto const tensors = detail::model_tensors<Space>(model);
+  std::vector<std::pair<tensor_ref<Space>, std::span<std::byte const>>> writes;
+  std::vector<std::string> missing;
   for (auto const& [name, t] : tensors) {  // check everything first
-    if (!in.contains(name))
-      in.refuse("it holds no tensor '" + name + "' (a model with other layers?); nothing was loaded");
+    if (!in.contains(name) && !in.contains(name + "#type")) {
+      missing.push_back(name);
+      continue;
+    }
     auto const header = in.section(name + "#type");
     std::string const saved(reinterpret_cast<char const*>(header.data()), header.size());
     std::string const here = detail::describe_tensor(t.dtype(), t.shape());
     if (saved != here)
       in.refuse("its '" + name + "' is " + saved + " but this model's is " + here + "; nothing was loaded");
-    (void)in.section(name, t.size_bytes());
+    writes.emplace_back(t, in.section(name, t.size_bytes()));
   }
-  for (auto const& [name, t] : tensors) {
-    auto const bytes = in.section(name, t.size_bytes());
+  std::vector<std::string> extra;
+  for (std::string const& s : in.unread_sections())
+    if (!s.ends_with("#type") || !in.contains(s.substr(0, s.size() - 5))) extra.push_back(s);
+  if (mode == model_load::exact && (!missing.empty() || !extra.empty()))
+    in.refuse("it does not describe this model (one with other layers?):" +
+              (missing.empty() ? std::string() : " it lacks this model's " + detail::quoted_list(missing) + ";") +
+              (extra.empty() ? std::string() : " it holds " + detail::quoted_list(extra) + ", which this model does not have;") +
+              " nothing was loaded (mpx::model_load::partial loads only the tensors both have)");
+  if (writes.empty() && !tensors.empty())
+    in.refuse("it holds none of this model's tensors, so even a partial load would load nothing");
+  for (auto const& [t, bytes] : writes) {
     tensor_view<std::byte const, host_space> src(bytes.data(), shape{static_cast<std::int64_t>(bytes.size())});
     copy(exec, src, tensor_view<std::byte, Space>(static_cast<std::byte*>(t.data()), src.shape()));
   }
   exec.synchronize();
-}
-
-//! The model to `directory/model.mpx` and the optimizer with its loss scaler to
-//! `directory/optimizer.mpx`, each atomically.
-template <executor Exec, class Model, class Optimizer>
-void save_training_state(Exec const& exec, Model& model, Optimizer const& optimizer,
-                         std::filesystem::path const& directory) {
-  std::filesystem::create_directories(directory);
-  save_model(exec, model, directory / "model.mpx");
-  optimizer.save(exec, directory / "optimizer.mpx");
-}
-
-//! Restores what save_training_state wrote; the optimizer file is checked against the
-//! optimizer's parameter list before anything of it changes.
-template <executor Exec, class Model, class Optimizer>
-void load_training_state(Exec const& exec, Model& model, Optimizer& optimizer, std::filesystem::path const& directory) {
-  load_model(exec, model, directory / "model.mpx");
-  optimizer.load(exec, directory / "optimizer.mpx");
 }
 
 }  // namespace mpx

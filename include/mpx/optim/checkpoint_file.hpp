@@ -2,10 +2,12 @@
 // a format version and a checksum, written to a temporary file that is flushed to disk
 // and then renamed over the target, so a crash mid-save leaves the previous checkpoint
 // intact. A reader refuses a file that is truncated, corrupt, of another version or of
-// another kind of object, with mpx::checkpoint_error naming the file and the fault.
+// another kind of object, or that repeats a section or holds one its object does not
+// save, with mpx::checkpoint_error naming the file and the fault (docs/robustness.md).
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/core/read_file.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -14,13 +16,13 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -50,6 +52,11 @@ namespace detail {
 inline constexpr char checkpoint_magic[8] = {'M', 'P', 'X', 'C', 'K', 'P', 'T', '\0'};
 inline constexpr std::uint32_t checkpoint_version = 1;
 
+//! The most steps a saved counter may hold: 2^53, where a double (Adam's bias
+//! correction exponent) still counts exactly; no run gets near it (285 years at a
+//! microsecond a step), so a larger count marks a corrupt file, not a long run.
+inline constexpr std::uint64_t max_checkpoint_steps = std::uint64_t{1} << 53;
+
 constexpr std::uint32_t byteswap32(std::uint32_t x) noexcept {
   return (x >> 24) | ((x >> 8) & 0xFF00u) | ((x << 8) & 0xFF0000u) | (x << 24);
 }
@@ -68,6 +75,22 @@ std::span<std::byte const> bytes_of(T const& value) noexcept {
   static_assert(std::is_trivially_copyable_v<T>, "checkpoint values are copied as bytes");
   return {reinterpret_cast<std::byte const*>(&value), sizeof(T)};
 }
+
+//! "'a', 'b', 'c'": the first eight names, then how many more, for a message.
+inline std::string quoted_list(std::vector<std::string> const& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > 8) out += " and " + std::to_string(names.size() - 8) + " more";
+  return out;
+}
+
+//! Fault injection for the crash-point tests: when set, commit() calls it before each
+//! step of a write ("create", "write" before each piece, "sync", "close", "rename",
+//! "sync directory") with the bytes written so far, so a test can kill the process at
+//! that moment. Null (no call) unless a test sets it.
+inline void (*checkpoint_write_hook)(std::string_view stage, std::size_t written) = nullptr;
+//! The most bytes commit() hands to one write (a test lowers it to die mid-file).
+inline std::size_t checkpoint_write_piece = std::size_t{1} << 20;
 
 //! Collects named sections in memory, then commits them to a file atomically.
 class checkpoint_writer {
@@ -107,18 +130,35 @@ class checkpoint_writer {
       fail<checkpoint_error>("checkpoint", "cannot write '" + path.string() + "': " + why +
                                                " (the previous file, if any, is unchanged)");
     };
+    auto step = [&](std::string_view stage, std::size_t written) {
+      if (checkpoint_write_hook) checkpoint_write_hook(stage, written);
+    };
+    step("create", 0);
     std::FILE* f = std::fopen(temporary.c_str(), "wb");
     if (!f) refuse("cannot create " + temporary.string() + ": " + std::strerror(errno));
-    bool ok = std::fwrite(file.data(), 1, file.size(), f) == file.size() && std::fflush(f) == 0;
+    // In pieces, each flushed: a crash finds the file as far as it got (what the
+    // crash-point tests kill it at), and the cost is one call per megabyte.
+    bool ok = true;
+    std::size_t written = 0;
+    while (ok && written < file.size()) {
+      step("write", written);
+      std::size_t const piece = std::min(file.size() - written, std::max<std::size_t>(checkpoint_write_piece, 1));
+      ok = std::fwrite(file.data() + written, 1, piece, f) == piece && std::fflush(f) == 0;
+      written += ok ? piece : 0;
+    }
+    step("sync", written);
 #if MPX_HAS_FSYNC
     ok = ok && ::fsync(::fileno(f)) == 0;  // the bytes are on disk before the name moves
 #endif
     int const saved_errno = errno;
+    step("close", written);
     ok = std::fclose(f) == 0 && ok;
     if (!ok) refuse(std::string("writing failed: ") + std::strerror(saved_errno));
+    step("rename", written);
     std::error_code ec;
     std::filesystem::rename(temporary, path, ec);
     if (ec) refuse("cannot rename the temporary file into place: " + ec.message());
+    step("sync directory", written);
     sync_directory(path);
   }
 
@@ -164,16 +204,7 @@ class checkpoint_writer {
 class checkpoint_reader {
  public:
   checkpoint_reader(std::filesystem::path const& path, std::string_view expected_kind) : path_(path) {
-    if (std::filesystem::is_directory(path)) refuse("it is a directory");
-    std::ifstream in(path, std::ios::binary);
-    if (!in) refuse("it cannot be opened (missing or unreadable)");
-    in.seekg(0, std::ios::end);
-    auto const end = in.tellg();
-    in.seekg(0, std::ios::beg);
-    if (end < 0) refuse("its size cannot be determined");
-    file_.resize(static_cast<std::size_t>(end));
-    if (!in.read(reinterpret_cast<char*>(file_.data()), static_cast<std::streamsize>(file_.size())))
-      refuse("reading it failed");
+    file_ = read_whole_file<std::byte>(path, [this](std::string const& why) { refuse(why); });
 
     constexpr std::size_t header = sizeof(checkpoint_magic) + sizeof(std::uint32_t);
     if (file_.size() < header + sizeof(std::uint64_t) ||
@@ -205,22 +236,39 @@ class checkpoint_reader {
       at += size;
     }
     if (at != body) refuse("it has " + std::to_string(body - at) + " unexplained bytes after its sections");
+    read_.assign(sections_.size(), false);
+    // An index, not a scan per lookup: a hostile file of millions of tiny sections must
+    // not make loading quadratic. No saver writes a name twice: which would be the state?
+    for (std::size_t i = 0; i < sections_.size(); ++i)
+      if (!index_.emplace(sections_[i].first, i).second) refuse("it holds section '" + sections_[i].first + "' twice");
   }
 
   // The sections point into file_: no copies.
   checkpoint_reader(checkpoint_reader const&) = delete;
   checkpoint_reader& operator=(checkpoint_reader const&) = delete;
 
-  [[nodiscard]] bool contains(std::string_view name) const noexcept {
-    for (auto const& s : sections_)
-      if (s.first == name) return true;
-    return false;
-  }
+  [[nodiscard]] bool contains(std::string_view name) const noexcept { return index_.contains(name); }
   //! The bytes of a section; checkpoint_error when it is missing.
   [[nodiscard]] std::span<std::byte const> section(std::string_view name) const {
-    for (auto const& s : sections_)
-      if (s.first == name) return s.second;
-    refuse("it has no section '" + std::string(name) + "'");
+    auto const found = index_.find(name);
+    if (found == index_.end()) refuse("it has no section '" + std::string(name) + "'");
+    read_[found->second] = true;
+    return sections_[found->second].second;
+  }
+  //! The sections no one has asked for (section(), value()) yet, in file order.
+  [[nodiscard]] std::vector<std::string> unread_sections() const {
+    std::vector<std::string> out;
+    for (std::size_t i = 0; i < sections_.size(); ++i)
+      if (!read_[i]) out.push_back(sections_[i].first);
+    return out;
+  }
+  //! Refuses the file when it holds a section that was not read: the saver never writes
+  //! one, so it comes from another object or version. Call after reading every section.
+  void refuse_unread_sections() const {
+    std::vector<std::string> const unread = unread_sections();
+    if (unread.empty()) return;
+    refuse("it holds " + std::to_string(unread.size()) + " section(s) this object does not save: " +
+           quoted_list(unread) + "; nothing was loaded");
   }
   //! The bytes of a section that must hold exactly `size` bytes.
   [[nodiscard]] std::span<std::byte const> section(std::string_view name, std::size_t size) const {
@@ -264,6 +312,8 @@ class checkpoint_reader {
   std::filesystem::path path_;
   std::vector<std::byte> file_;
   std::vector<std::pair<std::string, std::span<std::byte const>>> sections_;
+  std::unordered_map<std::string_view, std::size_t> index_;  // names point into sections_
+  mutable std::vector<bool> read_;  // per section: asked for yet (see refuse_unread_sections)
 };
 
 }  // namespace detail

@@ -23,6 +23,55 @@
 
 namespace mpx {
 
+namespace detail {
+
+//! Why `s` cannot be a state that the scaler rule `r` reached from its initial state
+//! (empty when it can): what a loaded checkpoint is held to. The scale is positive,
+//! finite and within the rule's bounds; the counters stay in their ranges and add up.
+inline std::string impossible_counters(loss_scale_state const& s) {
+  if (s.unused != 0) return "its unused field is " + std::to_string(s.unused) + ", not 0";
+  if (s.applied_steps > max_checkpoint_steps || s.skipped_steps > max_checkpoint_steps)
+    return "step counts " + std::to_string(s.applied_steps) + " applied, " + std::to_string(s.skipped_steps) +
+           " skipped (more than 2^53)";
+  if (s.overflows_at_minimum > s.skipped_steps)
+    return std::to_string(s.overflows_at_minimum) + " overflows at the minimum scale but only " +
+           std::to_string(s.skipped_steps) + " skipped steps";
+  if (s.last_step_skipped > 1 || (s.last_step_skipped == 1 && s.skipped_steps == 0))
+    return "last_step_skipped is " + std::to_string(s.last_step_skipped) + " with " +
+           std::to_string(s.skipped_steps) + " skipped steps";
+  return {};
+}
+
+inline std::string impossible_scaler_state(dynamic_scale_rule const& r, loss_scale_state const& s) {
+  if (!(r.min_scale > 0 && r.min_scale <= r.max_scale && is_finite(r.min_scale)) || r.growth_interval < 1 ||
+      r.hysteresis < 1)
+    return "its saved rule is not one a scaler accepts (min_scale " + to_text(r.min_scale) + ", max_scale " +
+           to_text(r.max_scale) + ", growth_interval " + std::to_string(r.growth_interval) + ", hysteresis " +
+           std::to_string(r.hysteresis) + ")";
+  if (!(s.scale >= r.min_scale && s.scale <= r.max_scale) || !is_finite(s.scale))
+    return "scale " + to_text(s.scale) + " (a scale is finite and within [" + to_text(r.min_scale) + ", " +
+           to_text(r.max_scale) + "])";
+  if (s.good_steps < 0 || s.good_steps >= r.growth_interval)
+    return "good_steps " + std::to_string(s.good_steps) + " (within [0, growth_interval " +
+           std::to_string(r.growth_interval) + "))";
+  if (s.overflows_left < 0 || s.overflows_left > r.hysteresis)
+    return "overflows_left " + std::to_string(s.overflows_left) + " (within [0, hysteresis " +
+           std::to_string(r.hysteresis) + "])";
+  return impossible_counters(s);
+}
+
+inline std::string impossible_scaler_state(static_scale_rule const& r, loss_scale_state const& s) {
+  if (!(s.scale > 0) || !is_finite(s.scale) || s.scale != r.scale)
+    return "scale " + to_text(s.scale) + " (a static scaler keeps its positive, finite scale, here " +
+           to_text(r.scale) + ")";
+  if (s.good_steps != 0 || s.overflows_left != loss_scale_state{}.overflows_left)
+    return "good_steps " + std::to_string(s.good_steps) + ", overflows_left " + std::to_string(s.overflows_left) +
+           " (a static scaler never changes them)";
+  return impossible_counters(s);
+}
+
+}  // namespace detail
+
 namespace ops {
 //! x * (*factor), the factor read where the executor computes (a loss scale).
 template <class T>
@@ -117,21 +166,26 @@ class loss_scale_optimizer {
     out.commit(path);
   }
 
-  //! Restores a checkpoint written by save(). A missing, corrupt or mismatched file is
-  //! refused with mpx::checkpoint_error before anything is changed. Synchronises.
+  //! Restores a checkpoint written by save(). A missing, corrupt or mismatched file, or
+  //! one holding a state its saver could not have written (a scale that is not positive
+  //! and finite, counters out of range, an unknown or repeated section), is refused with
+  //! mpx::checkpoint_error naming the file, before anything is changed. Synchronises.
   template <class Exec>
   void load(Exec const& exec, std::filesystem::path const& path) {
     detail::checkpoint_reader in(path, "mpx::loss_scale_optimizer");
     auto const kind = in.section("scaler/kind");
     if (!std::ranges::equal(kind, scaler_kind_bytes()))
-      detail::fail<checkpoint_error>("loss_scale_optimizer::load",
-                                     "the checkpoint's loss scaler is a " +
-                                         std::string(reinterpret_cast<char const*>(kind.data()), kind.size()) +
-                                         ", this one is a " + std::string(Scaler::kind) + "; nothing was loaded");
+      in.refuse("the checkpoint's loss scaler is a " +
+                std::string(reinterpret_cast<char const*>(kind.data()), kind.size()) + ", this one is a " +
+                std::string(Scaler::kind) + "; nothing was loaded");
     // The state is restored; the rule (growth interval, bounds) stays this scaler's, so
-    // a resumed run may change it. The saved rule is kept in the file for reference.
+    // a resumed run may change it. The saved rule is what the state must agree with.
     auto const state = in.value<loss_scale_state>("scaler/state");
-    optimizer_.load(exec, in);  // checks everything of its own before writing
+    auto const saved_rule = in.value<typename Scaler::rule_type>("scaler/rule");
+    if (std::string const why = detail::impossible_scaler_state(saved_rule, state); !why.empty())
+      in.refuse("its loss scaler state is impossible: " + why + "; the file is corrupt, nothing was loaded");
+    // checks everything of its own, then that no section was left unread, before writing
+    optimizer_.load(exec, in, [&] { in.refuse_unread_sections(); });
     scaler_.set_state(exec, state);
     exec.synchronize();
   }

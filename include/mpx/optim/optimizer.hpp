@@ -250,12 +250,14 @@ class optimizer_core {
   //! nothing changed, when it is corrupt or for another optimizer or parameter list.
   void load(Exec const& exec, std::filesystem::path const& path) {
     checkpoint_reader in(path, "mpx::optimizer");
-    load(exec, in);
+    load(exec, in, [&] { in.refuse_unread_sections(); });
   }
 
   //! Restores what save() wrote. Everything is checked against this optimizer's
-  //! parameters first; on any mismatch mpx::checkpoint_error is thrown and nothing changes.
-  void load(Exec const& exec, checkpoint_reader const& in) {
+  //! parameters first, then `last_check()` runs (the caller's own checks of the file);
+  //! on any mismatch mpx::checkpoint_error is thrown and nothing changes.
+  template <class LastCheck>
+  void load(Exec const& exec, checkpoint_reader const& in, LastCheck&& last_check) {
     check_section_text(in, "optimizer/kind", "mpx::" + kind_, "optimizer");
     check_section_text(in, "optimizer/parameters", parameter_listing(), "parameter list");
     check_section_text(in, "optimizer/state", state_listing(), "state kept per parameter");
@@ -265,6 +267,10 @@ class optimizer_core {
     };
     std::vector<pending> writes;
     auto const steps = in.value<std::uint64_t>("optimizer/steps");
+    if (steps > max_checkpoint_steps)
+      in.refuse("its optimizer step count " + std::to_string(steps) +
+                " is impossible (no run takes more than 2^53 steps; the next step's bias correction would be "
+                "meaningless): the file is corrupt");
     for (std::size_t i = 0; i < params_.size(); ++i) {
       std::string const n = std::to_string(i);
       writes.push_back({params_[i].value.data(), in.section("value/" + n, params_[i].value.size_bytes())});
@@ -274,6 +280,7 @@ class optimizer_core {
         if (!s.empty()) writes.push_back({s.data(), in.section("slot" + std::to_string(j) + "/" + n, s.size_bytes())});
       }
     }
+    last_check();
     // Every section is present and of the right size: now, and only now, write.
     for (auto const& w : writes) upload_bytes(exec, w.to, w.from);
     steps_.write(exec, steps);
@@ -347,9 +354,8 @@ class optimizer_core {
                                  std::string_view what) {
     auto const got = in.section(name);
     if (std::string(reinterpret_cast<char const*>(got.data()), got.size()) != expected)
-      fail<checkpoint_error>("optimizer::load", "the checkpoint's " + std::string(what) + " differs from this one's:\n" +
-                                                    std::string(reinterpret_cast<char const*>(got.data()), got.size()) +
-                                                    "\nexpected:\n" + expected);
+      in.refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" +
+                std::string(reinterpret_cast<char const*>(got.data()), got.size()) + "\nexpected:\n" + expected);
   }
   static std::vector<std::byte> download_bytes(Exec const& exec, void const* from, std::size_t bytes) {
     std::vector<std::byte> out(bytes);

@@ -1,0 +1,247 @@
+// Saving and resuming a training run: the model (model_file.hpp), the optimizer with its
+// master weights, moments, step count and loss scaler, the layers' counters and seeds
+// (dropout's count of training forwards and its seed, which decide its next mask) and
+// where the run is in its data. A run resumed from it continues exactly as the uninterrupted run would have, bit
+// for bit on the host executor (tests/model/test_resume.cpp).
+//
+// A crash at any moment leaves a loadable checkpoint: `directory` holds
+// model-<n>.mpx and optimizer-<n>.mpx, each written atomically, and training_state.mpx,
+// which names the pair and is renamed into place after both; files of earlier saves are
+// removed only then. So training_state.mpx always names a complete pair: the new one, or,
+// when the process died before the rename, the previous one.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/exec/copy.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/model/model_file.hpp>
+#include <mpx/optim/checkpoint_file.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+//! Where a run is in its data: the next batch to run is batch `batch` of epoch `epoch`
+//! (both from 0; give them to batch_loader::start_epoch(epoch, batch) to resume).
+//! `steps` counts the steps run so far, skipped ones included.
+struct training_position {
+  std::uint64_t epoch = 0;
+  std::uint64_t batch = 0;
+  std::uint64_t steps = 0;
+  friend bool operator==(training_position const&, training_position const&) = default;
+};
+
+namespace detail {
+
+inline constexpr std::string_view training_state_file = "training_state.mpx";
+
+//! Every counter a model's layers keep as training state, by name.
+template <class Space, class Model>
+std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>> model_counters(Model& model) {
+  std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>> out;
+  model.for_each_layer([&](auto& layer) {
+    if constexpr (requires { layer.template append_counters<Space>(out); }) layer.template append_counters<Space>(out);
+  });
+  return out;
+}
+
+//! Every seed a model's layers draw random numbers with (host values), by name.
+template <class Model>
+std::vector<std::pair<std::string, std::uint64_t*>> model_seeds(Model& model) {
+  std::vector<std::pair<std::string, std::uint64_t*>> out;
+  model.for_each_layer([&](auto& layer) {
+    if constexpr (requires { layer.append_seeds(out); }) layer.append_seeds(out);
+  });
+  return out;
+}
+
+inline std::span<std::byte const> text_bytes(std::string const& s) noexcept {
+  return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
+}
+
+//! The number of the save after the one training_state.mpx names (1 when there is none
+//! or it cannot be read: its files are then not ours to keep anyway).
+inline std::uint64_t next_save_number(std::filesystem::path const& directory) {
+  std::error_code ec;
+  if (!std::filesystem::exists(directory / training_state_file, ec)) return 1;
+  try {
+    checkpoint_reader const in(directory / training_state_file, "mpx::training_state");
+    return in.value<std::uint64_t>("save") + 1;
+  } catch (checkpoint_error const&) {
+    return 1;
+  }
+}
+
+//! Whether `name` is one this code writes: "<prefix>-<digits>.mpx", a plain file name. A
+//! damaged or hostile training_state.mpx must not send the loader elsewhere.
+inline bool is_save_file_name(std::string_view name, std::string_view prefix) {
+  if (name.size() <= prefix.size() + 5 || name.substr(0, prefix.size()) != prefix || name[prefix.size()] != '-' ||
+      name.substr(name.size() - 4) != ".mpx")
+    return false;
+  std::string_view const digits = name.substr(prefix.size() + 1, name.size() - prefix.size() - 5);
+  if (digits.size() > 20) return false;
+  for (char c : digits)
+    if (c < '0' || c > '9') return false;
+  return true;
+}
+
+//! Removes model-*.mpx and optimizer-*.mpx files other than the current pair (earlier
+//! saves, or a save that died before its training_state.mpx). Best effort.
+inline void remove_other_saves(std::filesystem::path const& directory, std::string const& model_name,
+                               std::string const& optimizer_name) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> stale;
+  for (std::filesystem::directory_iterator it(directory, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string const name = it->path().filename().string();
+    if ((is_save_file_name(name, "model") && name != model_name) ||
+        (is_save_file_name(name, "optimizer") && name != optimizer_name))
+      stale.push_back(it->path());
+  }
+  for (auto const& p : stale) std::filesystem::remove(p, ec);
+}
+
+//! The model's saved tensors (parameters and layer state) as host bytes, to put back if
+//! a later part of a load is refused.
+template <executor Exec, class Model>
+std::vector<std::vector<std::byte>> snapshot_model(Exec const& exec, Model& model) {
+  using Space = memory_space_t<Exec>;
+  std::vector<std::vector<std::byte>> out;
+  for (auto const& [name, t] : model_tensors<Space>(model)) {
+    out.emplace_back(t.size_bytes());
+    tensor_view<std::byte const, Space> src(static_cast<std::byte const*>(t.data()),
+                                            shape{static_cast<std::int64_t>(t.size_bytes())});
+    copy(exec, src, tensor_view<std::byte, host_space>(out.back().data(), src.shape()));
+  }
+  exec.synchronize();
+  return out;
+}
+
+template <executor Exec, class Model>
+void restore_model(Exec const& exec, Model& model, std::vector<std::vector<std::byte>> const& saved) {
+  using Space = memory_space_t<Exec>;
+  std::size_t i = 0;
+  for (auto const& [name, t] : model_tensors<Space>(model)) {
+    tensor_view<std::byte const, host_space> src(saved[i].data(), shape{static_cast<std::int64_t>(saved[i].size())});
+    copy(exec, src, tensor_view<std::byte, Space>(static_cast<std::byte*>(t.data()), src.shape()));
+    ++i;
+  }
+  exec.synchronize();
+}
+
+}  // namespace detail
+
+//! Saves a training run to `directory` (created if needed): the model, the optimizer
+//! with its loss scaler, the layers' counters and `position`. Synchronises. A crash at
+//! any moment leaves the previous save loadable (see the top of this file); on an error
+//! (a full disk, no permission) mpx::checkpoint_error is thrown and the previous save
+//! stays.
+template <executor Exec, class Model, class Optimizer>
+void save_training_state(Exec const& exec, Model& model, Optimizer const& optimizer,
+                         std::filesystem::path const& directory, training_position const& position = {}) {
+  using Space = memory_space_t<Exec>;
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec)
+    detail::fail<checkpoint_error>("mpx::save_training_state",
+                                   "cannot create the directory " + directory.string() + ": " + ec.message());
+  std::uint64_t const number = detail::next_save_number(directory);
+  std::string const model_name = "model-" + std::to_string(number) + ".mpx";
+  std::string const optimizer_name = "optimizer-" + std::to_string(number) + ".mpx";
+  save_model(exec, model, directory / model_name);
+  optimizer.save(exec, directory / optimizer_name);
+
+  detail::checkpoint_writer out("mpx::training_state");
+  out.add_value("save", number);
+  out.add("files/model", detail::text_bytes(model_name));
+  out.add("files/optimizer", detail::text_bytes(optimizer_name));
+  out.add_value("position", position);
+  auto const counters = detail::model_counters<Space>(model);
+  out.add_value("counters", static_cast<std::uint64_t>(counters.size()));
+  for (auto const& [name, view] : counters) {
+    std::uint64_t value = 0;
+    copy(exec, tensor_view<std::uint64_t const, Space>(view.data(), shape{1}),
+         tensor_view<std::uint64_t, host_space>(&value, shape{1}));
+    exec.synchronize();
+    out.add_value("counter/" + name, value);
+  }
+  auto const seeds = detail::model_seeds(model);
+  out.add_value("seeds", static_cast<std::uint64_t>(seeds.size()));
+  for (auto const& [name, value] : seeds) out.add_value("seed/" + name, *value);
+  out.commit(directory / detail::training_state_file);
+  detail::remove_other_saves(directory, model_name, optimizer_name);
+}
+
+//! Restores what save_training_state wrote into a model built with the same layers and
+//! an optimizer over its parameters, and returns where the run was. Everything is checked
+//! before anything is kept: a missing, damaged or mismatched file is refused with
+//! mpx::checkpoint_error and the model, optimizer and scaler are as they were.
+//! Synchronises.
+template <executor Exec, class Model, class Optimizer>
+training_position load_training_state(Exec const& exec, Model& model, Optimizer& optimizer,
+                                      std::filesystem::path const& directory) {
+  using Space = memory_space_t<Exec>;
+  detail::checkpoint_reader const in(directory / detail::training_state_file, "mpx::training_state");
+  auto file_name = [&](std::string const& section, std::string_view prefix) {
+    auto const bytes = in.section(section);
+    std::string name(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+    if (!detail::is_save_file_name(name, prefix))
+      in.refuse("its " + section + " is not a file name this library writes");
+    return name;
+  };
+  std::string const model_name = file_name("files/model", "model");
+  std::string const optimizer_name = file_name("files/optimizer", "optimizer");
+  auto const position = in.value<training_position>("position");
+  // The layers' counters and seeds: exactly the ones this model keeps, by name.
+  auto read_layer_values = [&](std::string const& count_section, std::string const& prefix,
+                               std::vector<std::string> const& names, std::string const& what) {
+    std::uint64_t const saved = in.value<std::uint64_t>(count_section);
+    if (saved != names.size())
+      in.refuse("it holds " + std::to_string(saved) + " layer " + what + "s, this model keeps " +
+                std::to_string(names.size()) + "; nothing was loaded");
+    std::vector<std::uint64_t> out;
+    for (auto const& name : names) {
+      if (!in.contains(prefix + name)) in.refuse("it holds no " + what + " '" + name + "'; nothing was loaded");
+      out.push_back(in.value<std::uint64_t>(prefix + name));
+    }
+    return out;
+  };
+  auto names_of = [](auto const& list) {
+    std::vector<std::string> names;
+    for (auto const& entry : list) names.push_back(entry.first);
+    return names;
+  };
+  auto const counters = detail::model_counters<Space>(model);
+  auto const seeds = detail::model_seeds(model);
+  auto const values = read_layer_values("counters", "counter/", names_of(counters), "counter");
+  auto const seed_values = read_layer_values("seeds", "seed/", names_of(seeds), "seed");
+
+  if (in.value<std::uint64_t>("save") == 0) in.refuse("its save number is 0, which no save writes");
+  in.refuse_unread_sections();  // a section this code does not read means another format
+
+  // Each file checks itself before it writes; the model's tensors go back if the
+  // optimizer's file is refused after the model's was loaded.
+  auto const before = detail::snapshot_model(exec, model);
+  load_model(exec, model, directory / model_name);
+  try {
+    optimizer.load(exec, directory / optimizer_name);
+  } catch (...) {
+    detail::restore_model(exec, model, before);
+    throw;
+  }
+  for (std::size_t i = 0; i < counters.size(); ++i)
+    copy(exec, tensor_view<std::uint64_t const, host_space>(&values[i], shape{1}),
+         tensor_view<std::uint64_t, Space>(counters[i].second.data(), shape{1}));
+  for (std::size_t i = 0; i < seeds.size(); ++i) *seeds[i].second = seed_values[i];
+  exec.synchronize();
+  return position;
+}
+
+}  // namespace mpx
