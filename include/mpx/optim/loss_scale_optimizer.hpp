@@ -29,7 +29,6 @@ namespace detail {
 //! (empty when it can): what a loaded checkpoint is held to. The scale is positive,
 //! finite and within the rule's bounds; the counters stay in their ranges and add up.
 inline std::string impossible_counters(loss_scale_state const& s) {
-  if (s.unused != 0) return "its unused field is " + std::to_string(s.unused) + ", not 0";
   if (s.applied_steps > max_checkpoint_steps || s.skipped_steps > max_checkpoint_steps)
     return "step counts " + std::to_string(s.applied_steps) + " applied, " + std::to_string(s.skipped_steps) +
            " skipped (more than 2^53)";
@@ -180,7 +179,8 @@ class loss_scale_optimizer {
                 std::string(Scaler::kind) + "; nothing was loaded");
     // The state is restored; the rule (growth interval, bounds) stays this scaler's, so
     // a resumed run may change it. The saved rule is what the state must agree with.
-    auto const state = in.value<loss_scale_state>("scaler/state");
+    auto state = in.value<loss_scale_state>("scaler/state");
+    state.unused = 0;  // files saved before the padding had a name hold whatever it held
     auto const saved_rule = in.value<typename Scaler::rule_type>("scaler/rule");
     if (std::string const why = detail::impossible_scaler_state(saved_rule, state); !why.empty())
       in.refuse("its loss scaler state is impossible: " + why + "; the file is corrupt, nothing was loaded");
