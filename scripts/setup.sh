@@ -4,8 +4,9 @@
 # nvcc's included), Catch2 v2, Boost 1.81 (Hana), pkg-config,
 # OpenBLAS (optional for the library: mpx::gemm's host path uses it where found), zlib
 # (optional: gzip-compressed IDX files), Fashion-MNIST (for the examples and the test
-# that loads the real data set), CMake (the CMake package's test) and matplotlib
-# (scripts/plot_run.py).
+# that loads the real data set), CMake (the CMake package's test), fortunes (the plain-text
+# corpus examples/char_lm trains on), Open MPI (data-parallel training on the host, tested
+# with mpirun -np 2 and 3) and matplotlib (scripts/plot_run.py).
 set -euo pipefail
 cuda=${MPX_CUDA:-/usr/local/cuda}
 if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
@@ -13,7 +14,7 @@ if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
   exit 1
 fi
 packages=(meson ninja-build ccache catch2 libboost1.81-dev pkg-config python3 g++ libopenblas-dev zlib1g-dev
-          dataset-fashion-mnist cmake)
+          dataset-fashion-mnist cmake fortunes openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

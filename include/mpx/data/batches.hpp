@@ -43,12 +43,28 @@ inline std::vector<std::size_t> shuffled_order(std::size_t n, std::uint64_t seed
   return order;
 }
 
+//! How the replicas of a data-parallel job share an epoch (every replica draws the
+//! same shuffle from the same seed).
+enum class sharding {
+  //! Training: each global batch of batch_size × replicas samples is cut into one share
+  //! of batch_size per replica, so every replica takes the same number of steps and a
+  //! step sees the samples one process would see with the global batch. A last global
+  //! batch that is not full is dropped (another shuffle next epoch).
+  split_each_batch,
+  //! Evaluation: whole batches dealt out in turn (batch k to replica k mod replicas),
+  //! so every sample is seen exactly once over all replicas.
+  whole_batches,
+};
+
 //! How batch_loader cuts an epoch into batches.
 struct batch_options {
-  std::size_t batch_size = 32;  //!< samples per batch, > 0
+  std::size_t batch_size = 32;  //!< samples per batch, > 0 (per replica when sharded)
   bool shuffle = true;          //!< false: the data set's order every epoch
   std::uint64_t seed = 0;       //!< with the epoch number, decides the shuffle
   bool drop_last = false;       //!< drop a last batch smaller than batch_size
+  std::size_t replica = 0;      //!< this replica's rank, < replicas
+  std::size_t replicas = 1;     //!< replicas sharing each epoch (data-parallel ranks)
+  sharding shard_by = sharding::split_each_batch;
 };
 
 namespace detail {
@@ -238,6 +254,9 @@ class batch_loader {
   batch_loader(Exec const& exec, image_dataset const& data, batch_options const& options = {})
       : data_(&data), options_(options) {
     if (options.batch_size == 0) detail::fail<invalid_argument>("batch_loader", "batch_size must be positive");
+    if (options.replicas == 0 || options.replica >= options.replicas)
+      detail::fail<invalid_argument>("batch_loader", "replica " + std::to_string(options.replica) + " of " +
+                                                         std::to_string(options.replicas) + " replicas");
     if (data.images.shape().rank() != 4 || static_cast<std::size_t>(data.images.shape()[0]) != data.size())
       detail::fail<shape_error>("batch_loader", "images of shape " + data.images.shape().to_string() + " for " +
                                                     std::to_string(data.size()) + " labels; expected [" +
@@ -248,10 +267,14 @@ class batch_loader {
   //! The loader keeps a pointer to the data set, so a temporary one is refused.
   batch_loader(Exec const&, image_dataset&&, batch_options const& = {}) = delete;
 
-  //! Batches per epoch: ceil(N / batch_size), or floor with drop_last.
+  //! Batches per epoch: ceil(N / batch_size), or floor with drop_last. Sharded:
+  //! floor(N / (batch_size × replicas)) when split_each_batch; this replica's turns
+  //! among the whole batches when whole_batches.
   [[nodiscard]] std::size_t batches_per_epoch() const noexcept {
-    std::size_t const n = data_->size(), b = options_.batch_size;
-    return options_.drop_last ? n / b : (n + b - 1) / b;
+    std::size_t const n = data_->size(), b = options_.batch_size, r = options_.replicas;
+    if (r > 1 && options_.shard_by == sharding::split_each_batch) return n / (b * r);
+    std::size_t const all = options_.drop_last ? n / b : (n + b - 1) / b;
+    return all > options_.replica ? (all - options_.replica + r - 1) / r : 0;
   }
   [[nodiscard]] batch_options const& options() const noexcept { return options_; }
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
@@ -293,8 +316,10 @@ class batch_loader {
   }
 
  private:
+  // The samples of this replica's batch k: batch k × replicas + replica of the epoch's
+  // order, for both shardings (they differ in how many batches an epoch has).
   std::span<std::size_t const> samples_of(std::size_t k) const noexcept {
-    std::size_t const begin = k * options_.batch_size;
+    std::size_t const begin = (k * options_.replicas + options_.replica) * options_.batch_size;
     return std::span<std::size_t const>(order_).subspan(begin, std::min(options_.batch_size, order_.size() - begin));
   }
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/dist/replica_hooks.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
@@ -48,6 +49,11 @@ struct fit_options {
   bool cuda_graph = false;
   //! Called after every epoch with its summary (e.g. to save a checkpoint).
   std::function<void(struct epoch_summary const&)> on_epoch_end;
+  //! Set by a data-parallel job (mpx::data_parallel::hooks): each step averages the
+  //! gradients over the replicas; the progress line, the summaries and the validation
+  //! hold every replica's samples; only rank 0 prints and writes the CSV log. Every
+  //! replica's sources must give the same number of batches per epoch.
+  replica_hooks replicas;
 };
 
 struct evaluation {
@@ -76,6 +82,18 @@ struct epoch_meter {
   std::size_t steps = 0, skipped = 0, samples = 0, correct = 0, finite = 0;
   double loss_sum = 0;
   float scale = 0;
+  //! The meter over every replica's samples (steps, skips and scale are the same on all).
+  [[nodiscard]] epoch_meter over(replica_hooks const& replicas) const {
+    if (!replicas.sum_values) return *this;
+    double v[4] = {static_cast<double>(samples), static_cast<double>(correct), loss_sum, static_cast<double>(finite)};
+    replicas.sum_values(v);
+    epoch_meter out = *this;
+    out.samples = static_cast<std::size_t>(v[0]);
+    out.correct = static_cast<std::size_t>(v[1]);
+    out.loss_sum = v[2];
+    out.finite = static_cast<std::size_t>(v[3]);
+    return out;
+  }
   void add(step_record const& r) {
     ++steps;
     skipped += r.skipped;
@@ -157,10 +175,14 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
   using clock = std::chrono::steady_clock;
   classifier_trainer trainer(exec, model, optimizer);
   trainer.use_cuda_graph(options.cuda_graph);
-  bool const redraw = !options.quiet && (options.progress > 0 || (options.progress == -1 && detail::stdout_is_terminal()));
-  bool const plain = !options.quiet && !redraw;
+  replica_hooks const& replicas = options.replicas;
+  bool const distributed = replicas.active();
+  if (distributed) trainer.run_as_replica(replicas);
+  bool const quiet = options.quiet || !replicas.prints();
+  bool const redraw = !quiet && (options.progress > 0 || (options.progress == -1 && detail::stdout_is_terminal()));
+  bool const plain = !quiet && !redraw;
   std::ofstream csv;
-  if (!options.csv_log.empty()) {
+  if (!options.csv_log.empty() && replicas.prints()) {
     csv.open(options.csv_log);
     if (!csv) detail::fail<invalid_argument>("mpx::fit", "cannot write the CSV log " + options.csv_log.string());
     csv << "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds\n";
@@ -173,6 +195,9 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     detail::epoch_meter meter;
     std::size_t const steps = train.batches_per_epoch();
     std::size_t step = 0, next_plain = std::max<std::size_t>(1, steps / 4);
+    // Replicas update the progress together, every `shared_every` steps: the metrics
+    // are summed over them, a collective every replica must call at the same step.
+    std::size_t const shared_every = std::max<std::size_t>(1, steps / 50);
     auto drain = [&] {
       double const now = std::chrono::duration<double>(clock::now() - start).count();
       for (auto const& r : trainer.history(exec)) {
@@ -188,12 +213,15 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
       trainer.step(exec, batch->images, batch->labels);
       ++step;
       auto const now = clock::now();
-      bool const show_redraw = redraw && std::chrono::duration<double>(now - last_shown).count() >= options.progress_interval_s;
-      bool const show_plain = plain && step >= next_plain && step < steps;
-      if (show_redraw || show_plain || trainer.pending() >= 1024) {
+      bool const shared = distributed && step % shared_every == 0;
+      bool const show_redraw = redraw && std::chrono::duration<double>(now - last_shown).count() >= options.progress_interval_s &&
+                               (!distributed || shared);
+      bool const show_plain = plain && step >= next_plain && step < steps && (!distributed || shared);
+      if (shared || show_redraw || show_plain || trainer.pending() >= 1024) {
         drain();
         double const s = std::chrono::duration<double>(now - epoch_start).count();
-        auto const fields = detail::progress_of(meter, epoch, options.epochs, step, steps, s, false);
+        auto const shown = shared ? meter.over(replicas) : meter;
+        auto const fields = detail::progress_of(shown, epoch, options.epochs, step, steps, s, false);
         if (show_redraw) {  // back to the line's start, the new line, then clear what the old one left
           std::printf("\r%s\033[K", progress_line(fields, terminal_columns()).c_str());
           std::fflush(stdout);
@@ -206,6 +234,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
       }
     }
     drain();
+    meter = meter.over(replicas);
     epoch_summary summary;
     summary.epoch = epoch;
     summary.steps = meter.steps;
@@ -214,17 +243,26 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     summary.accuracy = meter.accuracy();
     summary.loss_scale = optimizer.scaler().scale(exec);
     summary.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
-    if (!options.quiet) {  // the epoch's summary replaces the redrawn line and stays
+    if (!quiet) {  // the epoch's summary replaces the redrawn line and stays
       auto const fields = detail::progress_of(meter, epoch, options.epochs, meter.steps, steps, summary.seconds, true);
       std::printf("%s%s", redraw ? "\r\033[K" : "", progress_line(fields, redraw ? terminal_columns() : 0).c_str());
     }
     if (validation) {
       summary.validated = true;
       summary.validation = evaluate(exec, model, *validation);
-      if (!options.quiet)
+      if (replicas.sum_values) {  // each replica evaluated its own share of the batches
+        auto& v = summary.validation;
+        double sums[3] = {v.loss * static_cast<double>(v.samples), v.accuracy * static_cast<double>(v.samples),
+                          static_cast<double>(v.samples)};
+        replicas.sum_values(sums);
+        v.samples = static_cast<std::size_t>(sums[2]);
+        v.loss = v.samples ? sums[0] / sums[2] : 0;
+        v.accuracy = v.samples ? sums[1] / sums[2] : 0;
+      }
+      if (!quiet)
         std::printf("  val_loss %.4f  val_acc %.4f", summary.validation.loss, summary.validation.accuracy);
     }
-    if (!options.quiet) {
+    if (!quiet) {
       std::printf("\n");
       std::fflush(stdout);
     }

@@ -12,6 +12,7 @@
 
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/dist/replica_hooks.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
@@ -171,12 +172,14 @@ class classifier_trainer {
 #if MPX_HAS_CUDA
       if (use_graph_) {
         graph_mode_step(exec, images, labels);
+        if (replicas_.after_step) replicas_.after_step();
         return;
       }
 #endif
     }
     step_body(exec, images, labels, record(pending_));
     ++pending_;
+    if (replicas_.after_step) replicas_.after_step();
   }
   template <class T>
   void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
@@ -193,6 +196,11 @@ class classifier_trainer {
   //! Dropout layers keep their step count on the GPU, so each replay draws fresh masks.
   //! Ignored on the host executor.
   void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
+
+  //! Runs each step as one replica of a data-parallel job (mpx::data_parallel::hooks):
+  //! the gradients are averaged over the replicas between the backward pass and the
+  //! optimizer step, where every replica then reaches the same verdict.
+  void run_as_replica(replica_hooks hooks) { replicas_ = std::move(hooks); }
 
   //! The records of the steps since the last call (synchronises), oldest first.
   std::vector<step_record> history(Exec const& exec) {
@@ -225,6 +233,7 @@ class classifier_trainer {
          tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
     sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits, loss_, scale);
     model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits));
+    if (replicas_.after_backward) replicas_.after_backward();
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
   }
@@ -371,6 +380,7 @@ class classifier_trainer {
   std::size_t capacity_;
   std::size_t pending_ = 0;
   bool use_graph_ = false;
+  replica_hooks replicas_;
 };
 
 template <class Exec, class Model, class Opt>

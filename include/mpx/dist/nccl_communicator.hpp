@@ -1,0 +1,265 @@
+// mpx::nccl_communicator: the communicator between GPUs, on NCCL (one process per GPU).
+// Collectives run on a stream of their own, ordered after the executor's work and before
+// its later work by events, so the host never waits. The NCCL unique id comes from rank
+// 0 through any bootstrap communicator (mpx::mpi_communicator: `nccl_communicator(exec,
+// mpi)`), or through a file on a shared filesystem for launchers without MPI.
+// A collective that has not completed `timeout` after it was enqueued is found by
+// poll() (data_parallel calls it every step): the communicator is aborted and
+// mpx::collective_error names the collective. Needs the CUDA runtime and NCCL (-lnccl);
+// not included by <mpx/mpx.hpp>.
+#pragma once
+
+#include <mpx/core/error.hpp>
+#include <mpx/dist/communicator.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/streams.hpp>
+
+#if MPX_HAS_CUDA_RUNTIME
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mpx {
+
+namespace detail {
+
+inline void check_nccl(ncclResult_t status, char const* call, std::string const& collective) {
+  if (status == ncclSuccess || status == ncclInProgress) return;
+  throw collective_error("mpx::nccl_communicator: " + std::string(call) + " failed in " + collective + ": " +
+                             ncclGetErrorString(status),
+                         {});
+}
+
+inline ncclDataType_t nccl_type(dtype_id d) {
+  switch (d) {
+    case dtype_id::float16: return ncclFloat16;
+    case dtype_id::bfloat16: return ncclBfloat16;
+    case dtype_id::float32: return ncclFloat32;
+    default: break;
+  }
+  fail<invalid_argument>("nccl_communicator", "no NCCL type for " + std::string(to_string(d)));
+}
+
+inline ncclRedOp_t nccl_op(reduce_op op) {
+  return op == reduce_op::sum ? ncclSum : op == reduce_op::max ? ncclMax : ncclMin;
+}
+
+}  // namespace detail
+
+//! Writes rank 0's NCCL unique id to `path` (atomically: a temporary file renamed into
+//! place) or, on the other ranks, waits up to `timeout` for it to appear and reads it.
+//! For launchers without MPI; the file must be on a filesystem every rank sees.
+inline ncclUniqueId nccl_unique_id_through_file(std::filesystem::path const& path, int rank,
+                                                std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+  ncclUniqueId id{};
+  if (rank == 0) {
+    detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
+    auto const temporary = path.string() + ".partial";
+    {
+      std::ofstream out(temporary, std::ios::binary);
+      out.write(id.internal, sizeof id.internal);
+      if (!out) detail::fail<error>("nccl_unique_id_through_file", "cannot write " + temporary);
+    }
+    std::filesystem::rename(temporary, path);
+    return id;
+  }
+  auto const deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    std::ifstream in(path, std::ios::binary);
+    if (in && in.read(id.internal, sizeof id.internal)) return id;
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw collective_error("mpx::nccl_unique_id_through_file: rank " + std::to_string(rank) + " waited " +
+                                 std::to_string(timeout.count()) + " ms for rank 0's id in " + path.string(),
+                             {0});
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+class nccl_communicator {
+ public:
+  using space = device_space;
+  using executor_type = cuda_executor;
+
+  //! One rank of `size`, all holding the same `id` (ncclGetUniqueId on rank 0).
+  nccl_communicator(cuda_executor const& exec, ncclUniqueId const& id, int rank, int size,
+                    communicator_options options = {})
+      : options_(options), rank_(rank), size_(size) {
+    detail::check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank", "bootstrap");
+    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    values_ = tensor<double, device_space>(exec, shape{64});
+  }
+  //! The id handed out by rank 0 through `bootstrap` (an mpx::mpi_communicator, or any
+  //! communicator with a host broadcast_bytes): the usual way under mpirun.
+  template <class Bootstrap>
+    requires requires(Bootstrap& b, std::span<std::byte> bytes) { b.broadcast_bytes(bytes, 0); }
+  nccl_communicator(cuda_executor const& exec, Bootstrap& bootstrap, communicator_options options = {})
+      : nccl_communicator(exec, id_from(bootstrap), bootstrap.rank(), bootstrap.size(), options) {}
+
+  ~nccl_communicator() {
+    if (comm_) {
+      if (broken_) ncclCommAbort(comm_);
+      else ncclCommDestroy(comm_);
+    }
+    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+  }
+  nccl_communicator(nccl_communicator const&) = delete;
+  nccl_communicator& operator=(nccl_communicator const&) = delete;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
+
+  void all_reduce(cuda_executor const& exec, tensor_ref<device_space> data, reduce_op op) {
+    detail::require_reducible("nccl_communicator::all_reduce", data.dtype());
+    run(exec, "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) + " " +
+                  std::string(to_string(data.dtype())) + ")",
+        [&](std::string const& what) {
+          detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
+                                           detail::nccl_op(op), comm_, stream_),
+                             "ncclAllReduce", what);
+        });
+  }
+
+  void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {
+    run(exec, "broadcast (" + std::to_string(data.size_bytes()) + " bytes from rank " + std::to_string(root) + ")",
+        [&](std::string const& what) {
+          detail::check_nccl(ncclBroadcast(data.data(), data.data(), data.size_bytes(), ncclUint8, root, comm_, stream_),
+                             "ncclBroadcast", what);
+        });
+  }
+
+  //! Host values through a small device buffer; waits for the result.
+  [[nodiscard]] std::vector<double> all_gather_values(std::span<double const> mine) {
+    std::size_t const n = mine.size(), total = n * static_cast<std::size_t>(size_);
+    require_room(total);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + n * static_cast<std::size_t>(rank_), mine.data(),
+                                   n * sizeof(double), cudaMemcpyHostToDevice, stream_));
+    std::string const what = "all_gather (" + std::to_string(n) + " values) #" + std::to_string(++sequence_);
+    detail::check_nccl(ncclAllGather(values_.data() + n * static_cast<std::size_t>(rank_), values_.data(), n,
+                                     ncclFloat64, comm_, stream_),
+                       "ncclAllGather", what);
+    std::vector<double> all(total);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(all.data(), values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    wait_for_stream(what);
+    return all;
+  }
+
+  void all_reduce_values(std::span<double> values, reduce_op op) {
+    require_room(values.size());
+    std::string const what = "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) +
+                             " values) #" + std::to_string(++sequence_);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), values.data(), values.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(), ncclFloat64, detail::nccl_op(op),
+                                     comm_, stream_),
+                       "ncclAllReduce", what);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values.data(), values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+    wait_for_stream(what);
+  }
+
+  void barrier() {
+    double one[1] = {1};
+    all_reduce_values(one, reduce_op::sum);
+  }
+
+  //! Looks at the collectives still in flight: one older than the timeout aborts the
+  //! communicator and throws collective_error naming it. Never waits.
+  void poll() {
+    while (!in_flight_.empty()) {
+      auto& oldest = in_flight_.front();
+      cudaError_t const done = cudaEventQuery(oldest.done->get());
+      if (done == cudaSuccess) {
+        in_flight_.pop_front();
+        continue;
+      }
+      if (done != cudaErrorNotReady) MPX_CUDA_CHECK(done);
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) fail_with(oldest.what, ncclGetErrorString(async));
+      if (std::chrono::steady_clock::now() - oldest.enqueued > options_.timeout)
+        fail_with(oldest.what, "not complete " + std::to_string(options_.timeout.count()) +
+                                   " ms after it was enqueued (a rank hung, died, or called another collective)");
+      return;
+    }
+  }
+
+ private:
+  struct pending {
+    std::string what;
+    std::chrono::steady_clock::time_point enqueued;
+    std::unique_ptr<detail::ordering_event> done;  // events cannot move; the queue's entries do
+  };
+
+  template <class Bootstrap>
+  static ncclUniqueId id_from(Bootstrap& bootstrap) {
+    ncclUniqueId id{};
+    if (bootstrap.rank() == 0) detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
+    bootstrap.broadcast_bytes(std::as_writable_bytes(std::span<char>(id.internal, sizeof id.internal)), 0);
+    return id;
+  }
+
+  // The collective on the side stream: after the executor's work so far, before its later work.
+  template <class Enqueue>
+  void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
+    if (broken_) throw collective_error("mpx::nccl_communicator: an earlier collective failed; end the job", {});
+    poll();
+    what += " #" + std::to_string(++sequence_);
+    detail::ordering_event ready;
+    MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
+    MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
+    enqueue(what);
+    in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), std::make_unique<detail::ordering_event>()});
+    MPX_CUDA_CHECK(cudaEventRecord(in_flight_.back().done->get(), stream_));
+    MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), in_flight_.back().done->get(), 0));
+  }
+
+  void wait_for_stream(std::string const& what) {
+    auto const deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (;;) {
+      cudaError_t const s = cudaStreamQuery(stream_);
+      if (s == cudaSuccess) return;
+      if (s != cudaErrorNotReady) MPX_CUDA_CHECK(s);
+      if (std::chrono::steady_clock::now() >= deadline)
+        fail_with(what, "not complete after " + std::to_string(options_.timeout.count()) + " ms");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  void require_room(std::size_t n) const {
+    if (n > values_.size())
+      detail::fail<invalid_argument>("nccl_communicator", std::to_string(n) + " host values in one collective (at most " +
+                                                              std::to_string(values_.size()) + ")");
+  }
+
+  [[noreturn]] void fail_with(std::string const& what, std::string const& why) {
+    broken_ = true;
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    throw collective_error("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what + ": " + why, {});
+  }
+
+  communicator_options options_;
+  int rank_ = 0;
+  int size_ = 1;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  tensor<double, device_space> values_;
+  std::deque<pending> in_flight_;
+  long long sequence_ = 0;
+  bool broken_ = false;
+};
+
+static_assert(communicator<nccl_communicator>);
+
+}  // namespace mpx
+
+#endif  // MPX_HAS_CUDA_RUNTIME

@@ -1,0 +1,28 @@
+// mpx::replica_hooks: what a training loop (classifier_trainer, fit) calls when it runs
+// as one replica of a data-parallel job. mpx::data_parallel::hooks() makes them; an empty
+// set (the default) is a single process. Type-erased, so the loop stays independent of
+// the transport (MPI, NCCL) and of its headers.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <span>
+
+namespace mpx {
+
+struct replica_hooks {
+  int rank = 0;            //!< this replica's rank; rank 0 prints and writes files
+  std::size_t count = 1;   //!< replicas in the job
+  //! After the backward pass, before the optimizer step: average the gradients.
+  std::function<void()> after_backward;
+  //! After the optimizer step: in debug builds, check that every replica skipped alike
+  //! and holds the same loss scale.
+  std::function<void()> after_step;
+  //! Sums a few host values over the replicas, in place (metrics for the progress line).
+  std::function<void(std::span<double>)> sum_values;
+
+  [[nodiscard]] bool active() const noexcept { return count > 1 || static_cast<bool>(after_backward); }
+  [[nodiscard]] bool prints() const noexcept { return rank == 0; }
+};
+
+}  // namespace mpx

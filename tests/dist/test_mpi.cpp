@@ -1,0 +1,370 @@
+// Data-parallel training between host processes on MPI. Meson runs this program under
+// `mpirun -np 2` and `-np 3` (an odd count catches even-count assumptions): every rank
+// runs every case, in the same order, and the collectives meet. Each rank also trains
+// the single-process reference itself (no communication) to compare with.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <mpx/mpx.hpp>
+#include <mpx/dist/data_parallel.hpp>
+#include <mpx/dist/mpi_communicator.hpp>
+
+#include "support/testing.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <set>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+mpx::mpi_communicator* world = nullptr;
+
+mpx::mpi_communicator& comm() { return *world; }
+
+// Rank r's input for an all-reduce: seeded by rank, so every rank can make every other's.
+template <class T>
+std::vector<T> rank_values(std::size_t n, int rank) {
+  return mpx_test::random_values<T>(n, -4.0, 4.0, 1000 + static_cast<std::uint64_t>(rank));
+}
+
+template <class T>
+std::uint64_t checksum(std::vector<T> const& v) {
+  return mpx::detail::fnv1a(v.data(), v.size() * sizeof(T));
+}
+
+// Whether every rank holds the same 64-bit value.
+bool same_on_every_rank(std::uint64_t h) {
+  auto const [hi, lo] = mpx::detail::as_two_doubles(h);
+  double const mine[2] = {hi, lo};
+  auto const all = comm().all_gather_values(mine);
+  for (std::size_t i = 0; i < all.size(); i += 2)
+    if (all[i] != hi || all[i + 1] != lo) return false;
+  return true;
+}
+
+// Labelled points in the plane, class = quadrant, as a [N, 2, 1, 1] image set.
+mpx::image_dataset quadrant_images(std::size_t n, std::uint64_t stream) {
+  auto xy = mpx_test::random_values<float>(2 * n, -1.0, 1.0, stream);
+  mpx::image_dataset d;
+  d.images = mpx::tensor<float>(mpx::host_executor{}, mpx::shape{static_cast<std::int64_t>(n), 2, 1, 1});
+  std::copy(xy.begin(), xy.end(), d.images.data());
+  d.num_classes = 4;
+  for (std::size_t i = 0; i < n; ++i) d.labels.push_back((xy[2 * i] > 0 ? 1 : 0) + (xy[2 * i + 1] > 0 ? 2 : 0));
+  return d;
+}
+
+template <class P>
+auto small_model(std::int64_t width = 16) {
+  return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(width, mpx::activation::tanh), mpx::dense<>(4),
+                            mpx::softmax_layer<mpx::float32>());
+}
+
+template <class Model>
+auto sgd_with_dynamic_scale(mpx::host_executor const& exec, Model& model) {
+  return mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.5f),
+                                   mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+}
+
+template <class Model>
+std::vector<std::vector<double>> parameter_values(mpx::host_executor const& exec, Model& model) {
+  std::vector<std::vector<double>> out;
+  for (auto& p : model.parameters(exec))
+    mpx::visit_dtype(p.value.dtype(), [&](auto t) {
+      using T = decltype(t);
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, mpx::half> || std::is_same_v<T, mpx::bfloat16>)
+        out.push_back(mpx_test::widen(mpx_test::download(exec, p.value.template as<T>())));
+    });
+  return out;
+}
+
+// One epoch of mpx::fit as this replica, on quadrant points: `per_replica` samples each,
+// in local batches of `batch`.
+template <class Model, class Optimizer>
+void fit_one_epoch(mpx::host_executor const& exec, mpx::data_parallel<mpx::mpi_communicator>& dp, Model& model,
+                   Optimizer& opt, std::size_t per_replica, std::size_t batch, std::uint64_t stream) {
+  auto const data = quadrant_images(per_replica * static_cast<std::size_t>(comm().size()), stream);
+  mpx::batch_loader<mpx::host_executor, mpx::half> shard(
+      exec, data, {.batch_size = batch, .replica = static_cast<std::size_t>(comm().rank()),
+                   .replicas = static_cast<std::size_t>(comm().size())});
+  mpx::fit_options options;
+  options.quiet = true;
+  options.replicas = dp.hooks(exec);
+  mpx::fit(exec, model, opt, shard, options);
+}
+
+}  // namespace
+
+TEST_CASE("mpi_communicator all-reduces every dtype in place, the same bits on every rank", "[dist]") {
+  mpx::host_executor exec;
+  int const ranks = comm().size();
+  mpx_test::for_each_dtype([&](auto t) {
+    using T = decltype(t);
+    double const eps = std::ldexp(1.0, -mpx::dtype_traits<T>::mantissa_bits);
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1021}, std::size_t{65537}}) {
+      INFO(mpx::dtype_name<T> << " n=" << n);
+      std::vector<std::vector<T>> inputs;
+      for (int r = 0; r < ranks; ++r) inputs.push_back(rank_values<T>(n, r));
+      for (auto op : {mpx::reduce_op::sum, mpx::reduce_op::max, mpx::reduce_op::min}) {
+        auto data = mpx_test::upload(exec, inputs[static_cast<std::size_t>(comm().rank())], {static_cast<std::int64_t>(n)});
+        comm().all_reduce(exec, data, op);
+        auto const got = mpx_test::download(exec, data);
+        std::size_t bad = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+          double exact = op == mpx::reduce_op::sum ? 0.0 : static_cast<double>(mpx::cast<float>(inputs[0][i]));
+          double magnitude = 0;
+          for (int r = 0; r < ranks; ++r) {
+            double const x = static_cast<double>(mpx::cast<float>(inputs[static_cast<std::size_t>(r)][i]));
+            magnitude += std::abs(x);
+            if (op == mpx::reduce_op::sum) exact += x;
+            else if (op == mpx::reduce_op::max) exact = std::max(exact, x);
+            else exact = std::min(exact, x);
+          }
+          double const g = static_cast<double>(mpx::cast<float>(got[i]));
+          // A sum rounds once per addition: within (ranks - 1) roundings of the operands' size.
+          double const tolerance = op == mpx::reduce_op::sum ? ranks * eps * magnitude : 0.0;
+          if (!(std::abs(g - exact) <= tolerance) && bad++ == 0)
+            FAIL_CHECK(mpx::to_string(op) << " element " << i << ": got " << g << ", float64 says " << exact);
+        }
+        CHECK(bad == 0);
+        CHECK(same_on_every_rank(checksum(got)));
+      }
+    }
+  });
+}
+
+TEST_CASE("a NaN or inf on one rank reaches every rank's result", "[dist]") {
+  mpx::host_executor exec;
+  int const last = comm().size() - 1;
+  mpx_test::for_each_dtype([&](auto t) {
+    using T = decltype(t);
+    INFO(mpx::dtype_name<T>);
+    for (auto op : {mpx::reduce_op::sum, mpx::reduce_op::max, mpx::reduce_op::min}) {
+      std::vector<T> v(5, mpx::cast<T>(1.0f));
+      if (comm().rank() == last) {
+        v[1] = mpx::cast<T>(std::numeric_limits<float>::quiet_NaN());
+        v[3] = mpx::cast<T>(std::numeric_limits<float>::infinity());
+      }
+      if (comm().rank() == 0) v[3] = mpx::cast<T>(-std::numeric_limits<float>::infinity());
+      auto data = mpx_test::upload(exec, v, {5});
+      comm().all_reduce(exec, data, op);
+      auto const got = mpx_test::download(exec, data);
+      INFO(mpx::to_string(op));
+      CHECK(mpx::is_nan(got[1]));
+      CHECK(!mpx::is_finite(got[3]));  // inf + -inf is NaN; max/min keep an inf
+      CHECK(mpx::cast<float>(got[0]) == (op == mpx::reduce_op::sum ? static_cast<float>(comm().size()) : 1.0f));
+    }
+  });
+}
+
+TEST_CASE("broadcast, all_gather_values, all_reduce_values and barrier", "[dist]") {
+  mpx::host_executor exec;
+  int const root = comm().size() - 1;
+  auto data = mpx_test::upload(exec, rank_values<mpx::bfloat16>(333, comm().rank()), {333});
+  comm().broadcast(exec, data, root);
+  CHECK(checksum(mpx_test::download(exec, data)) == checksum(rank_values<mpx::bfloat16>(333, root)));
+  CHECK_THROWS_AS(comm().broadcast(exec, data, comm().size()), mpx::invalid_argument);
+
+  double const mine[2] = {static_cast<double>(comm().rank()), -1.5 * comm().rank()};
+  auto const all = comm().all_gather_values(mine);
+  REQUIRE(all.size() == 2 * static_cast<std::size_t>(comm().size()));
+  for (int r = 0; r < comm().size(); ++r) {
+    CHECK(all[2 * static_cast<std::size_t>(r)] == r);
+    CHECK(all[2 * static_cast<std::size_t>(r) + 1] == -1.5 * r);
+  }
+  double values[3] = {1.0, static_cast<double>(comm().rank()), comm().rank() == 0 ? std::nan("") : 0.0};
+  comm().all_reduce_values(std::span<double>(values, 2), mpx::reduce_op::sum);
+  CHECK(values[0] == comm().size());
+  CHECK(values[1] == comm().size() * (comm().size() - 1) / 2);
+  comm().all_reduce_values(std::span<double>(values + 2, 1), mpx::reduce_op::max);
+  CHECK(std::isnan(values[2]));  // a NaN is never dropped by max
+  comm().barrier();
+}
+
+TEST_CASE("sharded batch loaders deal every epoch's shuffle out without overlap", "[dist]") {
+  mpx::host_executor exec;
+  auto const data = quadrant_images(103, 5);
+  for (std::size_t replicas : {std::size_t{2}, std::size_t{3}}) {
+    INFO("replicas " << replicas);
+    std::multiset<std::size_t> training, evaluation;
+    std::size_t steps = 0;
+    for (std::size_t r = 0; r < replicas; ++r) {
+      mpx::batch_loader<mpx::host_executor> train(exec, data, {.batch_size = 8, .seed = 3, .replica = r, .replicas = replicas});
+      mpx::batch_loader<mpx::host_executor> eval(
+          exec, data, {.batch_size = 8, .shuffle = false, .replica = r, .replicas = replicas, .shard_by = mpx::sharding::whole_batches});
+      if (r == 0) steps = train.batches_per_epoch();
+      CHECK(train.batches_per_epoch() == steps);  // every replica takes the same steps
+      train.start_epoch(2);
+      while (auto b = train.next()) training.insert(b->samples.begin(), b->samples.end());
+      eval.start_epoch(0);
+      while (auto b = eval.next()) evaluation.insert(b->samples.begin(), b->samples.end());
+    }
+    CHECK(steps == 103 / (8 * replicas));
+    // Training: the first steps × global batch samples of the one-process order.
+    auto const order = mpx::shuffled_order(103, 3, 2);
+    CHECK(training == std::multiset<std::size_t>(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(steps * 8 * replicas)));
+    std::multiset<std::size_t> everything;
+    for (std::size_t i = 0; i < 103; ++i) everything.insert(i);
+    CHECK(evaluation == everything);
+  }
+  CHECK_THROWS_AS(mpx::batch_loader<mpx::host_executor>(exec, data, {.replica = 2, .replicas = 2}), mpx::invalid_argument);
+}
+
+// The proof the issue asks for: N data-parallel ranks with a local batch B take the steps
+// one process takes with the global batch N×B, including a step where only the last
+// rank's gradient holds a NaN: every rank skips it and halves its scale.
+TEST_CASE("data-parallel training equals one process with the global batch, skips included", "[dist]") {
+  mpx::host_executor exec;
+  int const ranks = comm().size();
+  std::size_t const local_batch = 8, steps = 7, poisoned_step = 3;
+  auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 11);
+
+  // The reference: one process, the global batch, the NaN in the same gradient element.
+  auto reference = small_model<mpx::mixed_float16>();
+  reference.build(exec, {2, 1, 1}, 1);
+  auto reference_opt = sgd_with_dynamic_scale(exec, reference);
+  mpx::batch_loader<mpx::host_executor, mpx::half> global(exec, data, {.batch_size = local_batch * ranks, .seed = 9});
+  mpx::classifier_trainer one(exec, reference, reference_opt);
+  std::size_t step = 0;
+  auto poison = [&](auto& opt) {
+    auto const& g = opt.optimizer().gradients()[1];  // the first dense layer's bias
+    static_cast<mpx::half*>(g.data())[2] = mpx::cast<mpx::half>(std::numeric_limits<float>::quiet_NaN());
+  };
+  mpx::replica_hooks alone;  // one process; the hook only poisons
+  alone.after_backward = [&] {
+    if (step == poisoned_step) poison(reference_opt);
+  };
+  one.run_as_replica(alone);
+  global.start_epoch(0);
+  for (; auto b = global.next(); ++step) one.step(exec, b->images, b->labels);
+  auto const reference_records = one.history(exec);
+
+  // The replicas: each built from another seed (rank 0's weights are broadcast).
+  auto model = small_model<mpx::mixed_float16>();
+  model.build(exec, {2, 1, 1}, 1 + 100 * static_cast<std::uint64_t>(comm().rank()));
+  auto opt = sgd_with_dynamic_scale(exec, model);
+  mpx::data_parallel dp(exec, comm(), opt, {.check_replicas_agree = true});
+  mpx::batch_loader<mpx::host_executor, mpx::half> shard(
+      exec, data, {.batch_size = local_batch, .seed = 9, .replica = static_cast<std::size_t>(comm().rank()),
+                   .replicas = static_cast<std::size_t>(ranks)});
+  REQUIRE(shard.batches_per_epoch() == steps);
+  mpx::classifier_trainer trainer(exec, model, opt);
+  auto hooks = dp.hooks(exec);
+  auto const average = hooks.after_backward;
+  hooks.after_backward = [&] {
+    if (step == poisoned_step && comm().rank() == ranks - 1) poison(opt);
+    average();
+  };
+  trainer.run_as_replica(hooks);
+  step = 0;
+  shard.start_epoch(0);
+  for (; auto b = shard.next(); ++step) trainer.step(exec, b->images, b->labels);
+  auto const records = trainer.history(exec);
+
+  REQUIRE(records.size() == reference_records.size());
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    INFO("step " << i);
+    CHECK(records[i].skipped == reference_records[i].skipped);
+    CHECK(records[i].skipped == (i == poisoned_step ? 1u : 0u));
+    CHECK(records[i].loss_scale == reference_records[i].loss_scale);
+  }
+  CHECK(opt.scaler().scale(exec) == 16384.0f);  // halved once, on every rank
+  CHECK(reference_opt.scaler().scale(exec) == 16384.0f);
+  // The same parameters up to the order of the sums: each rank's product sums its own
+  // rows, the all-reduce adds the ranks. Within a few half ulps (2^-10 relative).
+  auto const got = parameter_values(exec, model);
+  auto const expected = parameter_values(exec, reference);
+  REQUIRE(got.size() == expected.size());
+  double worst = 0;
+  for (std::size_t p = 0; p < got.size(); ++p)
+    for (std::size_t i = 0; i < got[p].size(); ++i)
+      worst = std::max(worst, std::abs(got[p][i] - expected[p][i]) / std::max(1.0, std::abs(expected[p][i])));
+  CHECK(worst <= 4 * std::ldexp(1.0, -10));
+  dp.check_parameters_agree(exec);
+  dp.check_replicas_agree(exec);
+
+  // Without the averaging the replicas would each step on their own shard's gradient:
+  // the check above can fail.
+  CHECK(same_on_every_rank(dp.parameter_checksum(exec)));
+}
+
+TEST_CASE("half gradients all-reduced in their own dtype match the float reduction closely", "[dist]") {
+  mpx::host_executor exec;
+  auto run = [&](bool in_float) {
+    auto model = small_model<mpx::mixed_float16>(37);  // 37: buckets of several tensors
+    model.build(exec, {2, 1, 1}, 5);
+    auto opt = sgd_with_dynamic_scale(exec, model);
+    mpx::data_parallel dp(exec, comm(), opt, {.bucket_bytes = 256, .reduce_in_float = in_float});
+    CHECK(dp.buckets() > 1);
+    fit_one_epoch(exec, dp, model, opt, 4 * 16, 16, 17);
+    dp.check_parameters_agree(exec);
+    return parameter_values(exec, model);
+  };
+  auto const wide = run(true), narrow = run(false);
+  double worst = 0;
+  for (std::size_t p = 0; p < wide.size(); ++p)
+    for (std::size_t i = 0; i < wide[p].size(); ++i) worst = std::max(worst, std::abs(wide[p][i] - narrow[p][i]));
+  CHECK(worst < 1e-2);
+}
+
+TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {
+  mpx::host_executor exec;
+  auto model = small_model<mpx::mixed_float16>(comm().rank() == 0 ? 16 : 17);
+  model.build(exec, {2, 1, 1}, 1);
+  auto opt = sgd_with_dynamic_scale(exec, model);
+  std::string const others = comm().size() == 2 ? "rank 1" : "ranks 1 and 2";
+  CHECK_THROWS_TYPE_WITH(mpx::data_parallel(exec, comm(), opt), mpx::shape_error,
+                         Catch::Contains("models differ from rank 0's at " + others) && Catch::Contains("dense_1/kernel"));
+}
+
+TEST_CASE("rank 0 saves the training state, every rank resumes from it", "[dist]") {
+  mpx::host_executor exec;
+  auto model = small_model<mpx::mixed_float16>();
+  model.build(exec, {2, 1, 1}, 1);
+  auto opt = sgd_with_dynamic_scale(exec, model);
+  mpx::data_parallel dp(exec, comm(), opt);
+  double const pid[1] = {static_cast<double>(::getpid())};
+  fs::path const dir = fs::temp_directory_path() /
+                       ("mpx-dist-" + std::to_string(static_cast<long long>(comm().all_gather_values(pid)[0])));
+  fit_one_epoch(exec, dp, model, opt, 6 * 8, 8, 23);
+  dp.on_rank_zero([&] { mpx::save_training_state(exec, model, opt, dir, {.epoch = 1, .batch = 0, .steps = 6}); });
+  auto const saved = dp.parameter_checksum(exec);
+
+  auto other = small_model<mpx::mixed_float16>();
+  other.build(exec, {2, 1, 1}, 7 + static_cast<std::uint64_t>(comm().rank()));
+  auto other_opt = sgd_with_dynamic_scale(exec, other);
+  mpx::data_parallel resumed(exec, comm(), other_opt);
+  auto const position = mpx::load_training_state(exec, other, other_opt, dir);
+  CHECK(position.steps == 6);
+  CHECK(resumed.parameter_checksum(exec) == saved);
+  resumed.check_parameters_agree(exec);
+  CHECK(other_opt.scaler().scale(exec) == opt.scaler().scale(exec));
+
+  // A failure on rank 0 reaches every rank, which then does not wait forever.
+  CHECK_THROWS_TYPE_WITH(dp.on_rank_zero([] { throw mpx::invalid_argument("the disk is full"); }), mpx::error,
+                         Catch::Contains("failed on rank 0"));
+  comm().barrier();
+  if (comm().rank() == 0) fs::remove_all(dir);
+}
+
+int main(int argc, char** argv) {
+  mpx::mpi_environment mpi(argc, argv);
+  int failed = 0;
+  {
+    // A case that fails on one rank only could leave the others in a collective:
+    // the timeout turns that into an error instead of a hang.
+    mpx::mpi_communicator communicator(MPI_COMM_WORLD, {std::chrono::seconds(60)});
+    world = &communicator;
+    Catch::Session session;
+    failed = session.run(argc, argv);
+    double any[1] = {static_cast<double>(failed)};
+    communicator.all_reduce_values(any, mpx::reduce_op::max);
+    failed = static_cast<int>(any[0]);
+    world = nullptr;
+  }
+  return failed ? 1 : 0;
+}
