@@ -68,7 +68,10 @@ kit=.gpu
 rm -rf "$kit"
 stage=$kit/stage
 mkdir -p "$stage/bin" "$stage/lib" "$stage/fallback"
-if [ "$only" != perf ]; then cp "$build/tests/mpx_tests_cuda" "$stage/bin/"; fi
+if [ "$only" != perf ]; then
+  cp "$build/tests/mpx_tests_cuda" "$stage/bin/"
+  [ ! -x "$build/tests/mpx_tests_nccl" ] || cp "$build/tests/mpx_tests_nccl" "$stage/bin/"  # built where MPI is found
+fi
 if [ "$only" != tests ]; then
   for e in "$build"/examples/*; do [ -f "$e" ] && [ -x "$e" ] && cp "$e" "$stage/bin/"; done
   for b in "$build"/bench/*_bench; do [ -f "$b" ] && [ -x "$b" ] && cp "$b" "$stage/bin/"; done

@@ -143,8 +143,8 @@ note "kit: $(tr '\n' ';' < "$kit/info" 2> /dev/null | sed 's/;$//; s/;/; /g')"
 phase_programs=()
 for p in "$bin"/*; do
   case "$phase:$(basename "$p")" in
-    tests:gpu_probe|tests:mpx_tests_cuda|all:*) phase_programs+=("$p") ;;
-    tests:*|perf:mpx_tests_cuda) ;;
+    tests:gpu_probe|tests:mpx_tests_cuda|tests:mpx_tests_nccl|all:*) phase_programs+=("$p") ;;
+    tests:*|perf:mpx_tests_cuda|perf:mpx_tests_nccl) ;;
     perf:*) phase_programs+=("$p") ;;
   esac
 done
@@ -246,6 +246,13 @@ fi
 
 if [ "$phase" != perf ]; then
 mpx_step tests_cuda 240 mpx_tests_cuda --reporter compact
+# NCCL data parallelism: one rank per GPU would be `mpirun -np <GPUs>`; alone it is a job
+# of one rank, which runs every code path of the communicator and data_parallel.
+if [ -x "$bin/mpx_tests_nccl" ]; then
+  mpx_step tests_nccl 120 mpx_tests_nccl --reporter compact
+else
+  record tests_nccl "not run: no mpx_tests_nccl in the kit (built where MPI is found)"
+fi
 
 # compute-sanitizer refuses some devices ("Device not supported", then error 999): a short
 # run on gpu_probe (or, without it, the suite's listing) decides before the long steps.

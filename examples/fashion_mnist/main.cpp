@@ -14,7 +14,7 @@
 //   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
 //                 [--test-limit N] [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N]
-//                 [--cuda-graph] [--probe]
+//                 [--cuda-graph] [--probe] [--data-parallel]
 //
 // --cuda-graph captures one training step in a CUDA graph and replays it (GPU only).
 // --probe prints, before training, the share of each parameter's gradients that a
@@ -23,9 +23,22 @@
 // FILE.png draws them with scripts/plot_run.py (python3 and matplotlib), one colour per
 // policy, writing the logs next to the PNG when --csv is not given.
 //
+// --data-parallel trains one replica per process, under mpirun: each takes its share of
+// every global batch of --batch-size samples, the gradients are averaged over the ranks
+// (MPI between host processes; NCCL between GPUs, one per process) and every rank takes
+// the same step. Only rank 0 prints. docs/data_parallel.md has the launch lines:
+//   mpirun -np 2 build/examples/fashion_mnist --data-parallel
+//
 // Without a GPU the default is one epoch of the 60,000 training images on the host, about
 // 70 seconds on two cores; on a GPU, five epochs.
 #include <mpx/mpx.hpp>
+#if MPX_EXAMPLE_HAS_MPI
+#include <mpx/dist/data_parallel.hpp>
+#include <mpx/dist/mpi_communicator.hpp>
+#if MPX_HAS_CUDA
+#include <mpx/dist/nccl_communicator.hpp>
+#endif
+#endif
 
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -35,6 +48,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,7 +67,47 @@ struct settings {
   std::uint64_t seed = 1;
   bool cuda_graph = false;
   bool probe = false;  // print probe_loss_scales on the first batch before training
+  bool data_parallel = false;
 };
+
+// The job this process belongs to: one rank of one without --data-parallel.
+struct cluster {
+  int rank = 0;
+  int ranks = 1;
+#if MPX_EXAMPLE_HAS_MPI
+  mpx::mpi_communicator* mpi = nullptr;
+#if MPX_HAS_CUDA
+  mpx::nccl_communicator* nccl = nullptr;
+#endif
+#endif
+};
+
+// Calls train(hooks) with this process as one replica of the job (MPI on the host, NCCL
+// on a GPU), or as the only one.
+template <class Exec, class Optimizer, class Train>
+void as_replica(Exec const& exec, cluster const& c, Optimizer& optimizer, Train&& train) {
+#if MPX_EXAMPLE_HAS_MPI
+  if constexpr (mpx::is_host_executor_v<Exec>) {
+    if (c.mpi) {
+      mpx::data_parallel dp(exec, *c.mpi, optimizer);
+      train(dp.hooks(exec));
+      return;
+    }
+  } else {
+#if MPX_HAS_CUDA
+    if (c.nccl) {
+      mpx::data_parallel dp(exec, *c.nccl, optimizer);
+      train(dp.hooks(exec));
+      return;
+    }
+#endif
+  }
+#endif
+  static_cast<void>(exec);
+  static_cast<void>(c);
+  static_cast<void>(optimizer);
+  train(mpx::replica_hooks{});
+}
 
 struct outcome {
   std::string policy;
@@ -65,6 +119,7 @@ struct outcome {
   float final_scale = 0;
   double peak_memory_mib = 0;
   std::string memory_kind;
+  int ranks = 1;
 };
 
 // The model of the header comment, under policy P, with Keras's float32 softmax.
@@ -97,7 +152,7 @@ double host_peak_mib() {
 }
 
 template <class P, class Exec>
-outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& train_set,
+outcome train(Exec const& exec, settings const& s, cluster const& job, mpx::image_dataset const& train_set,
               mpx::image_dataset const& test_set) {
   using storage = typename P::storage_type;
   constexpr bool on_gpu = !mpx::is_host_executor_v<Exec>;
@@ -128,8 +183,14 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
   std::printf("\n== %s on the %s executor\n%s", std::string(P::name).c_str(), on_gpu ? "cuda" : "host",
               model.summary().c_str());
 
-  mpx::batch_loader<Exec, storage> train_batches(exec, train_set, {.batch_size = s.batch_size, .shuffle = true, .seed = s.seed});
-  mpx::batch_loader<Exec, storage> test_batches(exec, test_set, {.batch_size = 500, .shuffle = false});
+  // With several ranks each takes its share of every global batch (and of the test set).
+  auto const rank = static_cast<std::size_t>(job.rank), ranks = static_cast<std::size_t>(job.ranks);
+  mpx::batch_loader<Exec, storage> train_batches(
+      exec, train_set,
+      {.batch_size = s.batch_size / ranks, .shuffle = true, .seed = s.seed, .replica = rank, .replicas = ranks});
+  mpx::batch_loader<Exec, storage> test_batches(
+      exec, test_set,
+      {.batch_size = 500, .shuffle = false, .replica = rank, .replicas = ranks, .shard_by = mpx::sharding::whole_batches});
   if (s.probe) {
     train_batches.start_epoch(0);
     if (auto const first = train_batches.next())
@@ -142,12 +203,17 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
   auto adam = mpx::adam(exec, model.parameters(exec), 1e-3f);
   outcome o;
   o.policy = std::string(P::name);
+  o.ranks = job.ranks;
   auto run = [&](auto& optimizer) {
     mpx::fit_options options;
     options.epochs = s.epochs;
     options.cuda_graph = s.cuda_graph;
     if (!s.csv.empty()) options.csv_log = o.csv = s.csv + "." + o.policy + ".csv";
-    auto const history = mpx::fit(exec, model, optimizer, train_batches, options, &test_batches);
+    std::vector<mpx::epoch_summary> history;
+    as_replica(exec, job, optimizer, [&](mpx::replica_hooks hooks) {
+      options.replicas = std::move(hooks);
+      history = mpx::fit(exec, model, optimizer, train_batches, options, &test_batches);
+    });
     double total = 0;
     for (auto const& e : history) {
       total += e.seconds;
@@ -183,13 +249,13 @@ outcome train(Exec const& exec, settings const& s, mpx::image_dataset const& tra
 }
 
 template <class Exec>
-std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::image_dataset const& train_set,
-                                    mpx::image_dataset const& test_set) {
+std::vector<outcome> train_policies(Exec const& exec, settings const& s, cluster const& job,
+                                    mpx::image_dataset const& train_set, mpx::image_dataset const& test_set) {
   std::vector<outcome> out;
   std::vector<std::string> names = {s.policy};
   if (s.policy == "all") names = {"mixed_float16", "mixed_bfloat16", "float32"};
   for (auto const& name : names)
-    mpx::with_policy(name, [&](auto p) { out.push_back(train<typename decltype(p)::type>(exec, s, train_set, test_set)); });
+    mpx::with_policy(name, [&](auto p) { out.push_back(train<typename decltype(p)::type>(exec, s, job, train_set, test_set)); });
   return out;
 }
 
@@ -197,7 +263,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::im
   std::fprintf(code ? stderr : stdout,
                "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|all] [--epochs N] [--batch-size N]\n"
                "          [--executor auto|host|cuda] [--train-limit N] [--test-limit N] [--data DIR] [--csv FILE]\n"
-               "          [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n",
+               "          [--plot FILE.png] [--seed N] [--cuda-graph] [--probe] [--data-parallel]\n",
                program);
   std::exit(code);
 }
@@ -232,6 +298,7 @@ settings parse(int argc, char** argv) {
     else if (a == "--seed") s.seed = number();
     else if (a == "--cuda-graph") s.cuda_graph = true;
     else if (a == "--probe") s.probe = true;
+    else if (a == "--data-parallel") s.data_parallel = true;
     else if (a == "--help" || a == "-h") usage(argv[0], 0);
     else {
       std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());
@@ -323,6 +390,40 @@ int main(int argc, char** argv) try {
   }
   bool const use_gpu = s.executor == "cuda" || (s.executor == "auto" && gpu);
   if (s.epochs == 0) s.epochs = use_gpu ? 5 : 1;
+
+  cluster job;
+#if MPX_EXAMPLE_HAS_MPI
+  std::optional<mpx::mpi_environment> mpi;
+  std::optional<mpx::mpi_communicator> world;
+#if MPX_HAS_CUDA
+  std::optional<mpx::nccl_communicator> gpus;
+#endif
+  if (s.data_parallel) {
+    mpi.emplace(argc, argv);
+    world.emplace();
+    job.mpi = &*world;
+    job.rank = world->rank();
+    job.ranks = world->size();
+    if (s.batch_size % static_cast<std::size_t>(job.ranks) != 0)
+      throw mpx::invalid_argument("--batch-size " + std::to_string(s.batch_size) + " is the global batch: it must split evenly over " +
+                                  std::to_string(job.ranks) + " ranks");
+#if MPX_HAS_CUDA
+    if (use_gpu) {
+      int devices = 0;
+      MPX_CUDA_CHECK(cudaGetDeviceCount(&devices));
+      MPX_CUDA_CHECK(cudaSetDevice(job.rank % devices));  // one GPU per rank (a node's ranks share them out)
+      gpus.emplace(mpx::cuda_executor{}, *world);
+      job.nccl = &*gpus;
+    }
+#endif
+    // Only rank 0 speaks; the others' errors still reach stderr.
+    if (job.rank != 0 && !std::freopen("/dev/null", "w", stdout))
+      throw mpx::error("rank " + std::to_string(job.rank) + ": cannot silence stdout");
+  }
+#else
+  if (s.data_parallel)
+    throw mpx::error("--data-parallel: this binary was built without MPI (install libopenmpi-dev: scripts/setup.sh does)");
+#endif
   if (s.train_limit == 0) s.train_limit = 60000;
 
   auto const t0 = std::chrono::steady_clock::now();
@@ -335,22 +436,27 @@ int main(int argc, char** argv) try {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::printf("policy %s, %zu epoch(s), batch %zu, Adam(1e-3), %s executor\n", s.policy.c_str(), s.epochs,
               s.batch_size, use_gpu ? "cuda" : "host");
+  if (s.data_parallel)
+    std::printf("data-parallel: %d rank(s) (%s), each takes %zu samples of every global batch of %zu\n", job.ranks,
+                use_gpu ? "NCCL between GPUs" : "MPI between host processes", s.batch_size / static_cast<std::size_t>(job.ranks),
+                s.batch_size);
 
   std::vector<outcome> results;
   if (use_gpu) {
 #if MPX_HAS_CUDA
-    results = train_policies(mpx::cuda_executor{}, s, train_set, test_set);
+    results = train_policies(mpx::cuda_executor{}, s, job, train_set, test_set);
 #endif
   } else {
-    results = train_policies(mpx::host_executor{}, s, train_set, test_set);
+    results = train_policies(mpx::host_executor{}, s, job, train_set, test_set);
   }
 
-  std::printf("\n%-16s %14s %14s %12s %10s %12s  %s\n", "policy", "s / epoch", "test accuracy", "test loss",
-              "skipped", "final scale", "peak memory");
+  std::printf("\n%-16s %6s %14s %14s %12s %10s %12s  %s\n", "policy", "ranks", "s / epoch", "test accuracy",
+              "test loss", "skipped", "final scale", "peak memory");
   for (auto const& r : results)
-    std::printf("%-16s %14.2f %13.2f%% %12.4f %10zu %12g  %.0f MiB %s\n", r.policy.c_str(), r.seconds_per_epoch,
-                100 * r.test_accuracy, r.test_loss, r.skipped_steps, static_cast<double>(r.final_scale),
-                r.peak_memory_mib, r.memory_kind.c_str());
+    std::printf("%-16s %6d %14.2f %13.2f%% %12.4f %10zu %12g  %.0f MiB %s%s\n", r.policy.c_str(), r.ranks,
+                r.seconds_per_epoch, 100 * r.test_accuracy, r.test_loss, r.skipped_steps,
+                static_cast<double>(r.final_scale), r.peak_memory_mib, r.memory_kind.c_str(),
+                r.ranks > 1 ? " (rank 0)" : "");
   if (!use_gpu)
     std::printf("\nNo GPU was used: this ran on the host executor (%zu training images, %zu epoch(s)).\n"
                 "On a GPU the same program, built with nvcc, runs the products on tensor cores through cuBLASLt\n"
@@ -364,6 +470,10 @@ int main(int argc, char** argv) try {
                   " executor");
   return 0;
 } catch (mpx::error const& e) {
+#if MPX_EXAMPLE_HAS_MPI
+  // Other ranks may be waiting for this one in a collective: end the whole job.
+  if (mpx::mpi_environment::active()) mpx::mpi_environment::abort(1, std::string("fashion_mnist: ") + e.what());
+#endif
   std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
   return 1;
 }

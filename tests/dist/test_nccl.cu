@@ -68,12 +68,20 @@ int main(int argc, char** argv) {
     std::printf("mpx nccl tests: no usable GPU; skipped\n");
     return 77;
   }
+  mpx::communicator_options const patience{std::chrono::seconds(60)};
+  if (!mpx::mpi_environment::launched_as_replica()) {  // alone: a job of one rank, no MPI runtime needed
+    ncclUniqueId id{};
+    mpx::detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
+    mpx::nccl_communicator communicator(mpx::cuda_executor{}, id, 0, 1, patience);
+    gpus = &communicator;
+    return Catch::Session().run(argc, argv);
+  }
   mpx::mpi_environment mpi(argc, argv);
   mpx::mpi_communicator world;
   MPX_CUDA_CHECK(cudaSetDevice(world.rank() % devices));
   int failed = 0;
   {
-    mpx::nccl_communicator communicator(mpx::cuda_executor{}, world, {std::chrono::seconds(60)});
+    mpx::nccl_communicator communicator(mpx::cuda_executor{}, world, patience);
     gpus = &communicator;
     failed = Catch::Session().run(argc, argv);
     gpus = nullptr;

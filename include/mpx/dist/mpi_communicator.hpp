@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <span>
 #include <string>
 #include <thread>
@@ -33,10 +34,12 @@
 namespace mpx {
 
 //! MPI_Init on construction, MPI_Finalize on destruction (when this object initialised
-//! MPI): the first line of a data-parallel main().
+//! MPI): the first line of a data-parallel main(). Left by an exception, it does not
+//! finalize (MPI_Finalize waits for ranks that may be waiting for this one): report the
+//! error, then mpi_environment::abort ends the job.
 class mpi_environment {
  public:
-  mpi_environment(int& argc, char**& argv) {
+  mpi_environment(int& argc, char**& argv) : unwinding_at_start_(std::uncaught_exceptions()) {
     int ready = 0;
     MPI_Initialized(&ready);
     if (ready) return;
@@ -48,7 +51,15 @@ class mpi_environment {
   ~mpi_environment() {
     int done = 0;
     MPI_Finalized(&done);
-    if (owner_ && !done) MPI_Finalize();
+    if (owner_ && !done && std::uncaught_exceptions() == unwinding_at_start_) MPI_Finalize();
+  }
+
+  //! Whether MPI is initialised and not yet finalised (an error handler then aborts).
+  static bool active() noexcept {
+    int ready = 0, done = 0;
+    MPI_Initialized(&ready);
+    MPI_Finalized(&done);
+    return ready && !done;
   }
   mpi_environment(mpi_environment const&) = delete;
   mpi_environment& operator=(mpi_environment const&) = delete;
@@ -70,6 +81,7 @@ class mpi_environment {
   }
 
  private:
+  int unwinding_at_start_ = 0;
   bool owner_ = false;
 };
 
