@@ -255,8 +255,20 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   mpx::classifier_trainer trainer(exec, model, opt);
   auto hooks = dp.hooks(exec);
   auto const average = hooks.after_backward;
+  auto const reduce_final = hooks.gradients_final;
+  std::size_t poisoned_at = steps;
+  hooks.gradients_final = [&](std::size_t first) {
+    // The poisoned gradient (index 1) is final once `first` reaches it: poison it before
+    // its bucket's all-reduce starts, as an overflow in this rank's backward would.
+    if (step == poisoned_step && comm().rank() == ranks - 1 && first <= 1 && poisoned_at != step) {
+      poison(opt);
+      poisoned_at = step;
+    }
+    reduce_final(first);
+  };
+  std::size_t started_early = 0;
   hooks.after_backward = [&] {
-    if (step == poisoned_step && comm().rank() == ranks - 1) poison(opt);
+    started_early += dp.buckets_started();  // begun during the backward pass, layer by layer
     average();
   };
   trainer.run_as_replica(hooks);
@@ -265,6 +277,7 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   for (; auto b = shard.next(); ++step) trainer.step(exec, b->images, b->labels);
   auto const records = trainer.history(exec);
 
+  CHECK(started_early == steps * dp.buckets());  // no bucket waited for the end of the backward pass
   REQUIRE(records.size() == reference_records.size());
   for (std::size_t i = 0; i < records.size(); ++i) {
     INFO("step " << i);

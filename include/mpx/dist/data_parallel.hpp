@@ -118,32 +118,33 @@ class data_parallel {
   [[nodiscard]] int replicas() const noexcept { return comm_->size(); }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
   [[nodiscard]] std::size_t buckets() const noexcept { return buckets_.size(); }
+  //! Buckets whose all-reduce has started this step (before all_reduce_gradients).
+  [[nodiscard]] std::size_t buckets_started() const noexcept {
+    return static_cast<std::size_t>(std::count_if(buckets_.begin(), buckets_.end(), [](auto const& b) { return b.started; }));
+  }
   [[nodiscard]] data_parallel_options const& options() const noexcept { return options_; }
 
   //! Replaces every rank's gradients by their average over the ranks. Call it after the
-  //! backward pass and before the optimizer step, on every rank.
+  //! backward pass and before the optimizer step, on every rank. Buckets whose
+  //! all-reduce gradients_final_from already started are only finished.
   void all_reduce_gradients(executor_type const& exec) {
-    float const n = static_cast<float>(comm_->size());
-    for (auto const& b : buckets_) {
-      visit_dtype(b.dtype, [&](auto wire) {
-        using W = decltype(wire);
-        if constexpr (std::is_same_v<W, float> || std::is_same_v<W, half> || std::is_same_v<W, bfloat16>) {
-          if (b.in_place) {  // one tensor already in the wire dtype: no copies
-            auto const g = (*gradients_)[b.members.front().index].template as<W>();
-            comm_->all_reduce(exec, g, reduce_op::sum);
-            transform(exec, g, ops::average_of_sum<W>{n}, g);
-            return;
-          }
-          auto const wire_view = tensor_view<W, space>(reinterpret_cast<W*>(scratch_.data()), shape{b.elements});
-          for (auto const& m : b.members) for_member(m, [&](auto g) { cast(exec, g, wire_view.flat(m.offset, g.size())); });
-          comm_->all_reduce(exec, wire_view, reduce_op::sum);
-          for (auto const& m : b.members)
-            for_member(m, [&](auto g) {
-              using G = typename decltype(g)::value_type;
-              transform(exec, g, ops::average_of_sum<G>{n}, tensor_view<W const, space>(wire_view.flat(m.offset, g.size())));
-            });
-        }
-      });
+    for (auto& b : buckets_)
+      if (!b.started) start(exec, b);
+    if constexpr (requires { comm_->finish_all_reduces(exec); }) comm_->finish_all_reduces(exec);
+    for (auto& b : buckets_) {
+      average(exec, b);
+      b.started = false;
+    }
+  }
+
+  //! During the backward pass: the gradients from `first` on (in the optimizer's order)
+  //! are final. Starts the all-reduce of every bucket that holds only such gradients; on
+  //! a GPU it runs while the earlier layers' backward does.
+  void gradients_final_from(executor_type const& exec, std::size_t first) {
+    for (auto& b : buckets_) {  // the last parameters' buckets come first
+      if (b.started) continue;
+      if (b.members.back().index < first) break;
+      start(exec, b);
     }
   }
 
@@ -217,6 +218,7 @@ class data_parallel {
     replica_hooks h;
     h.rank = comm_->rank();
     h.count = static_cast<std::size_t>(comm_->size());
+    h.gradients_final = [this, exec](std::size_t first) { gradients_final_from(exec, first); };
     h.after_backward = [this, exec] { all_reduce_gradients(exec); };
     if (options_.check_replicas_agree) h.after_step = [this, exec] { check_replicas_agree(exec); };
     h.sum_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::sum); };
@@ -231,9 +233,55 @@ class data_parallel {
   struct bucket {
     dtype_id dtype;        // on the wire
     std::int64_t elements = 0;
-    bool in_place = false;
-    std::vector<member> members;
+    bool in_place = false;        // one tensor already in the wire dtype: reduced where it is
+    std::vector<member> members;  // by decreasing index
+    std::size_t scratch_offset = 0;  // bytes into scratch_ (its own: reductions overlap)
+    bool started = false;            // its all-reduce began this step
   };
+
+  // The bucket's values on the wire: the tensor itself, or its own part of the scratch.
+  template <class W>
+  tensor_view<W, space> wire_of(bucket const& b) const {
+    if (b.in_place) return (*gradients_)[b.members.front().index].template as<W>().reshape(shape{b.elements});
+    return tensor_view<W, space>(reinterpret_cast<W*>(scratch_.data() + b.scratch_offset), shape{b.elements});
+  }
+
+  template <class F>
+  static void visit_wire(dtype_id d, F&& f) {
+    visit_dtype(d, [&](auto t) {
+      using W = decltype(t);
+      if constexpr (std::is_same_v<W, float> || std::is_same_v<W, half> || std::is_same_v<W, bfloat16>) f(W{});
+    });
+  }
+
+  // Packs the bucket (unless in place) and starts its sum over the ranks.
+  void start(executor_type const& exec, bucket& b) {
+    visit_wire(b.dtype, [&](auto w) {
+      using W = decltype(w);
+      auto const wire = wire_of<W>(b);
+      if (!b.in_place)
+        for (auto const& m : b.members) for_member(m, [&](auto g) { cast(exec, g, wire.flat(m.offset, g.size())); });
+      if constexpr (requires { comm_->start_all_reduce(exec, wire, reduce_op::sum); })
+        comm_->start_all_reduce(exec, wire, reduce_op::sum);
+      else
+        comm_->all_reduce(exec, wire, reduce_op::sum);
+    });
+    b.started = true;
+  }
+
+  // Each gradient of the bucket becomes its sum / ranks, rounded once into its dtype.
+  void average(executor_type const& exec, bucket const& b) {
+    float const n = static_cast<float>(comm_->size());
+    visit_wire(b.dtype, [&](auto w) {
+      using W = decltype(w);
+      auto const wire = wire_of<W>(b);
+      for (auto const& m : b.members)
+        for_member(m, [&](auto g) {
+          using G = typename decltype(g)::value_type;
+          transform(exec, g, ops::average_of_sum<G>{n}, tensor_view<W const, space>(wire.flat(m.offset, g.size())));
+        });
+    });
+  }
 
   template <class Optimizer>
   static auto& inner(Optimizer& o) {
@@ -281,7 +329,6 @@ class data_parallel {
   // Buckets in reverse parameter order (the backward pass finishes the last layers'
   // gradients first), each holding whole tensors of about bucket_bytes.
   void plan_buckets(executor_type const& exec) {
-    std::size_t largest = 0;
     for (std::size_t k = gradients_->size(); k-- > 0;) {
       auto const& g = (*gradients_)[k];
       detail::require_reducible("data_parallel", g.dtype());
@@ -294,12 +341,15 @@ class data_parallel {
       b.members.push_back(member{k, b.elements});
       b.elements += n;
     }
+    std::size_t bytes = 0;
     for (auto& b : buckets_) {
       auto const& first = (*gradients_)[b.members.front().index];
       b.in_place = b.members.size() == 1 && first.dtype() == b.dtype;
-      if (!b.in_place) largest = std::max(largest, static_cast<std::size_t>(b.elements) * size_of(b.dtype));
+      if (b.in_place) continue;
+      b.scratch_offset = bytes;
+      bytes += (static_cast<std::size_t>(b.elements) * size_of(b.dtype) + 255) / 256 * 256;  // aligned for any wire dtype
     }
-    scratch_ = tensor<std::uint8_t, space>(exec, shape{static_cast<std::int64_t>(std::max<std::size_t>(largest, 1))});
+    scratch_ = tensor<std::uint8_t, space>(exec, shape{static_cast<std::int64_t>(std::max<std::size_t>(bytes, 1))});
   }
 
   Comm* comm_;

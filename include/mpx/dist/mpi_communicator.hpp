@@ -163,21 +163,40 @@ class mpi_communicator {
   //! In place: every rank's `data` becomes the element-wise reduction over all ranks.
   //! The same bits on every rank (MPI's algorithms combine each element along one
   //! schedule; data_parallel checks it in debug builds).
-  void all_reduce(host_executor const&, tensor_ref<host_space> data, reduce_op op) {
-    detail::require_reducible("mpi_communicator::all_reduce", data.dtype());
-    std::string const what = "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) +
-                             " " + std::string(to_string(data.dtype())) + ")";
-    begin(what);
-    if (data.size() == 0) {
-      barrier_inside();
-      return;
+  void all_reduce(host_executor const& exec, tensor_ref<host_space> data, reduce_op op) {
+    if (!started_.empty())
+      detail::fail<invalid_argument>("mpi_communicator::all_reduce",
+                                     "all-reduces were started and not finished (finish_all_reduces first)");
+    start_all_reduce(exec, data, op);
+    finish_all_reduces(exec);
+  }
+
+  //! all_reduce, started: it may progress while this rank computes; `data` must stay
+  //! untouched until finish_all_reduces() returns. Ranks start the same all-reduces in
+  //! the same order.
+  void start_all_reduce(host_executor const&, tensor_ref<host_space> data, reduce_op op) {
+    detail::require_reducible("mpi_communicator::start_all_reduce", data.dtype());
+    begin("all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) + " " +
+          std::string(to_string(data.dtype())) + ")");
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (data.size() != 0) {
+      MPI_Datatype const type = data.dtype() == dtype_id::float32 ? MPI_FLOAT : MPI_UINT16_T;
+      check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), type, op_for(data.dtype(), op), comm_,
+                           &request),
+            "MPI_Iallreduce");
+    } else {
+      check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier");
     }
-    MPI_Datatype const type = data.dtype() == dtype_id::float32 ? MPI_FLOAT : MPI_UINT16_T;
-    MPI_Request request{};
-    check(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), type, op_for(data.dtype(), op), comm_,
-                         &request),
-          "MPI_Iallreduce");
-    wait(request);
+    started_.push_back({request, current_});
+  }
+
+  //! Waits (with the deadline) for every all-reduce start_all_reduce began.
+  void finish_all_reduces(host_executor const&) {
+    for (auto& s : started_) {
+      current_ = s.what;
+      wait(s.request);
+    }
+    started_.clear();
   }
 
   //! Root's bytes into every rank's `data` (same dtype and size everywhere).
@@ -378,6 +397,11 @@ class mpi_communicator {
   long long sequence_ = 0;
   std::string current_;
   bool broken_ = false;
+  struct started {
+    MPI_Request request;
+    std::string what;
+  };
+  std::vector<started> started_;  // all-reduces begun by start_all_reduce
 };
 
 static_assert(communicator<mpi_communicator>);

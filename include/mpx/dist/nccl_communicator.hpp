@@ -130,6 +130,20 @@ class nccl_communicator {
         });
   }
 
+  //! all_reduce, started on the communicator's stream without making the executor's
+  //! stream wait: the executor's later work (the backward pass of earlier layers) runs
+  //! concurrently. `data` must stay untouched until finish_all_reduces(exec).
+  void start_all_reduce(cuda_executor const& exec, tensor_ref<device_space> data, reduce_op op) {
+    deferred_ = true;
+    all_reduce(exec, data, op);
+    deferred_ = false;
+  }
+  //! The executor's stream waits (on the GPU) for every started all-reduce.
+  void finish_all_reduces(cuda_executor const& exec) {
+    for (auto const& e : unfinished_) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
+    unfinished_.clear();
+  }
+
   void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {
     run(exec, "broadcast (" + std::to_string(data.size_bytes()) + " bytes from rank " + std::to_string(root) + ")",
         [&](std::string const& what) {
@@ -196,7 +210,7 @@ class nccl_communicator {
   struct pending {
     std::string what;
     std::chrono::steady_clock::time_point enqueued;
-    std::unique_ptr<detail::ordering_event> done;  // events cannot move; the queue's entries do
+    std::shared_ptr<detail::ordering_event> done;  // events cannot move; the queue's entries do
   };
 
   template <class Bootstrap>
@@ -217,9 +231,10 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
     enqueue(what);
-    in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), std::make_unique<detail::ordering_event>()});
+    in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), std::make_shared<detail::ordering_event>()});
     MPX_CUDA_CHECK(cudaEventRecord(in_flight_.back().done->get(), stream_));
-    MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), in_flight_.back().done->get(), 0));
+    if (deferred_) unfinished_.push_back(in_flight_.back().done);
+    else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), in_flight_.back().done->get(), 0));
   }
 
   void wait_for_stream(std::string const& what) {
@@ -254,6 +269,8 @@ class nccl_communicator {
   cudaStream_t stream_ = nullptr;
   tensor<double, device_space> values_;
   std::deque<pending> in_flight_;
+  std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
+  bool deferred_ = false;
   long long sequence_ = 0;
   bool broken_ = false;
 };

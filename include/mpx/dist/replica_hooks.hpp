@@ -13,7 +13,11 @@ namespace mpx {
 struct replica_hooks {
   int rank = 0;            //!< this replica's rank; rank 0 prints and writes files
   std::size_t count = 1;   //!< replicas in the job
-  //! After the backward pass, before the optimizer step: average the gradients.
+  //! During the backward pass, after each layer's: the gradients of parameters `first`
+  //! and later (in the model's parameters() order) are final; their buckets may start
+  //! their all-reduce while the earlier layers run backward (on a GPU, concurrently).
+  std::function<void(std::size_t first)> gradients_final;
+  //! After the backward pass, before the optimizer step: finish averaging the gradients.
   std::function<void()> after_backward;
   //! After the optimizer step: in debug builds, check that every replica skipped alike
   //! and holds the same loss scale.

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -296,6 +297,24 @@ class sequential_model {
     return parameters<memory_space_t<Exec>>();
   }
 
+  //! Calls `f(first)` after each layer's backward, where `first` is that layer's first
+  //! parameter in parameters() order: from it on, every gradient is final for this
+  //! backward pass (a data-parallel job starts averaging them while the earlier layers
+  //! still run backward). An empty function removes it. Space: the model's memory.
+  template <memory_space Space>
+  void on_gradients_final(std::function<void(std::size_t)> f) {
+    require_built("on_gradients_final");
+    layer_first_parameter_.clear();
+    std::size_t n = 0;
+    boost::hana::for_each(nodes_, [&](auto& node) {
+      layer_first_parameter_.push_back(n);
+      std::vector<parameter<Space>> counted;  // only counted
+      node.layer.template append_parameters<Space>(counted);
+      n += counted.size();
+    });
+    gradients_final_ = std::move(f);
+  }
+
   [[nodiscard]] std::size_t parameter_count() const {
     std::size_t n = 0;
     boost::hana::for_each(nodes_, [&](auto const& node) { n += node.layer.parameter_count(); });
@@ -443,6 +462,7 @@ class sequential_model {
     tensor_view<In, Space> dx;
     if constexpr (I > 0) dx = node.input_grad.template view<Space>(detail::with_batch(batch, node.layer.input_shape()));
     node.layer.backward(exec, x, y, dy_typed, dx);
+    if (gradients_final_) gradients_final_(layer_first_parameter_[I]);
     if constexpr (I > 0) backward_into<I - 1>(exec, tensor_view<In const, Space>(dx));
   }
 
@@ -488,6 +508,8 @@ class sequential_model {
   std::uint64_t buffer_generation_ = 0;
   void const* first_input_ = nullptr;
   std::size_t backward_top_ = no_backward;  // the layer the latest backward began at
+  std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
+  std::vector<std::size_t> layer_first_parameter_;
   bool built_ = false;
 };
 

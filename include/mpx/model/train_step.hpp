@@ -24,7 +24,9 @@
 #include <mpx/model/sequential.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
 
+#include <algorithm>
 #include <array>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -200,7 +202,20 @@ class classifier_trainer {
   //! Runs each step as one replica of a data-parallel job (mpx::data_parallel::hooks):
   //! the gradients are averaged over the replicas between the backward pass and the
   //! optimizer step, where every replica then reaches the same verdict.
-  void run_as_replica(replica_hooks hooks) { replicas_ = std::move(hooks); }
+  void run_as_replica(replica_hooks hooks) {
+    replicas_ = std::move(hooks);
+    // Early reductions index the optimizer's parameters by the model's order: only when
+    // the optimizer holds exactly the model's parameters, in order (else all at the end).
+    auto const ours = model_.template parameters<Space>();
+    auto const& theirs = optimizer_.optimizer().parameters();
+    bool const same = ours.size() == theirs.size() &&
+                      std::equal(ours.begin(), ours.end(), theirs.begin(),
+                                 [](auto const& a, auto const& b) { return a.gradient.data() == b.gradient.data(); });
+    model_.template on_gradients_final<Space>(same ? replicas_.gradients_final : std::function<void(std::size_t)>{});
+    // The hook may not outlive this trainer (nor the job it calls into).
+    Model* const model = &model_;
+    unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) { model->template on_gradients_final<Space>({}); });
+  }
 
   //! The records of the steps since the last call (synchronises), oldest first.
   std::vector<step_record> history(Exec const& exec) {
@@ -381,6 +396,7 @@ class classifier_trainer {
   std::size_t pending_ = 0;
   bool use_graph_ = false;
   replica_hooks replicas_;
+  std::shared_ptr<void> unhook_model_;  // removes the model's gradients_final hook when the trainer goes
 };
 
 template <class Exec, class Model, class Opt>
