@@ -248,7 +248,11 @@ if [ "$phase" != perf ]; then
 mpx_step tests_cuda 240 mpx_tests_cuda --reporter compact
 # NCCL data parallelism: one rank per GPU would be `mpirun -np <GPUs>`; alone it is a job
 # of one rank, which runs every code path of the communicator and data_parallel.
-if [ -x "$bin/mpx_tests_nccl" ]; then
+gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+if [ -x "$bin/mpx_tests_nccl" ] && [ "${gpus:-0}" -gt 1 ] && command -v mpirun > /dev/null 2>&1; then
+  step tests_nccl 180 env "LD_LIBRARY_PATH=$mpx_ld" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    mpirun -np "$gpus" "$bin/mpx_tests_nccl" --reporter compact
+elif [ -x "$bin/mpx_tests_nccl" ]; then
   mpx_step tests_nccl 120 mpx_tests_nccl --reporter compact
 else
   record tests_nccl "not run: no mpx_tests_nccl in the kit (built where MPI is found)"

@@ -65,9 +65,10 @@ auto small_model(std::int64_t width = 16) {
 }
 
 template <class Model>
-auto sgd_with_dynamic_scale(mpx::host_executor const& exec, Model& model) {
+auto sgd_with_dynamic_scale(mpx::host_executor const& exec, Model& model, float clip_global_norm = 0) {
   return mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.5f),
-                                   mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+                                   mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()),
+                                   {.clip_global_norm = clip_global_norm});
 }
 
 template <class Model>
@@ -216,7 +217,9 @@ TEST_CASE("sharded batch loaders deal every epoch's shuffle out without overlap"
 
 // The proof the issue asks for: N data-parallel ranks with a local batch B take the steps
 // one process takes with the global batch N×B, including a step where only the last
-// rank's gradient holds a NaN: every rank skips it and halves its scale.
+// rank's gradient holds a NaN: every rank skips it and halves its scale. Clipped to a
+// global norm of 0.25 (below the gradients' norms): the norm of the averaged gradient,
+// as one process measures it, not each rank's own.
 TEST_CASE("data-parallel training equals one process with the global batch, skips included", "[dist]") {
   mpx::host_executor exec;
   int const ranks = comm().size();
@@ -226,7 +229,8 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   // The reference: one process, the global batch, the NaN in the same gradient element.
   auto reference = small_model<mpx::mixed_float16>();
   reference.build(exec, {2, 1, 1}, 1);
-  auto reference_opt = sgd_with_dynamic_scale(exec, reference);
+  float const clip = 0.25f;
+  auto reference_opt = sgd_with_dynamic_scale(exec, reference, clip);
   mpx::batch_loader<mpx::host_executor, mpx::half> global(exec, data, {.batch_size = local_batch * ranks, .seed = 9});
   mpx::classifier_trainer one(exec, reference, reference_opt);
   std::size_t step = 0;
@@ -246,7 +250,7 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   // The replicas: each built from another seed (rank 0's weights are broadcast).
   auto model = small_model<mpx::mixed_float16>();
   model.build(exec, {2, 1, 1}, 1 + 100 * static_cast<std::uint64_t>(comm().rank()));
-  auto opt = sgd_with_dynamic_scale(exec, model);
+  auto opt = sgd_with_dynamic_scale(exec, model, clip);
   mpx::data_parallel dp(exec, comm(), opt, {.check_replicas_agree = true});
   mpx::batch_loader<mpx::host_executor, mpx::half> shard(
       exec, data, {.batch_size = local_batch, .seed = 9, .replica = static_cast<std::size_t>(comm().rank()),
@@ -284,6 +288,10 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
     CHECK(records[i].skipped == reference_records[i].skipped);
     CHECK(records[i].skipped == (i == poisoned_step ? 1u : 0u));
     CHECK(records[i].loss_scale == reference_records[i].loss_scale);
+    if (i != poisoned_step) {
+      CHECK(reference_records[i].gradient_norm > clip);  // so clipping acted
+      CHECK(std::abs(records[i].gradient_norm - reference_records[i].gradient_norm) <= 1e-3f * reference_records[i].gradient_norm);
+    }
   }
   CHECK(opt.scaler().scale(exec) == 16384.0f);  // halved once, on every rank
   CHECK(reference_opt.scaler().scale(exec) == 16384.0f);

@@ -225,7 +225,9 @@ class nccl_communicator {
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
     if (broken_) throw collective_error("mpx::nccl_communicator: an earlier collective failed; end the job", {});
-    poll();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
+    if (capturing == cudaStreamCaptureStatusNone) poll();  // a CUDA graph being captured: no queries
     what += " #" + std::to_string(++sequence_);
     detail::ordering_event ready;
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
