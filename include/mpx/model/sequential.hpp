@@ -29,6 +29,7 @@
 #include <boost/hana/length.hpp>
 #include <boost/hana/tuple.hpp>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -54,7 +55,9 @@ struct resolve_policy<L<model_policy>, P> {
 template <class L, class P>
 auto with_model_policy(L&& layer) {
   using R = typename resolve_policy<std::remove_cvref_t<L>, P>::type;
-  if constexpr (std::is_same_v<R, std::remove_cvref_t<L>>) return R(std::forward<L>(layer));
+  if constexpr (requires { std::move(layer).template with_policy<P>(); })
+    return std::move(layer).template with_policy<P>();  // a composite (mpx::residual) resolves its parts
+  else if constexpr (std::is_same_v<R, std::remove_cvref_t<L>>) return R(std::forward<L>(layer));
   else return R(layer.config());
 }
 
@@ -284,6 +287,20 @@ class sequential_model {
     backward_from_logits(exec, tensor_view<G const, Space>(d_logits));
   }
 
+  //! backward, also writing dL/d(input) into dx (the first layer's input dtype, the
+  //! input's shape): what a residual block needs of its branch.
+  template <executor Exec, class G, class Space>
+  void backward_to_input(Exec const& exec, tensor_view<G const, Space> d_output, tensor_view<input_type, Space> dx) {
+    input_gradient_ = dx.data();
+    try {
+      backward(exec, d_output);
+    } catch (...) {
+      input_gradient_ = nullptr;
+      throw;
+    }
+    input_gradient_ = nullptr;
+  }
+
   //! Every trainable tensor and its gradient, named "<layer>/<tensor>", for an optimizer.
   template <memory_space Space>
   [[nodiscard]] std::vector<parameter<Space>> parameters() {
@@ -327,28 +344,39 @@ class sequential_model {
   //! A table like Keras's model.summary(): layer, output shape, policy, parameters, and
   //! the casts the model inserted.
   [[nodiscard]] std::string summary() const {
-    require_built("summary");
     std::string out;
-    auto row = [&](std::string a, std::string b, std::string c, std::string d) {
+    auto row = [&](summary_row const& r) {
       char line[256];
-      std::snprintf(line, sizeof line, "%-40s %-20s %-22s %10s\n", a.c_str(), b.c_str(), c.c_str(), d.c_str());
+      std::snprintf(line, sizeof line, "%-40s %-20s %-22s %10s\n", r[0].c_str(), r[1].c_str(), r[2].c_str(), r[3].c_str());
       out += line;
     };
     std::string const rule(95, '-');
-    row("Layer (type)", "Output shape", "Policy", "Param #");
+    row({"Layer (type)", "Output shape", "Policy", "Param #"});
     out += rule + "\n";
-    boost::hana::for_each(nodes_, [&](auto const& node) {
-      using L = std::remove_cvref_t<decltype(node.layer)>;
-      if (node.casts_input)
-        row("  (cast to " + std::string(dtype_name<typename L::input_type>) + ")", "", "inserted by the model", "0");
-      std::string shp = node.layer.output_shape().to_string();
-      shp = "(None, " + shp.substr(1, shp.size() - 2) + ")";
-      row(node.layer.name() + " (" + std::string(L::kind) + ")", shp, std::string(L::policy::name),
-          std::to_string(node.layer.parameter_count()));
-    });
+    for (auto const& r : summary_rows()) row(r);
     out += rule + "\n";
     out += "Total params: " + std::to_string(parameter_count()) + "\n";
     return out;
+  }
+
+  //! summary()'s rows (layer, output shape, policy, parameters), casts and the layers of
+  //! a residual block's branch included (indented).
+  using summary_row = std::array<std::string, 4>;
+  [[nodiscard]] std::vector<summary_row> summary_rows() const {
+    require_built("summary");
+    std::vector<summary_row> rows;
+    boost::hana::for_each(nodes_, [&](auto const& node) {
+      using L = std::remove_cvref_t<decltype(node.layer)>;
+      if (node.casts_input)
+        rows.push_back({"  (cast to " + std::string(dtype_name<typename L::input_type>) + ")", "", "inserted by the model", "0"});
+      std::string shp = node.layer.output_shape().to_string();
+      shp = "(None, " + shp.substr(1, shp.size() - 2) + ")";
+      rows.push_back({node.layer.name() + " (" + std::string(L::kind) + ")", shp, std::string(L::policy::name),
+                      std::to_string(node.layer.parameter_count())});
+      if constexpr (requires { node.layer.branch_summary_rows(); })
+        for (auto const& r : node.layer.branch_summary_rows()) rows.push_back(r);
+    });
+    return rows;
   }
 
   //! What one layer read and wrote in the latest forward and backward, as untyped views
@@ -461,6 +489,8 @@ class sequential_model {
     auto const y = tensor_view<Out const, Space>(node.output.template view<Space>(out_shape));
     tensor_view<In, Space> dx;
     if constexpr (I > 0) dx = node.input_grad.template view<Space>(detail::with_batch(batch, node.layer.input_shape()));
+    else if (input_gradient_)
+      dx = tensor_view<In, Space>(static_cast<In*>(input_gradient_), detail::with_batch(batch, node.layer.input_shape()));
     node.layer.backward(exec, x, y, dy_typed, dx);
     if (gradients_final_) gradients_final_(layer_first_parameter_[I]);
     if constexpr (I > 0) backward_into<I - 1>(exec, tensor_view<In const, Space>(dx));
@@ -509,6 +539,7 @@ class sequential_model {
   void const* first_input_ = nullptr;
   std::size_t backward_top_ = no_backward;  // the layer the latest backward began at
   std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
+  void* input_gradient_ = nullptr;                     // where backward_to_input wants dL/d(input)
   std::vector<std::size_t> layer_first_parameter_;
   bool built_ = false;
 };
