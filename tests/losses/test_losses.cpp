@@ -10,6 +10,7 @@
 #include "../support/nn_reference.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 namespace {
@@ -111,6 +112,54 @@ TEMPLATE_LIST_TEST_CASE("sparse categorical cross-entropy matches float64, with 
     }
   };
   mpx_test::for_each_dtype(for_type);
+}
+
+TEMPLATE_LIST_TEST_CASE("per-token cross-entropy over sequences is the mean over every token", "[losses]",
+                        mpx_test::executors) {
+  TestType exec;
+  mpx::loss_value loss(exec);
+  auto const scale = scale_in(exec, 4096.0f);
+  mpx_test::for_each_dtype([&](auto tag) {
+    using T = decltype(tag);
+    for (auto [batch, tokens, classes] : {std::array<std::size_t, 3>{1, 1, 2}, std::array<std::size_t, 3>{3, 7, 65},
+                                          std::array<std::size_t, 3>{2, 64, 97}, std::array<std::size_t, 3>{5, 13, 256}}) {
+      INFO(mpx::dtype_name<T> << " [" << batch << ", " << tokens << ", " << classes << "]");
+      auto const b = static_cast<std::int64_t>(batch), t = static_cast<std::int64_t>(tokens),
+                 v = static_cast<std::int64_t>(classes);
+      std::size_t const rows = batch * tokens;
+      auto const x = mpx_test::random_values<T>(rows * classes, -6, 6, 77 + rows);
+      std::vector<std::int32_t> labels(rows);
+      std::mt19937 gen(static_cast<unsigned>(mpx_test::seed + rows));
+      for (auto& l : labels) l = static_cast<std::int32_t>(gen() % classes);
+      auto const xd = mpx_test::upload(exec, x, {b, t, v});
+      auto const ld = mpx_test::upload(exec, labels, {b, t});
+      auto grad = mpx_test::poisoned<T>(exec, {b, t, v});
+      mpx::sparse_categorical_cross_entropy<mpx::mixed_float16>(exec, xd, ld, grad, loss, scale.get());
+      float const per_token = loss.read(exec);
+      // The same rows flattened to [batch * tokens, classes]: the same bits.
+      auto flat_grad = mpx_test::poisoned<T>(exec, {b * t, v});
+      mpx::sparse_categorical_cross_entropy<mpx::mixed_float16>(exec, xd.view().reshape({b * t, v}),
+                                                                ld.view().reshape({b * t}), flat_grad, loss, scale.get());
+      CHECK(loss.read(exec) == per_token);
+      auto const g = mpx_test::download(exec, grad);
+      auto const fg = mpx_test::download(exec, flat_grad);
+      CHECK(mpx_test::first_mismatch(g, fg).empty());
+      double total = 0;
+      for (std::size_t r = 0; r < rows; ++r) {
+        std::vector<double> row(classes);
+        for (std::size_t c = 0; c < classes; ++c) row[c] = to_d(x[r * classes + c]);
+        total += ref_ce_row(row, labels[r]);
+      }
+      double const ref_loss = total / static_cast<double>(rows);  // the mean over tokens, not over sequences
+      double const k = static_cast<double>(classes) / 32 + 64;
+      CHECK(std::fabs(per_token - ref_loss) <= (4 * std::sqrt(static_cast<double>(rows)) + k) * uf * (std::fabs(ref_loss) + 16));
+    }
+  });
+  auto x = mpx::make_tensor<float>(exec, {2, 3, 4});
+  auto g = mpx::make_tensor<float>(exec, {2, 3, 4});
+  auto flat_labels = mpx::make_tensor<std::int32_t>(exec, {6});
+  CHECK_THROWS_TYPE_WITH(mpx::sparse_categorical_cross_entropy(exec, x, flat_labels, g, loss), mpx::shape_error,
+                         Catch::Contains("expected [2, 3]"));
 }
 
 TEMPLATE_LIST_TEST_CASE("binary cross-entropy and mean squared error match float64", "[losses]",

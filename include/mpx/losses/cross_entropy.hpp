@@ -32,18 +32,25 @@ namespace mpx {
 
 namespace detail {
 
+// Logits [d0, ..., dk, classes] and labels [d0, ..., dk]: one row per label (a sample,
+// or a token of a sequence).
 inline void cross_entropy_layout(shape const& logits, shape const& labels, std::size_t& rows,
                                  std::size_t& classes) {
-  if (logits.rank() != 2)
+  if (logits.rank() < 2)
     fail<shape_error>("sparse_categorical_cross_entropy",
-                      "logits must be [batch, classes], got shape " + logits.to_string() + " (labels " +
-                          labels.to_string() + ")");
-  if (labels.rank() != 1 || labels[0] != logits[0])
-    fail<shape_error>("sparse_categorical_cross_entropy",
-                      "labels of shape " + labels.to_string() + " do not match logits of shape " +
-                          logits.to_string() + " (expected [" + std::to_string(logits[0]) + "])");
-  rows = static_cast<std::size_t>(logits[0]);
-  classes = static_cast<std::size_t>(logits[1]);
+                      "logits must be [batch, classes] or [batch, tokens, classes], got shape " + logits.to_string() +
+                          " (labels " + labels.to_string() + ")");
+  bool matches = labels.rank() + 1 == logits.rank();
+  for (std::size_t i = 0; matches && i < labels.rank(); ++i) matches = labels[i] == logits[i];
+  if (!matches) {
+    std::string expected = "[";
+    for (std::size_t i = 0; i + 1 < logits.rank(); ++i) expected += (i ? ", " : "") + std::to_string(logits[i]);
+    fail<shape_error>("sparse_categorical_cross_entropy", "labels of shape " + labels.to_string() +
+                                                              " do not match logits of shape " + logits.to_string() +
+                                                              " (expected " + expected + "])");
+  }
+  rows = labels.size();
+  classes = static_cast<std::size_t>(logits[logits.rank() - 1]);
   if (rows > 0 && classes == 0)
     fail<invalid_argument>("sparse_categorical_cross_entropy", "logits of shape " + logits.to_string() +
                                                                    " have no classes, so no label is valid");
@@ -151,8 +158,10 @@ __global__ void __launch_bounds__(loss_block_threads)
 
 //! Sparse categorical cross-entropy of `logits` [batch, classes] (any dtype) against
 //! integer `labels` [batch] (std::int32_t, in [0, classes)): the mean over the batch of
-//! log(sum_j exp(x_j)) - x_label, computed max-subtracted in float. Writes the mean to
-//! `loss` and d(mean)/d(logits) = (softmax(x) - onehot(label)) / batch, times *scale
+//! log(sum_j exp(x_j)) - x_label, computed max-subtracted in float. Sequences: logits
+//! [batch, tokens, classes] and labels [batch, tokens] give the mean over every token
+//! (a language model's per-token loss; any number of leading dimensions works).
+//! Writes the mean to `loss` and d(mean)/d(logits) = (softmax(x) - onehot(label)) / rows, times *scale
 //! when `scale` is given (a float in the executor's memory, e.g.
 //! loss_scale_optimizer::scale_data()), to `gradient` (shape of logits, any dtype).
 //! The loss value is not scaled. A bad label: see the note at the top of this header.
