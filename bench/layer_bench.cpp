@@ -6,7 +6,7 @@
 // sequence pass and backpropagation through time in time per step and TFLOP/s.
 //
 //   layer_bench [--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]
-//               [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm]
+//               [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]
 //
 // Sizes depend on the executor (large on the GPU, a few seconds' worth on the host) and
 // --small shrinks them for CI. Every output is checked to be finite and not all zero
@@ -14,6 +14,7 @@
 // (layer_bench.cu) for the CUDA rows; bench/NOTES.md has the byte and flop counts, the
 // predictions and the results.
 #include <mpx/mpx.hpp>
+#include <mpx/layers/attention.hpp>  // (also in mpx.hpp once layers.hpp lists it)
 
 #include "executors.hpp"
 #include "timing.hpp"
@@ -41,7 +42,7 @@ struct options {
   bool small = false;
   std::int64_t rows = 0, cols = 0;  // 0: the executor's default
   std::vector<std::int64_t> lstm_steps, lstm_units;
-  std::string only = "norm,dropout,pool,conv,lstm";
+  std::string only = "norm,dropout,pool,conv,lstm,attention";
   [[nodiscard]] bool wants(std::string_view part) const { return only.find(part) != std::string::npos; }
 };
 
@@ -435,6 +436,59 @@ void bench_lstm(Exec const& exec, options const& opt, sizes const& s) {
     }
 }
 
+// ---- causal self-attention (layers/attention.hpp) ----
+
+// Forward: the QKV and output projections (2 N D 3D + 2 N D D flops), the logits and
+// P V (2 B T T D each: the full T x T products, the causal half included). Backward is
+// about twice that. N = B T tokens.
+template <class Exec>
+void bench_attention(Exec const& exec, options const& opt) {
+  bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
+  using space = mpx::memory_space_t<Exec>;
+  char const* const unit = gpu ? "TFLOP/s" : "GFLOP/s";
+  std::printf("\n%-6s %-14s %-9s %-18s %10s %9s %10s %9s\n", std::string(Exec::name).c_str(), "attention", "dtype",
+              "B x T x D / heads", "fwd (us)", unit, "bwd (us)", unit);
+  struct size {
+    std::int64_t b, t, d, h;
+  };
+  std::vector<size> const sizes = opt.small ? std::vector<size>{{2, 16, 32, 2}}
+                                  : gpu     ? std::vector<size>{{16, 256, 512, 8}, {8, 1024, 1024, 16}, {4, 2048, 1024, 16}}
+                                            : std::vector<size>{{4, 64, 128, 4}, {4, 128, 128, 4}, {2, 256, 256, 8}};
+  for (auto const z : sizes) {
+    auto for_type = [&](auto tag) {
+      using T = decltype(tag);
+      using P = typename policy_for<T>::type;
+      mpx::causal_self_attention<P> layer(z.h);
+      layer.set_name("attention");
+      layer.build(exec, {z.t, z.d}, 1);
+      layer.reserve(exec, z.b);
+      auto x = random_tensor<T>(exec, {z.b, z.t, z.d}, 21);
+      auto dy = random_tensor<T>(exec, {z.b, z.t, z.d}, 22, 0.01f);
+      auto y = mpx::make_tensor<T>(exec, {z.b, z.t, z.d});
+      auto dx = mpx::make_tensor<T>(exec, {z.b, z.t, z.d});
+      auto const xv = mpx::tensor_view<T const, space>(mpx::view(x));
+      double const n = static_cast<double>(z.b * z.t), d = static_cast<double>(z.d);
+      double const fwd_flops = 8 * n * d * d + 4 * static_cast<double>(z.b) * static_cast<double>(z.t) * static_cast<double>(z.t) * d;
+      double const scale = gpu ? 1e12 : 1e9;
+      double const fwd = median_seconds(exec, opt.repeat, [&] { layer.forward(exec, xv, mpx::view(y), true); });
+      check_output(exec, y, "attention forward");
+      double const bwd = median_seconds(exec, opt.repeat, [&] {
+        layer.backward(exec, xv, mpx::tensor_view<T const, space>(mpx::view(y)), mpx::tensor_view<T const, space>(mpx::view(dy)),
+                       mpx::view(dx));
+      });
+      check_output(exec, dx, "attention backward dx");
+      std::printf("%-6s %-14s %-9s %-18s %10.1f %9.3f %10.1f %9.3f\n", std::string(Exec::name).c_str(), "attention",
+                  std::string(mpx::dtype_name<T>).c_str(),
+                  (shape_text({z.b, z.t, z.d}) + " / " + std::to_string(z.h)).c_str(), fwd * 1e6,
+                  fwd_flops / fwd / scale, bwd * 1e6, 2 * fwd_flops / bwd / scale);
+      std::fflush(stdout);
+    };
+    for_type(mpx::half{});
+    for_type(mpx::bfloat16{});
+    for_type(float{});
+  }
+}
+
 template <class Exec>
 void run_all(Exec const& exec, options const& opt) {
   bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
@@ -484,6 +538,7 @@ void run_all(Exec const& exec, options const& opt) {
   }
   if (opt.wants("conv")) bench_conv(exec, opt, s);
   if (opt.wants("lstm")) bench_lstm(exec, opt, s);
+  if (opt.wants("attention")) bench_attention(exec, opt);
 }
 
 std::vector<std::int64_t> parse_list(char const* text) {
@@ -512,7 +567,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]\n"
-                   "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm]\n",
+                   "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]\n",
                    argv[0]);
       return 2;
     }

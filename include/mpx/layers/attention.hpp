@@ -1,0 +1,209 @@
+// mpx::causal_self_attention<Policy>: GPT-style multi-head self-attention over [batch,
+// tokens, width], each token attending to itself and the tokens before it, like
+// keras.layers.MultiHeadAttention(num_heads, key_dim = width / heads) called with
+// use_causal_mask=True on (x, x).
+//
+//   q, k, v = split(x W_qkv + b_qkv)            one dense layer, [width -> 3 width]
+//   s_h     = q_h k_hᵀ / sqrt(width / heads)    batched products under the policy; the
+//                                               logits are stored in the storage dtype
+//   p_h     = causal_softmax(s_h)               in float
+//   y       = concat_h(p_h v_h) W_o + b_o        a second dense layer
+//
+// The logits live in the storage dtype, as under PyTorch's autocast and Keras's
+// mixed_float16: scaled by 1/sqrt(head width) inside the product's float sums, they stay
+// far from float16's 65504. Without that scaling (options.scale_logits = false) large
+// activations overflow them to inf, and the softmax turns the row into NaN: the
+// transformer failure docs/transformers.md shows and find_nonfinite names.
+#pragma once
+
+#include <mpx/kernels/attention.hpp>
+#include <mpx/kernels/gemm.hpp>
+#include <mpx/layers/dense.hpp>
+#include <mpx/layers/layer.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace mpx {
+
+struct causal_self_attention_config {
+  std::int64_t heads = 1;
+  //! Multiply the logits by 1/sqrt(head width) (the transformer's scaling). Only a
+  //! demonstration of what goes wrong turns it off.
+  bool scale_logits = true;
+};
+
+template <class Policy = model_policy>
+class causal_self_attention : public layer_base {
+ public:
+  using policy = Policy;
+  using config_type = causal_self_attention_config;
+  using input_type = typename Policy::storage_type;
+  using output_type = typename Policy::storage_type;
+  static constexpr std::string_view kind = "MultiHeadAttention";
+
+  explicit causal_self_attention(std::int64_t heads, bool scale_logits = true)
+      : causal_self_attention(causal_self_attention_config{heads, scale_logits}) {}
+  explicit causal_self_attention(causal_self_attention_config c) : config_(c) {
+    if (c.heads <= 0) detail::fail<invalid_argument>("causal_self_attention", "heads must be positive");
+  }
+  [[nodiscard]] causal_self_attention_config config() const noexcept { return config_; }
+
+  //! [tokens, width] -> [tokens, width].
+  [[nodiscard]] shape compute_output_shape(shape const& in) const {
+    if (in.rank() != 2 || in[1] % config_.heads != 0 || in[1] == 0)
+      detail::fail<shape_error>(name_.empty() ? "causal_self_attention" : name_,
+                                "expects samples of shape [tokens, width] with width a multiple of the " +
+                                    std::to_string(config_.heads) + " heads, got " + in.to_string());
+    return in;
+  }
+
+  template <executor Exec>
+  void build(Exec const& exec, shape const& in, std::uint64_t seed) {
+    detail::require_layer_policy<Policy>();
+    width_ = compute_output_shape(in)[1];
+    qkv_ = dense<Policy>(width_, 3 * width_, activation::linear);
+    out_ = dense<Policy>(width_, width_, activation::linear);
+    qkv_.set_name(name_ + "/query_key_value");
+    out_.set_name(name_ + "/output");
+    qkv_.build(exec, shape{width_}, seed);
+    out_.build(exec, shape{width_}, seed + 1);
+    mark_built(in, in);
+  }
+
+  template <executor Exec>
+  void reserve(Exec const& exec, std::int64_t batch) {
+    require_built("reserve");
+    attention_dims const d = dims(batch);
+    qkv_.reserve(exec, d.rows());
+    out_.reserve(exec, d.rows());
+    std::int64_t const bh = d.batch * d.heads;
+    qkv_tokens_.ensure(exec, shape{d.rows(), 3 * width_});
+    qkv_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
+    logits_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    p_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    p_store_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});
+    o_tokens_.ensure(exec, shape{d.rows(), width_});
+    dp_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    reserved_batch_ = batch;
+  }
+
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+               bool training) {
+    std::int64_t const batch = check_input(x.shape(), y.shape());
+    if (batch > reserved_batch_) reserve(exec, batch);
+    attention_dims const d = dims(batch);
+    std::int64_t const bh = d.batch * d.heads;
+    auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
+    qkv_.forward(exec, x.reshape(shape{d.rows(), width_}), qkv, training);
+    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
+    permute_heads(exec, qkv, heads, d, 3, true);
+    auto const [q, k, v] = split_qkv(heads, d);
+    auto const s = logits_.template view<Space>(shape{bh, d.tokens, d.tokens});
+    gemm<Policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
+    auto const p = p_.template view<Space>(s.shape());
+    auto const ps = p_store_.template view<Space>(s.shape());
+    causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
+    auto const o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
+    gemm<Policy>(exec, ps, v, o);
+    auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
+    permute_heads(exec, merged, o, d, 1, false);
+    out_.forward(exec, tensor_view<input_type const, Space>(merged), y.reshape(shape{d.rows(), width_}), training);
+  }
+
+  template <executor Exec, class Space = memory_space_t<Exec>>
+  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
+                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+    std::int64_t const batch = check_input(x.shape(), dy.shape());
+    attention_dims const d = dims(batch);
+    std::int64_t const bh = d.batch * d.heads;
+    shape const tokens{d.rows(), width_};
+    // Buffers are reused once read: d_tokens_ holds dO, then d(QKV); o_heads_ holds dO
+    // per head; logits_ holds d(logits).
+    auto const merged = o_tokens_.template view<Space>(tokens);
+    auto const d_merged = d_tokens_.template view<Space>(exec, shape{d.rows(), 3 * width_}).flat(0, tokens.size()).reshape(tokens);
+    out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens), d_merged);
+    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
+    auto const [q, k, v] = split_qkv(heads, d);
+    auto const d_o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
+    permute_heads(exec, d_merged, d_o, d, 1, true);
+    auto const d_heads = d_heads_.template view<Space>(exec, shape{3 * bh, d.tokens, d.head_width});
+    auto const [dq, dk, dv] = split_qkv(d_heads, d);
+    auto const ps = p_store_.template view<Space>(shape{bh, d.tokens, d.tokens});
+    gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
+    auto const dp = dp_.template view<Space>(ps.shape());
+    gemm<Policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
+    auto const ds = logits_.template view<Space>(ps.shape());  // the logits are no longer needed
+    causal_softmax_backward(exec, tensor_view<float const, Space>(p_.template view<Space>(ps.shape())),
+                            tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
+    gemm<Policy>(exec, ds, k, dq);                         // dQ = dS K
+    gemm<Policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
+    auto const d_qkv = d_tokens_.template view<Space>(exec, shape{d.rows(), 3 * width_});  // dO is spent
+    permute_heads(exec, d_qkv, d_heads, d, 3, false);
+    auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
+    qkv_.backward(exec, x.reshape(tokens), tensor_view<input_type const, Space>(qkv), tensor_view<input_type const, Space>(d_qkv),
+                  dx.size() ? dx.reshape(tokens) : tensor_view<input_type, Space>{});
+  }
+
+  template <memory_space Space>
+  void append_parameters(std::vector<parameter<Space>>& out) {
+    require_built("parameters");
+    qkv_.template append_parameters<Space>(out);
+    out_.template append_parameters<Space>(out);
+  }
+  [[nodiscard]] std::size_t parameter_count() const noexcept {
+    return built_ ? qkv_.parameter_count() + out_.parameter_count() : 0;
+  }
+
+  //! The projections, for inspection and tests.
+  [[nodiscard]] dense<Policy>& query_key_value() noexcept { return qkv_; }
+  [[nodiscard]] dense<Policy>& output() noexcept { return out_; }
+  //! The latest forward's attention probabilities [batch * heads, tokens, tokens] (float).
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<float const, Space> probabilities(std::int64_t batch) const {
+    attention_dims const d = dims(batch);
+    return p_.template view<Space>(shape{d.batch * d.heads, d.tokens, d.tokens});
+  }
+
+ private:
+  [[nodiscard]] attention_dims dims(std::int64_t batch) const {
+    return {batch, input_shape_[0], config_.heads, width_ / config_.heads};
+  }
+  [[nodiscard]] float logit_scale(attention_dims const& d) const {
+    return config_.scale_logits ? 1.0f / std::sqrt(static_cast<float>(d.head_width)) : 1.0f;
+  }
+  template <class T, class Space>
+  static auto split_qkv(tensor_view<T, Space> heads, attention_dims const& d) {
+    std::int64_t const bh = d.batch * d.heads;
+    std::size_t const n = static_cast<std::size_t>(bh * d.tokens * d.head_width);
+    shape const s{bh, d.tokens, d.head_width};
+    struct three {
+      tensor_view<T, Space> a, b, c;
+    };
+    return three{heads.flat(0, n).reshape(s), heads.flat(n, n).reshape(s), heads.flat(2 * n, n).reshape(s)};
+  }
+
+  // Allocated on first use by the backward pass (inference never needs them).
+  template <class T>
+  struct lazy_tensor {
+    detail::layer_tensor<T> t;
+    template <class Space, executor Exec>
+    tensor_view<T, Space> view(Exec const& exec, shape s) {
+      t.ensure(exec, s);
+      return t.template view<Space>(s);
+    }
+  };
+
+  causal_self_attention_config config_;
+  std::int64_t width_ = 0;
+  dense<Policy> qkv_{1};
+  dense<Policy> out_{1};
+  detail::layer_tensor<input_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
+  detail::layer_tensor<float> p_, dp_;
+  lazy_tensor<input_type> d_tokens_, d_heads_;
+};
+
+}  // namespace mpx
