@@ -157,7 +157,7 @@ evaluation evaluate(Exec const& exec, Model& model, Source& data) {
          std::uint8_t{0});
     count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch->labels), rec);
     copy(exec, tensor_view<float const, Space>(loss.data(), shape{1}), tensor_view<float, Space>(&rec->loss, shape{1}));
-    sizes[pending++] = static_cast<std::size_t>(logits.shape()[0]);
+    sizes[pending++] = batch->labels.size();  // samples, or tokens of sequences
   }
   read_records();
   if (out.samples) {

@@ -114,6 +114,18 @@ inline std::string lowercase_kind(std::string_view kind) {
 
 }  // namespace detail
 
+//! What one layer read and wrote in the latest forward and backward, as untyped views
+//! (see trace()). A gradient the latest backward did not write is empty (size 0).
+template <memory_space Space>
+struct layer_trace {
+  std::string name, kind, policy;
+  tensor_ref<Space> input, output;
+  tensor_ref<Space> output_gradient;  //!< dL/d(output) the layer read; empty for the layer backward began at
+  tensor_ref<Space> input_gradient;   //!< dL/d(input) it wrote; empty for the first layer
+  std::vector<parameter<Space>> parameters;  //!< values, and gradients when in_backward
+  bool in_backward = false;                  //!< the latest backward (since the forward) ran this layer
+};
+
 template <class... Layers>
 class sequential_model {
   static_assert(sizeof...(Layers) > 0, "mpx::sequential needs at least one layer");
@@ -379,17 +391,9 @@ class sequential_model {
     return rows;
   }
 
-  //! What one layer read and wrote in the latest forward and backward, as untyped views
-  //! (see trace()). A gradient the latest backward did not write is empty (size 0).
+  //! What one layer read and wrote in the latest forward and backward (see mpx::layer_trace).
   template <memory_space Space>
-  struct layer_trace {
-    std::string name, kind, policy;
-    tensor_ref<Space> input, output;
-    tensor_ref<Space> output_gradient;  //!< dL/d(output) the layer read; empty for the layer backward began at
-    tensor_ref<Space> input_gradient;   //!< dL/d(input) it wrote; empty for the first layer
-    std::vector<parameter<Space>> parameters;  //!< values, and gradients when in_backward
-    bool in_backward = false;                  //!< the latest backward (since the forward) ran this layer
-  };
+  using layer_trace = mpx::layer_trace<Space>;
 
   //! Every layer's trace, in order, for diagnostics (find_nonfinite). Valid after a
   //! forward; the gradients after a backward, until the next forward.
@@ -524,7 +528,16 @@ class sequential_model {
     }
     if (ran_backward && I > 0) t.input_gradient = node.input_grad.template view<Space>(in_shape);
     t.in_backward = ran_backward;
-    node.layer.template append_parameters<Space>(t.parameters);
+    if constexpr (requires { node.layer.branch().template trace<Space>(); }) {
+      // A residual block: its branch's layers first (they ran inside it, before the sum),
+      // named "<block>/<layer>"; their parameters are theirs, not the block's.
+      for (auto& inner : node.layer.branch().template trace<Space>()) {
+        inner.name = t.name + "/" + inner.name;
+        out.push_back(std::move(inner));
+      }
+    } else {
+      node.layer.template append_parameters<Space>(t.parameters);
+    }
     out.push_back(std::move(t));
     if constexpr (I + 1 < count) trace_from<I + 1, Space>(out);
   }

@@ -122,18 +122,22 @@ void record_step([[maybe_unused]] Exec const& exec, step_record* out, float cons
 }  // namespace detail
 
 //! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label
-//! (the first of tied maxima; a row holding a NaN logit never counts).
+//! (the first of tied maxima; a row holding a NaN logit never counts). Sequences: logits
+//! [batch, tokens, classes] and labels [batch, tokens] count every token.
 template <executor Exec, class T, class Space = memory_space_t<Exec>>
 void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space> logits, tensor_view<std::int32_t const, Space> labels,
                    step_record* record) {
-  std::int64_t const rows = logits.shape()[0];
-  std::int64_t const cols = static_cast<std::int64_t>(logits.size()) / (rows ? rows : 1);
-  if (labels.size() != static_cast<std::size_t>(rows))
+  auto const rows = static_cast<std::int64_t>(labels.size());
+  bool matches = logits.shape().rank() == labels.shape().rank() + 1;
+  for (std::size_t i = 0; matches && i < labels.shape().rank(); ++i) matches = labels.shape()[i] == logits.shape()[i];
+  if (!matches)
     detail::fail<shape_error>("mpx::count_correct", "logits " + logits.shape().to_string() + " and labels " +
                                                         labels.shape().to_string() + " hold different batches");
+  std::int64_t const cols = rows ? static_cast<std::int64_t>(logits.size()) / rows : 0;
   if (rows == 0) return;
   if constexpr (is_host_executor_v<Exec>) {
-    for (std::int64_t r = 0; r < rows; ++r) record->correct += detail::predicts(logits.data() + r * cols, cols, labels[r]);
+    for (std::int64_t r = 0; r < rows; ++r)
+      record->correct += detail::predicts(logits.data() + r * cols, cols, labels.data()[r]);
   } else {
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>((rows + 255) / 256);
