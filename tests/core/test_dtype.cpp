@@ -2,6 +2,7 @@
 // classified and widened to float, checked against an independent decoding in double,
 // then narrowed back to the same bits, on each executor.
 #include "../support/testing.hpp"
+#include "classes.hpp"
 
 #include <cmath>
 
@@ -42,33 +43,15 @@ double decode(std::uint32_t pattern) {
   return sign * std::ldexp(1.0 + std::ldexp(mantissa, -m_bits), exponent - tr::exponent_bias);
 }
 
-enum flags : std::uint8_t { finite = 1, nan = 2, inf = 4, subnormal = 8, zero = 16 };
-
-struct classify {
-  template <class T>
-  MPX_HD std::uint8_t operator()(T x) const {
-    return static_cast<std::uint8_t>((mpx::is_finite(x) ? finite : 0) | (mpx::is_nan(x) ? nan : 0) |
-                                     (mpx::is_inf(x) ? inf : 0) | (mpx::is_subnormal(x) ? subnormal : 0) |
-                                     (mpx::is_zero(x) ? zero : 0));
-  }
-};
-
-template <class T>
-std::vector<T> all_patterns() {
-  std::vector<T> out(65536);
-  for (std::uint32_t p = 0; p < 65536; ++p) out[p] = mpx::detail::from_bits<T>(static_cast<std::uint16_t>(p));
-  return out;
-}
-
 template <class Exec, class T>
 void check_every_pattern() {
   Exec exec;
-  auto patterns = all_patterns<T>();
+  auto patterns = core_classes::all_patterns<T>();
   auto const input = mpx_test::upload(exec, patterns);
 
   auto classes = mpx::make_tensor<std::uint8_t>(exec, input.shape());
   mpx::fill(exec, classes, std::uint8_t{0xFF});  // poison: no valid combination of flags
-  mpx::transform(exec, classes, classify{}, input);
+  mpx::transform(exec, classes, core_classes::classify{}, input);
   auto const got_classes = mpx_test::download(exec, classes);
 
   auto widened = mpx::make_tensor<float>(exec, input.shape());
@@ -84,13 +67,11 @@ void check_every_pattern() {
   std::size_t nan_count = 0, inf_count = 0, subnormal_count = 0, zero_count = 0;
   for (std::uint32_t p = 0; p < 65536; ++p) {
     double const value = decode<T>(p);
-    std::uint8_t const expected = static_cast<std::uint8_t>(
-        (std::isfinite(value) ? finite : 0) | (std::isnan(value) ? nan : 0) | (std::isinf(value) ? inf : 0) |
-        (value != 0 && std::fabs(value) < mpx::detail::to_double(mpx::dtype_traits<T>::min_normal()) ? subnormal : 0) |
-        (value == 0 ? zero : 0));
+    std::uint8_t const expected =
+        core_classes::expected(value, mpx::detail::to_double(mpx::dtype_traits<T>::min_normal()));
     nan_count += std::isnan(value);
     inf_count += std::isinf(value);
-    subnormal_count += (expected & subnormal) != 0;
+    subnormal_count += (expected & core_classes::subnormal) != 0;
     zero_count += value == 0;
     INFO("pattern 0x" << std::hex << p);
     REQUIRE(int(got_classes[p]) == int(expected));
@@ -133,4 +114,27 @@ TEST_CASE("float classification at the edges", "[dtype]") {
   CHECK(mpx::is_subnormal(tr::min_subnormal()));
   CHECK(!mpx::is_subnormal(tr::min_normal()));
   CHECK(mpx::is_zero(-0.0f));
+}
+
+TEST_CASE("ids, names, sizes and the visitor derive from the one dtype list", "[dtype]") {
+  static_assert(mpx::dtype_count == 5);
+  static_assert(mpx::dtype_id_of<half> == mpx::dtype_id::float16 && mpx::dtype_id_of<float> == mpx::dtype_id::float32);
+  static_assert(mpx::dtype_id_of<mpx::float8_e4m3> == mpx::dtype_id::float8_e4m3 &&
+                mpx::dtype_id_of<mpx::float8_e5m2> == mpx::dtype_id::float8_e5m2);
+  static_assert(mpx::dtype<mpx::float8_e4m3> && mpx::dtype8<mpx::float8_e5m2> && !mpx::dtype16<mpx::float8_e5m2>);
+  static_assert(!mpx::dtype<double> && !mpx::dtype<int> && mpx::dtype16<bfloat16>);
+  std::vector<std::string> seen;
+  for (mpx::dtype_id id : mpx::all_dtype_ids) {
+    mpx::visit_dtype(id, [&](auto t) {
+      using T = decltype(t);
+      CHECK(mpx::dtype_id_of<T> == id);
+      CHECK(mpx::to_string(id) == mpx::dtype_name<T>);
+      CHECK(mpx::size_of(id) == sizeof(T));
+      CHECK(mpx::dtype_traits<T>::bits == 8 * static_cast<int>(sizeof(T)));
+    });
+    seen.emplace_back(mpx::to_string(id));
+  }
+  CHECK(seen == std::vector<std::string>{"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"});
+  CHECK(mpx::to_string(static_cast<mpx::dtype_id>(mpx::dtype_count)) == "unknown");
+  CHECK(mpx::size_of(static_cast<mpx::dtype_id>(200)) == 0);
 }

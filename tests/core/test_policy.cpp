@@ -2,6 +2,8 @@
 // run time. The compile-time refusals are in tests/compile_fail.
 #include "../support/testing.hpp"
 
+#include <algorithm>
+
 using mpx::bfloat16;
 using mpx::half;
 
@@ -60,4 +62,36 @@ TEST_CASE("with_policy refuses an unknown name and lists the presets", "[policy]
                        Catch::Matchers::Contains("unknown policy \"mixed_float8\"") &&
                            Catch::Matchers::Contains("mixed_float16"));
   CHECK_THROWS_AS(mpx::with_policy("", [](auto) {}), mpx::error);
+}
+
+namespace {
+// Every policy over mpx::dtype_list's dtypes (5^4 of them): its name.
+template <class... Ts>
+std::vector<std::string_view> every_policy_name(mpx::type_list<Ts...>) {
+  std::vector<std::string_view> names;
+  auto with_storage = [&]<class S>() {
+    auto with_compute = [&]<class C>() {
+      auto with_accumulate = [&]<class A>() {
+        (names.push_back(mpx::policy<S, C, A, Ts>::name), ...);
+      };
+      (with_accumulate.template operator()<Ts>(), ...);
+    };
+    (with_compute.template operator()<Ts>(), ...);
+  };
+  (with_storage.template operator()<Ts>(), ...);
+  return names;
+}
+}  // namespace
+
+TEST_CASE("every policy over the dtype list has its own name", "[policy]") {
+  auto names = every_policy_name(mpx::dtype_list{});
+  REQUIRE(names.size() == mpx::dtype_count * mpx::dtype_count * mpx::dtype_count * mpx::dtype_count);
+  CHECK(mpx::policy<mpx::float8_e4m3, mpx::float8_e4m3>::name == "mixed_float8_e4m3fn");
+  CHECK(mpx::policy<mpx::float8_e5m2, mpx::float8_e5m2>::name == "mixed_float8_e5m2");
+  CHECK(mpx::policy<mpx::bfloat16, mpx::float8_e4m3>::name ==
+        "policy<storage=bfloat16, compute=float8_e4m3fn, accumulate=float32, param=float32>");
+  std::sort(names.begin(), names.end());
+  auto const repeated = std::adjacent_find(names.begin(), names.end());
+  INFO("a name two policies share: " << (repeated == names.end() ? std::string_view("none") : *repeated));
+  CHECK(repeated == names.end());
 }

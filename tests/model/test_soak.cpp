@@ -42,13 +42,10 @@ long peak_rss_kib() {
 
 //! Writes `bad` at element `at` of a gradient of any dtype.
 void plant(mpx::tensor_ref<mpx::host_space> const& g, std::size_t at, double bad) {
-  switch (g.dtype()) {
-    case mpx::dtype_id::float16: g.as<mpx::half>().data()[at] = mpx::cast<mpx::half>(static_cast<float>(bad)); break;
-    case mpx::dtype_id::bfloat16:
-      g.as<mpx::bfloat16>().data()[at] = mpx::cast<mpx::bfloat16>(static_cast<float>(bad));
-      break;
-    case mpx::dtype_id::float32: g.as<float>().data()[at] = static_cast<float>(bad); break;
-  }
+  mpx::visit_dtype(g.dtype(), [&](auto t) {
+    using T = decltype(t);
+    g.as<T>().data()[at] = mpx::cast<T>(static_cast<float>(bad));
+  });
 }
 
 std::vector<std::byte> bytes_of(mpx::tensor_ref<mpx::host_space> const& t) {

@@ -27,6 +27,7 @@ mpx::numerics_stats reference_stats(std::vector<T> const& v) {
       s.subnormal += a < min_normal;
       s.underflow_in_half += a <= 0x1p-25;  // rounds to zero in half (the tie goes to even, zero)
       s.overflow_in_half += a >= 65520.0;   // rounds to inf in half
+      s.at_max += a == mpx::detail::to_double(mpx::dtype_traits<T>::max());
     }
   }
   s.absmax = static_cast<float>(absmax);
@@ -290,3 +291,103 @@ TEST_CASE("block_add_nonfinite counts what count_nonfinite counts, per block of 
   mpx_test::for_each_dtype(for_type);
 }
 #endif
+
+namespace {
+template <class T>
+struct saturate_into {
+  MPX_HD T operator()(float x) const noexcept { return mpx::saturate_cast<T>(x); }
+};
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("stats, histogram and finite checks of every fp8 pattern match float64", "[numerics][fp8]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : {256ul, 1000ul, 65537ul}) {
+      std::vector<T> values(n);
+      for (std::size_t i = 0; i < n; ++i) values[i] = mpx::detail::from_bits<T>(static_cast<std::uint8_t>(i * 37 % 256));
+      auto const d = mpx_test::upload(exec, values);
+      auto const got = mpx::stats(exec, d);
+      auto const expected = reference_stats(values);
+      INFO(mpx::dtype_name<T> << " n=" << n << "\n got      " << got << "\n expected " << expected);
+      REQUIRE(got == expected);
+      REQUIRE(expected.at_max > 0);
+      REQUIRE(expected.subnormal > 0);
+      auto const h = mpx::log2_histogram(exec, d);
+      auto const h_expected = reference_histogram(values);
+      REQUIRE(h.counts == h_expected.counts);
+      REQUIRE(h.nan == h_expected.nan);
+      REQUIRE(h.inf == h_expected.inf);
+      REQUIRE(h.zero == h_expected.zero);
+      REQUIRE(mpx::count_nonfinite(exec, d) == expected.nan + expected.inf);
+    }
+  };
+  for_type(mpx::float8_e4m3{});
+  for_type(mpx::float8_e5m2{});
+  // Pattern by pattern: e4m3's 448 is finite, S.1111.111 its only non-finite value.
+  auto const e4 = mpx_test::upload(exec, std::vector<mpx::float8_e4m3>{mpx::dtype_traits<mpx::float8_e4m3>::max(),
+                                                                       mpx::dtype_traits<mpx::float8_e4m3>::lowest()});
+  CHECK(mpx::all_finite(exec, e4));
+  auto const h = mpx::log2_histogram(exec, e4);
+  CHECK(h.count(8) == 2);  // 448 = 1.75 * 2^8
+}
+
+TEMPLATE_LIST_TEST_CASE("stats tell an e4m3 overflow (NaN from cast) from a saturation (448 from saturate_cast)",
+                        "[numerics][fp8]", mpx_test::executors) {
+  TestType exec;
+  std::vector<float> const activations = {1.0f, 1000.0f, -1e6f, 3.0f, 448.0f, 460.0f, 0.001f, NAN, INFINITY, -0.0f};
+  auto const in = mpx_test::upload(exec, activations);
+  auto check = [&](auto tag, bool saturate, std::size_t nan, std::size_t inf, std::size_t at_max, float absmax) {
+    using T = decltype(tag);
+    auto out = mpx::make_tensor<T>(exec, in.shape());
+    if (saturate) mpx::transform(exec, out, saturate_into<T>{}, in);
+    else mpx::cast(exec, in, out);
+    auto const s = mpx::stats(exec, out);
+    INFO(mpx::dtype_name<T> << (saturate ? " saturate_cast: " : " cast: ") << s);
+    CHECK(s.size == activations.size());
+    CHECK(s.nan == nan);
+    CHECK(s.inf == inf);
+    CHECK(s.at_max == at_max);
+    CHECK(s.zero == 1);
+    CHECK(s.absmax == absmax);
+    CHECK(mpx::count_nonfinite(exec, out) == nan + inf);
+    CHECK(mpx::to_string(s).ends_with(" at_max=" + std::to_string(at_max)));
+  };
+  // e4m3: 1000, -1e6 and inf overflow to NaN; 448 and 460 round to 448.
+  check(mpx::float8_e4m3{}, false, 4, 0, 2, 448.0f);
+  check(mpx::float8_e4m3{}, true, 1, 0, 5, 448.0f);
+  // e5m2 has infinities: -1e6 and inf are ±inf after a cast, ±57344 after saturate_cast;
+  // 1000 is 1024 in it.
+  check(mpx::float8_e5m2{}, false, 1, 2, 0, 1024.0f);
+  check(mpx::float8_e5m2{}, true, 1, 0, 2, 57344.0f);
+}
+
+TEST_CASE("find_nonfinite's explanation reads an fp8 tensor's range from its traits", "[numerics][fp8]") {
+  CHECK(mpx::detail::largest_finite_text(mpx::dtype_id::float16) == "65504");
+  CHECK(mpx::detail::largest_finite_text(mpx::dtype_id::bfloat16) == "3.4e38");
+  CHECK(mpx::detail::largest_finite_text(mpx::dtype_id::float32) == "3.4e38");
+  CHECK(mpx::detail::largest_finite_text(mpx::dtype_id::float8_e4m3) == "448");
+  CHECK(mpx::detail::largest_finite_text(mpx::dtype_id::float8_e5m2) == "57344");
+  mpx::numerics_stats s;
+  s.size = 64;
+  s.nan = 3;
+  s.at_max = 2;
+  s.absmax = 448;
+  mpx::nonfinite_finding f{"dense", "Dense", "some_policy", "forward", "output", mpx::dtype_id::float8_e4m3, s, {}, true};
+  auto const why = f.explanation();
+  INFO(why);
+  CHECK_THAT(why, Catch::Contains("float8_e4m3fn's largest finite value (448)") && Catch::Contains("an overflow") &&
+                      Catch::Contains("has no infinity") && Catch::Contains("2 values sit at ±448"));
+  f.pass = "backward";
+  CHECK_THAT(f.explanation(), Catch::Contains("the loss scale is too large") && Catch::Contains("float8_e4m3fn"));
+  // A NaN in a format with infinity is still an invalid operation, not an overflow.
+  f.pass = "forward";
+  f.dtype = mpx::dtype_id::float8_e5m2;
+  CHECK_THAT(f.explanation(), Catch::Contains("invalid operation") && !Catch::Contains("an overflow"));
+  s.nan = 0;
+  s.inf = 1;
+  f.stats = s;
+  CHECK_THAT(f.explanation(), Catch::Contains("float8_e5m2's largest finite value (57344)") &&
+                                  !Catch::Contains("has no infinity"));
+}

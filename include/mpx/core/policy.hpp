@@ -21,19 +21,25 @@ namespace mpx {
 
 namespace detail {
 // "policy<storage=float16, compute=float32, accumulate=float32, param=float32>", built at
-// compile time so every policy has a printable name, the presets their Keras names.
+// compile time so every policy has a printable name that differs from every other
+// policy's. Keras's rule names the policies that store and compute in one dtype and sum
+// and keep master weights in float: "float32", and "mixed_" + the dtype's name
+// ("mixed_float16", "mixed_bfloat16", "mixed_float8_e5m2"); the rest spell out all four.
 template <class S, class C, class A, class P>
 struct policy_name_builder {
   static constexpr auto chars = [] {
-    std::array<char, 128> out{};
+    std::array<char, 160> out{};
     std::size_t n = 0;
     auto put = [&](std::string_view s) {
       for (char c : s) out[n++] = c;
     };
     if constexpr (std::is_same_v<A, float> && std::is_same_v<P, float> && std::is_same_v<S, C>) {
-      if constexpr (std::is_same_v<S, float>) put("float32");
-      else if constexpr (std::is_same_v<S, half>) put("mixed_float16");
-      else put("mixed_bfloat16");
+      if constexpr (std::is_same_v<S, float>) {
+        put("float32");
+      } else {
+        put("mixed_");
+        put(dtype_name<S>);
+      }
     } else {
       put("policy<storage=");
       put(dtype_name<S>);
@@ -58,12 +64,15 @@ struct policy_name_builder {
 template <class Storage, class Compute = Storage, class Accumulate = float, class Param = float>
 struct policy {
   static_assert(dtype<Storage> && dtype<Compute> && dtype<Accumulate> && dtype<Param>,
-                "mpx::policy: every dtype of a policy must be mpx::half, mpx::bfloat16 or float");
+                "mpx::policy: every dtype of a policy must be mpx::half, mpx::bfloat16 or float, or an fp8 "
+                "type (mpx::float8_e4m3, mpx::float8_e5m2): a member of mpx::dtype_list");
   using storage_type = Storage;
   using compute_type = Compute;
   using accumulate_type = Accumulate;
   using param_type = Param;
-  //! "float32", "mixed_float16", "mixed_bfloat16" for the presets; the four dtypes otherwise.
+  //! "float32", "mixed_float16", "mixed_bfloat16" for the presets (and "mixed_" + the dtype's
+  //! name for any dtype stored and computed in with float sums and master weights); the
+  //! four dtypes otherwise. No two policies share a name.
   static constexpr std::string_view name = detail::policy_name_builder<Storage, Compute, Accumulate, Param>::value;
 };
 

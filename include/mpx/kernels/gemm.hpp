@@ -370,10 +370,9 @@ void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const
 // ---- CUDA -----------------------------------------------------------------------------
 
 #if MPX_HAS_CUDA
-template <class T>
-inline constexpr cudaDataType_t cuda_data_type = std::is_same_v<T, half>       ? CUDA_R_16F
-                                                 : std::is_same_v<T, bfloat16> ? CUDA_R_16BF
-                                                                               : CUDA_R_32F;
+// From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile.
+template <dtype T>
+inline constexpr cudaDataType_t cuda_data_type = dtype_traits<T>::cuda_data_type;
 
 //! The alignment cuBLASLt may assume for a matrix at p whose batch entries are
 //! stride_bytes apart: the largest power of two dividing both, at most 256.

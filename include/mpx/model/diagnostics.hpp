@@ -14,6 +14,7 @@
 // (once per tensor): tools for a debugging session, not for every step.
 #pragma once
 
+#include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
@@ -49,14 +50,41 @@ inline std::string scale_label(float s) {
   return std::ldexp(1.0f, e) == s ? "2^" + std::to_string(e) : to_text(s);
 }
 
-//! The largest finite value of a dtype, for the explanations.
+//! What the explanations say about a dtype's range, from its dtype_traits.
+struct dtype_range {
+  double max = 0;             //!< largest finite value
+  bool has_infinity = true;   //!< false for float8_e4m3: an overflow is NaN (or ±max, saturated)
+  //! A range narrower than float32's: values a model computes in float can overflow it.
+  [[nodiscard]] bool narrow() const noexcept { return max < 1e38; }
+};
+inline dtype_range range_of(dtype_id d) {
+  return visit_dtype(d, [](auto t) {
+    using tr = dtype_traits<decltype(t)>;
+    return dtype_range{to_double(tr::max()), tr::has_infinity};
+  });
+}
+
+//! The largest finite value of a dtype, for the explanations: "65504", "448", "3.4e38".
 inline std::string largest_finite_text(dtype_id d) {
-  switch (d) {
-    case dtype_id::float16: return "65504";
-    case dtype_id::bfloat16:
-    case dtype_id::float32: return "3.4e38";
-  }
-  return "?";
+  double const max = range_of(d).max;
+  if (max < 1e6) return to_text(max);
+  int const e = static_cast<int>(std::floor(std::log10(max)));
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1fe%d", max / std::pow(10.0, e), e);
+  return text;
+}
+
+//! Whether a tensor of dtype d with these statistics overflowed d's range: ±inf, or for
+//! a format without infinity (float8_e4m3) NaN, which is what its cast makes of an overflow.
+inline bool overflowed(dtype_id d, numerics_stats const& s) {
+  return s.inf > 0 || (!range_of(d).has_infinity && s.nan > 0);
+}
+
+//! For a format without infinity: how its overflows show, and how many values sit at ±max.
+inline std::string no_infinity_note(dtype_id d, numerics_stats const& s) {
+  if (range_of(d).has_infinity) return "";
+  return " (" + std::string(to_string(d)) + " has no infinity: a cast makes an overflow NaN, a saturate_cast ±" +
+         largest_finite_text(d) + "; " + std::to_string(s.at_max) + " values sit at ±" + largest_finite_text(d) + ")";
 }
 }  // namespace detail
 
@@ -85,8 +113,10 @@ struct nonfinite_finding {
     if (layer.starts_with("(cast"))
       return out + " from finite values (largest magnitude " + detail::to_text(read_stats.absmax) +
              "): the cast the model inserted between two layers overflowed " + std::string(to_string(dtype)) +
-             "'s range. Give the layer after it a policy with a wider storage type (bfloat16 or float32), or keep "
-             "the values below 65504 (normalise, or lower the loss scale for a gradient).";
+             "'s range" + detail::no_infinity_note(dtype, stats) +
+             ". Give the layer after it a policy with a wider storage type (bfloat16 or float32), or keep "
+             "the values below " + detail::largest_finite_text(dtype) +
+             " (normalise, or lower the loss scale for a gradient).";
     if (read_known)
       out += " from finite " + std::string(pass == "forward" ? "inputs" : "gradients") + " (largest magnitude " +
              detail::to_text(read_stats.absmax) + ")";
@@ -96,10 +126,11 @@ struct nonfinite_finding {
              "have been skipped (update through a loss_scale_optimizer, which checks the gradients first) or a "
              "learning rate so high that the weights overflowed.";
     } else if (pass == "forward") {
-      if (stats.inf > 0 && dtype == dtype_id::float16)
-        out += "The values passed float16's largest finite value (65504): an overflow. Keep this layer in float32 "
-               "(give it the float32 policy) or in bfloat16 (float32's range), normalise what it reads, or look for "
-               "weights that grew (a learning rate too high).";
+      if (detail::overflowed(dtype, stats) && detail::range_of(dtype).narrow())
+        out += "The values passed " + std::string(to_string(dtype)) + "'s largest finite value (" +
+               detail::largest_finite_text(dtype) + ")" + detail::no_infinity_note(dtype, stats) +
+               ": an overflow. Keep this layer in float32 (give it the float32 policy) or in bfloat16 (float32's "
+               "range), normalise what it reads, or look for weights that grew (a learning rate too high).";
       else if (stats.inf > 0)
         out += "The values passed " + std::string(to_string(dtype)) + "'s largest finite value (" +
                detail::largest_finite_text(dtype) + "), which is float32's range: the model diverged. Look for "
@@ -110,8 +141,9 @@ struct nonfinite_finding {
                "underflowed to 0. Compute it in float (the policy's accumulate type), add an epsilon to "
                "divisors, or use mpx's stable forms (softmax, losses from logits).";
     } else {
-      if (stats.inf > 0 && dtype == dtype_id::float16)
-        out += "The gradients passed float16's range: the loss scale is too large for this layer. A dynamic "
+      if (detail::overflowed(dtype, stats) && detail::range_of(dtype).narrow())
+        out += "The gradients passed " + std::string(to_string(dtype)) + "'s range" +
+               detail::no_infinity_note(dtype, stats) + ": the loss scale is too large for this layer. A dynamic "
                "loss scaler skips such a step and halves the scale; with a fixed scale, lower it "
                "(probe_loss_scales shows which scales keep every gradient finite).";
       else if (stats.inf > 0)

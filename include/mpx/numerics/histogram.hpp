@@ -3,7 +3,8 @@
 // loss scale: float16 keeps exponents -24 ... 15 (below -14 only as subnormals, with
 // fewer bits), so a histogram whose mass sits below -24 is a gradient that becomes 0
 // in half, and multiplying by 2^k shifts every bin k to the right. bfloat16 keeps
-// float32's exponents (-133 ... 127, below -126 as subnormals).
+// float32's exponents (-133 ... 127, below -126 as subnormals); float8_e4m3 keeps
+// -9 ... 8, float8_e5m2 -16 ... 15 (dtype_traits has their limits).
 //
 // One pass, integer counts (so the result is exact and deterministic); the GPU kernel
 // counts in shared memory per block and adds the blocks' bins with integer atomics.
@@ -124,12 +125,13 @@ __global__ void __launch_bounds__(block_size)
 
 }  // namespace detail
 
-//! The exponent histogram of x (half, bfloat16 or float). Synchronises a cuda_executor.
+//! The exponent histogram of x (any dtype of mpx::dtype_list). Synchronises a cuda_executor.
 template <executor Exec, tensor_like X>
 exponent_histogram log2_histogram([[maybe_unused]] Exec const& exec, X&& x) {
   auto const v = mpx::view(x);
   using T = value_t<X>;
-  static_assert(dtype<T>, "mpx::log2_histogram: x must hold mpx::half, mpx::bfloat16 or float");
+  static_assert(dtype<T>, "mpx::log2_histogram: x must hold a dtype of mpx::dtype_list (mpx::half, mpx::bfloat16, "
+                          "float, mpx::float8_e4m3, mpx::float8_e5m2)");
   detail::require_access<Exec, space_t<X>>();
   std::array<std::uint64_t, detail::histogram_all_bins> all{};
   if constexpr (is_host_executor_v<Exec>) {

@@ -1,6 +1,7 @@
 // mpx::stats: one pass over a tensor that answers "why is my gradient zero / inf?":
-// counts of NaN, inf, zero and subnormal values, the finite magnitude range, and how
-// many values would underflow to zero or overflow to inf if stored in half.
+// counts of NaN, inf, zero and subnormal values, the finite magnitude range, how many
+// values sit at the dtype's ±max (an fp8 saturation), and how many would underflow to
+// zero or overflow to inf if stored in half. Any dtype of mpx::dtype_list.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -31,6 +32,11 @@ struct numerics_stats {
   //! Finite values that cast to half become ±inf (|x| >= 65520): activations or scaled
   //! gradients too large for float16.
   std::size_t overflow_in_half = 0;
+  //! Values at ±max of the tensor's dtype (448 for float8_e4m3). An overflow shows as inf
+  //! in a format with infinity; float8_e4m3 has none, so its overflows are NaN (mpx::cast)
+  //! or ±448 (mpx::saturate_cast): `nan` counts the first, this the second (with any value
+  //! that was exactly ±448).
+  std::size_t at_max = 0;
 
   [[nodiscard]] std::size_t nonfinite() const noexcept { return nan + inf; }
   [[nodiscard]] bool all_finite() const noexcept { return nonfinite() == 0; }
@@ -45,7 +51,7 @@ struct numerics_stats {
 };
 
 //! One line: "size=… nan=… inf=… zero=… subnormal=… absmax=… min_abs_nonzero=…
-//! underflow_in_half=… overflow_in_half=…".
+//! underflow_in_half=… overflow_in_half=… at_max=…".
 std::string to_string(numerics_stats const& s);
 inline std::ostream& operator<<(std::ostream& os, numerics_stats const& s) { return os << to_string(s); }
 
@@ -62,7 +68,7 @@ inline std::string to_string(numerics_stats const& s) {
          " zero=" + std::to_string(s.zero) + " subnormal=" + std::to_string(s.subnormal) +
          " absmax=" + detail::shortest(s.absmax) + " min_abs_nonzero=" + detail::shortest(s.min_abs_nonzero) +
          " underflow_in_half=" + std::to_string(s.underflow_in_half) +
-         " overflow_in_half=" + std::to_string(s.overflow_in_half);
+         " overflow_in_half=" + std::to_string(s.overflow_in_half) + " at_max=" + std::to_string(s.at_max);
 }
 
 namespace detail {
@@ -71,7 +77,7 @@ namespace detail {
 // associative, commutative operation (sums, max, min), so the result is exact and
 // independent of the reduction order.
 struct stats_accumulator {
-  unsigned long long size, nan, inf, zero, subnormal, underflow_in_half, overflow_in_half;
+  unsigned long long size, nan, inf, zero, subnormal, underflow_in_half, overflow_in_half, at_max;
   float absmax;
   float min_abs_nonzero;  // +inf while no nonzero finite value was seen
 };
@@ -79,7 +85,7 @@ struct stats_accumulator {
 struct stats_of_element {
   template <class T>
   MPX_HD stats_accumulator operator()(T x) const noexcept {
-    stats_accumulator a{1, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
+    stats_accumulator a{1, 0, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
     if (is_nan(x)) {
       a.nan = 1;
     } else if (is_inf(x)) {
@@ -94,6 +100,7 @@ struct stats_of_element {
       half const as_half = cast<half>(x);
       a.underflow_in_half = is_zero(as_half) ? 1 : 0;
       a.overflow_in_half = is_inf(as_half) ? 1 : 0;
+      a.at_max = (bits(x) & ~dtype_traits<T>::sign_mask) == dtype_traits<T>::max_bits ? 1 : 0;
     }
     return a;
   }
@@ -108,6 +115,7 @@ struct combine_stats {
             a.subnormal + b.subnormal,
             a.underflow_in_half + b.underflow_in_half,
             a.overflow_in_half + b.overflow_in_half,
+            a.at_max + b.at_max,
             a.absmax > b.absmax ? a.absmax : b.absmax,
             a.min_abs_nonzero < b.min_abs_nonzero ? a.min_abs_nonzero : b.min_abs_nonzero};
   }
@@ -118,7 +126,7 @@ struct combine_stats {
 //! The numerics of x in one pass. Synchronises a cuda_executor's stream.
 template <executor Exec, tensor_like X>
 numerics_stats stats(Exec const& exec, X&& x) {
-  detail::stats_accumulator const identity{0, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
+  detail::stats_accumulator const identity{0, 0, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
   auto const a = transform_reduce(exec, x, identity, detail::stats_of_element{}, detail::combine_stats{});
   numerics_stats s;
   s.size = a.size;
@@ -130,6 +138,7 @@ numerics_stats stats(Exec const& exec, X&& x) {
   s.min_abs_nonzero = is_inf(a.min_abs_nonzero) ? 0.0f : a.min_abs_nonzero;
   s.underflow_in_half = a.underflow_in_half;
   s.overflow_in_half = a.overflow_in_half;
+  s.at_max = a.at_max;
   return s;
 }
 

@@ -388,7 +388,7 @@ class optimizer_core {
   gradient_list<Exec> gradients_;
   std::vector<tensor<float, space>> masters_;
   std::vector<std::array<tensor<float, space>, slots>> slots_;
-  std::array<multi_tensor_plan<lists>, 3> plans_;
+  std::array<multi_tensor_plan<lists>, dtype_count> plans_;
 };
 
 }  // namespace mpx::detail

@@ -278,7 +278,8 @@ __global__ void __launch_bounds__(Threads)
 }
 #endif
 
-inline constexpr std::array<dtype_id, 3> all_dtypes = {dtype_id::float16, dtype_id::bfloat16, dtype_id::float32};
+//! One multi-tensor plan per dtype of mpx::dtype_list, in this order.
+inline constexpr auto const& all_dtypes = all_dtype_ids;
 
 //! The scale operand of unscale_and_check, whichever way the caller gave it.
 struct scale_operand {
@@ -288,7 +289,7 @@ struct scale_operand {
 
 }  // namespace detail
 
-//! A fixed list of gradient tensors (half, bfloat16 and float, mixed freely), planned
+//! A fixed list of gradient tensors (of any dtypes of mpx::dtype_list, mixed freely), planned
 //! once for multi-tensor launches, and the results of its last unscale_and_check.
 //! The tensors must outlive the list and keep their addresses.
 template <executor Exec>
@@ -360,7 +361,7 @@ class gradient_list {
 
   std::vector<tensor_ref<space>> gradients_;
   std::vector<std::string> names_;
-  std::array<detail::multi_tensor_plan<1>, 3> plans_;
+  std::array<detail::multi_tensor_plan<1>, dtype_count> plans_;
   tensor<std::uint32_t, space> ranges_;
   tensor<detail::chunk_partial, space> partials_;
   tensor<float, space> sum_of_squares_;

@@ -255,8 +255,8 @@ void adam_step(std::vector<at::Tensor> const& params, std::vector<at::Tensor> co
 
   // Rows as mpx's optimizer plans them: value, gradient, master, first, second moment.
   constexpr int lists = mpx::detail::fixed_lists + 2;
-  std::array<std::vector<std::array<void*, lists>>, 3> rows;
-  std::array<std::vector<std::size_t>, 3> sizes;
+  std::array<std::vector<std::array<void*, lists>>, mpx::dtype_count> rows;
+  std::array<std::vector<std::size_t>, mpx::dtype_count> sizes;
   for (std::size_t i = 0; i < n; ++i) {
     std::string const what = "parameter " + std::to_string(i);
     require_plain(params[i], device, op, what);
