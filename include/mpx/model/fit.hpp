@@ -3,7 +3,8 @@
 //
 // A batch source is anything with `start_epoch(std::size_t epoch)` and `next()`
 // returning a pointer-like (std::optional, pointer) to a batch, and `batches_per_epoch()`, with `images` and
-// `labels` tensor views in the executor's memory (mpx::batch_loader is one).
+// `labels` tensor views in the executor's memory (mpx::batch_loader is one), or `inputs`
+// and `targets` (mpx::text_batches: token ids and the next token of each).
 //
 // Progress: on a terminal a Keras-style bar redrawn in place (ETA, steps/s, loss,
 // accuracy, loss scale, skipped steps; progress.hpp), then one summary line per epoch;
@@ -76,6 +77,18 @@ struct epoch_summary {
 
 namespace detail {
 
+//! A batch's model input and its targets, whichever names its source gives them.
+template <class B>
+auto const& batch_inputs(B const& b) {
+  if constexpr (requires { b.images; }) return b.images;
+  else return b.inputs;
+}
+template <class B>
+auto const& batch_targets(B const& b) {
+  if constexpr (requires { b.labels; }) return b.labels;
+  else return b.targets;
+}
+
 inline bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) == 1; }
 
 struct epoch_meter {
@@ -147,17 +160,17 @@ evaluation evaluate(Exec const& exec, Model& model, Source& data) {
   data.start_epoch(0);
   while (auto batch = data.next()) {
     if (pending == capacity) read_records();  // a source with more batches than it announced
-    model.forward(exec, batch->images, false);
+    model.forward(exec, detail::batch_inputs(*batch), false);
     auto const logits = model.template logits<Space>();
     grad.ensure(exec, logits.shape());
-    sparse_categorical_cross_entropy<float32>(exec, logits, batch->labels, grad.template view<Space>(logits.shape()),
-                                              loss);
+    sparse_categorical_cross_entropy<float32>(exec, logits, detail::batch_targets(*batch),
+                                              grad.template view<Space>(logits.shape()), loss);
     step_record* rec = records.data() + pending;
     fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
          std::uint8_t{0});
-    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch->labels), rec);
+    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(detail::batch_targets(*batch)), rec);
     copy(exec, tensor_view<float const, Space>(loss.data(), shape{1}), tensor_view<float, Space>(&rec->loss, shape{1}));
-    sizes[pending++] = batch->labels.size();  // samples, or tokens of sequences
+    sizes[pending++] = detail::batch_targets(*batch).size();  // samples, or tokens of sequences
   }
   read_records();
   if (out.samples) {
@@ -210,7 +223,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     };
     train.start_epoch(epoch - 1);
     while (auto batch = train.next()) {
-      trainer.step(exec, batch->images, batch->labels);
+      trainer.step(exec, detail::batch_inputs(*batch), detail::batch_targets(*batch));
       ++step;
       auto const now = clock::now();
       bool const shared = distributed && step % shared_every == 0;

@@ -513,8 +513,10 @@ class sequential_model {
     t.name = node.layer.name();
     t.kind = std::string(L::kind);
     t.policy = std::string(L::policy::name);
-    auto const in = input_of<I, Space>(batch);
-    t.input = tensor_view<In, Space>(const_cast<In*>(in.data()), in.shape());  // read only
+    if constexpr (dtype<In>) {  // (token ids, an embedding's input, are not a float tensor: not traced)
+      auto const in = input_of<I, Space>(batch);
+      t.input = tensor_view<In, Space>(const_cast<In*>(in.data()), in.shape());  // read only
+    }
     t.output = node.output.template view<Space>(out_shape);
     bool ran_backward = backward_top_ != no_backward;  // (a backward reaches layer 0 always)
     if constexpr (I > 0) ran_backward = ran_backward && I <= backward_top_;
@@ -526,7 +528,8 @@ class sequential_model {
         else t.output_gradient = node.output_grad.template view<Space>(out_shape);
       }
     }
-    if (ran_backward && I > 0) t.input_gradient = node.input_grad.template view<Space>(in_shape);
+    if constexpr (dtype<In>)
+      if (ran_backward && I > 0) t.input_gradient = node.input_grad.template view<Space>(in_shape);
     t.in_backward = ran_backward;
     if constexpr (requires { node.layer.branch().template trace<Space>(); }) {
       // A residual block: its branch's layers first (they ran inside it, before the sum),
