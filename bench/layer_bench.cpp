@@ -14,7 +14,6 @@
 // (layer_bench.cu) for the CUDA rows; bench/NOTES.md has the byte and flop counts, the
 // predictions and the results.
 #include <mpx/mpx.hpp>
-#include <mpx/layers/attention.hpp>  // (also in mpx.hpp once layers.hpp lists it)
 
 #include "executors.hpp"
 #include "timing.hpp"

@@ -149,6 +149,20 @@ void model_regressions(fs::path const& dir, fs::path const& scratch) {
   put(dir, "missing_layer.mpx", file_bytes(scratch));
 }
 
+//! Text corpora: a few fortunes (with fortune's % separators), damaged copies, one byte,
+//! an empty file, and every byte value (the first byte picks the window length).
+void text_corpus(fs::path const& dir) {
+  std::string const fortunes =
+      "A day for firm decisions!!!!!  Or is it?\n%\nA few hours grace before the madness begins again.\n%\n"
+      "Don't look now, but the man in the moon is laughing at you.\n%\n";
+  put_with_damage(dir, "fortunes.txt", {fortunes.begin(), fortunes.end()});
+  put(dir, "one_byte", {'x'});
+  put(dir, "empty", {});
+  std::vector<std::uint8_t> all(256);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint8_t>(255 - i);
+  put(dir, "every_byte", all);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -167,6 +181,7 @@ int main(int argc, char** argv) {
   idx_corpus(corpus / "idx");
   checkpoint_corpus(corpus / "checkpoint", scratch);
   model_corpus(corpus / "model", scratch);
+  text_corpus(corpus / "text");
   model_regressions(regressions / "model", scratch);
   fs::remove(scratch);
   idx_regressions(regressions / "idx");

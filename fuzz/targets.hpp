@@ -7,6 +7,7 @@
 #pragma once
 
 #include <mpx/data/idx.hpp>
+#include <mpx/data/text_corpus.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
@@ -29,9 +30,7 @@
 namespace mpx_fuzz {
 
 //! The readers, one per fuzzer; the name is the fuzzer's and its corpus folder's.
-//! (The text corpus reader of the language-model work gets its entry here when it lands
-//! in include/mpx/data: a function below, a name in this list, a fuzz/fuzz_<name>.cpp.)
-inline constexpr std::string_view readers[] = {"idx", "checkpoint", "model"};
+inline constexpr std::string_view readers[] = {"idx", "checkpoint", "model", "text"};
 
 //! A model and a loss-scaled optimizer of fixed shapes that the checkpoint and model
 //! inputs are loaded into: two dense layers, mixed_float16 (master weights and slots).
@@ -137,11 +136,31 @@ inline void read_model_input(std::span<std::uint8_t const> bytes) {
   });
 }
 
+//! A text corpus file, split and cut into windows whose context comes from the first
+//! byte; every window must lie inside its part of the text, and its targets must be its
+//! inputs shifted by one.
+inline void read_text_input(std::span<std::uint8_t const> bytes) {
+  try {
+    mpx::text_corpus const corpus = mpx::read_text_corpus(input_file(bytes));
+    auto const split = mpx::split_text(corpus, 0.25);
+    if (split.train.size() + split.validation.size() != corpus.size()) std::abort();
+    std::size_t const context = 1 + corpus.bytes[0] % 32;
+    mpx::host_executor exec;
+    mpx::text_batches<mpx::host_executor> windows(exec, split.train, {.context = context, .batch_size = 4, .seed = 1});
+    auto const b = windows.next();
+    if (!b) std::abort();
+    for (std::size_t i = 0; i + 1 < b->inputs.size(); ++i)
+      if ((i + 1) % context != 0 && b->inputs.data()[i + 1] != b->targets.data()[i]) std::abort();
+  } catch (mpx::error const&) {
+  }
+}
+
 //! The reader a fuzzer or corpus folder is named after.
 inline void read_input(std::string_view reader, std::span<std::uint8_t const> bytes) {
   if (reader == "idx") return read_idx_input(bytes);
   if (reader == "checkpoint") return read_checkpoint_input(bytes);
   if (reader == "model") return read_model_input(bytes);
+  if (reader == "text") return read_text_input(bytes);
   std::fprintf(stderr, "mpx_fuzz: no reader named '%.*s'\n", static_cast<int>(reader.size()), reader.data());
   std::abort();
 }

@@ -170,6 +170,10 @@ not_here=$(printf '%s\n' "$ldd_out" | awk '/=> not found/ {print $1}' | sort -u 
 echo "gpu_kit: packed libraries: $(cd "$stage" && find lib fallback -type f -printf '%p ')"
 
 if [ "$only" != tests ]; then
+  # char_lm's corpus: the fortune files themselves (2.6 MB), not fortune's indexes
+  mkdir -p "$kit/data/fortunes"
+  find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} "$kit/data/fortunes/" \; 2>/dev/null ||
+    echo "gpu_kit: warning: no fortunes under /usr/share/games/fortunes (scripts/setup.sh installs them)" >&2
   data=${GPU_KIT_DATA:-/usr/share/datasets/fashion-mnist}
   mkdir -p "$kit/data/fashion-mnist"
   cp "$data"/*.gz "$kit/data/fashion-mnist/" 2>/dev/null ||

@@ -316,6 +316,12 @@ fi
 for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
   mpx_step "$e" 60 "$e" --executor cuda
 done
+# The transformer: three policies, 500 steps each, on the kit's copy of the fortunes.
+if [ -d "$kit/data/fortunes" ]; then
+  mpx_step char_lm 150 char_lm --executor cuda --steps 500 --corpus "$kit/data/fortunes"
+else
+  record char_lm "not run: no fortunes corpus in the kit"
+fi
 mpx_step numerics_bench 60 numerics_bench --executor cuda --repeat 20
 mpx_step scaling_bench 90 scaling_bench --executor cuda --tensors 100,200,1000 --repeat 20
 mpx_step activation_bench 60 activation_bench --executor cuda --repeat 20

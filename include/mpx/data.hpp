@@ -1,4 +1,5 @@
-// <mpx/data.hpp>: the IDX reader, Fashion-MNIST/MNIST loaders, batching and prefetch.
+// <mpx/data.hpp>: the IDX reader, Fashion-MNIST/MNIST loaders, batching and prefetch,
+// byte-level text corpora in windows.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
 
@@ -6,3 +7,4 @@
 #include <mpx/data/dataset.hpp>
 #include <mpx/data/idx.hpp>
 #include <mpx/data/tensor_batches.hpp>
+#include <mpx/data/text_corpus.hpp>

@@ -1,14 +1,18 @@
 // <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm (cuBLASLt on the
-// GPU), activations, softmax, norms, dropout, conv2d, pooling, LSTM.
+// GPU), activations, column reductions, softmax, norms, dropout, conv2d, pooling, LSTM,
+// embeddings.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
 
+#include <mpx/kernels/attention.hpp>
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/batch_norm.hpp>
+#include <mpx/kernels/column_reduce.hpp>
 #include <mpx/kernels/conv2d.hpp>
 #include <mpx/kernels/cublaslt.hpp>
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#include <mpx/kernels/embedding.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/lstm.hpp>

@@ -1,4 +1,4 @@
-// Activations (relu, sigmoid, tanh, gelu, gelu_tanh), alone and fused with a bias add,
+// Activations (every one in mpx::activations), alone and fused with a bias add,
 // forward and backward with the bias gradient, for every dtype on each executor, against
 // float64 references (themselves checked by finite differences), outputs poisoned first.
 //
@@ -10,6 +10,7 @@
 // 32 u_f |dy|: float's absolute error near a zero of f', as gelu' has at x = -0.75).
 // Bias gradient: |db - ref| <= u_T |ref| + (4 sqrt(rows) + 64) u_f sum_i |dz_i| + the sum
 // of the float part of each dz_i's bound (x + b is rounded to float before f' sees it).
+#include "../support/activation_reference.hpp"
 #include "../support/nn_reference.hpp"
 
 #include <cmath>
@@ -19,45 +20,11 @@ namespace {
 using mpx_test::to_d;
 using mpx_test::uf;
 
-constexpr double pi = 3.14159265358979323846;
-
-// float64 references: the textbook forms, exact enough in double for these inputs.
-struct ref_relu {
-  static double f(double x) { return x > 0 ? x : 0; }
-  static double df(double x) { return x > 0 ? 1 : 0; }
-};
-struct ref_sigmoid {
-  static double f(double x) { return 1 / (1 + std::exp(-x)); }
-  static double df(double x) { return std::exp(-std::fabs(x)) / std::pow(1 + std::exp(-std::fabs(x)), 2); }
-};
-struct ref_tanh {
-  static double f(double x) { return std::tanh(x); }
-  static double df(double x) { return 1 / std::pow(std::cosh(x), 2); }
-};
-struct ref_gelu {
-  static double f(double x) { return 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }
-  static double df(double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)) + x * std::exp(-0.5 * x * x) / std::sqrt(2 * pi); }
-};
-struct ref_gelu_tanh {
-  // 0.5 (1 + tanh u) = sigmoid(2u), and 0.5 (1 - tanh^2 u) = 2 sigmoid(2u) sigmoid(-2u): the
-  // textbook form cancels to 0 even in double for x < -6.
-  static double u(double x) { return std::sqrt(2 / pi) * (x + 0.044715 * x * x * x); }
-  static double sig(double v) { return v >= 0 ? 1 / (1 + std::exp(-v)) : std::exp(v) / (1 + std::exp(v)); }
-  static double f(double x) { return x * sig(2 * u(x)); }
-  static double df(double x) {
-    double const s = sig(2 * u(x));
-    return s + x * 2 * s * sig(-2 * u(x)) * std::sqrt(2 / pi) * (1 + 3 * 0.044715 * x * x);
-  }
-};
-
-// Calls f(Act{}, Ref{}) for every activation with its reference.
+// Calls f(Act{}, its float64 reference) for every activation in mpx::activations (the
+// references: tests/support/activation_reference.hpp).
 template <class F>
 void for_each_activation(F&& f) {
-  f(mpx::act::relu{}, ref_relu{});
-  f(mpx::act::sigmoid{}, ref_sigmoid{});
-  f(mpx::act::tanh{}, ref_tanh{});
-  f(mpx::act::gelu{}, ref_gelu{});
-  f(mpx::act::gelu_tanh{}, ref_gelu_tanh{});
+  mpx_test::for_each_listed_activation([&](auto a) { f(a, mpx_test::reference_of(a)); });
 }
 
 template <class T>
@@ -68,12 +35,11 @@ double bound(double ref, double s) {
 }  // namespace
 
 TEST_CASE("the float64 activation references agree with their finite differences", "[activation]") {
-  for_each_activation([](auto, auto ref) {
-    using R = decltype(ref);
+  for_each_activation([](auto, mpx_test::activation_reference ref) {
     for (double x = -7.93; x < 8; x += 0.37) {  // never within 1e-6 of relu's kink
-      double const fd = mpx_test::finite_difference([](double v) { return R::f(v); }, x);
+      double const fd = mpx_test::finite_difference([&](double v) { return ref.f(v); }, x);
       INFO("x=" << x);
-      REQUIRE(std::fabs(fd - R::df(x)) <= 1e-7 * (1 + std::fabs(R::df(x))));
+      REQUIRE(std::fabs(fd - ref.df(x)) <= 1e-7 * (1 + std::fabs(ref.df(x))));
     }
   });
 }
@@ -85,8 +51,7 @@ TEMPLATE_LIST_TEST_CASE("activation forward and backward are within the document
     using T = decltype(tag);
     for_each_activation([&](auto a, auto ref) {
       using A = decltype(a);
-      using R = decltype(ref);
-      for (auto [rows, cols] : mpx_test::awkward_matrices()) {
+        for (auto [rows, cols] : mpx_test::awkward_matrices()) {
         mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
         std::size_t const n = rows * cols;
         auto const x = mpx_test::random_values<T>(n, -8, 8, 11 + n);
@@ -105,10 +70,10 @@ TEMPLATE_LIST_TEST_CASE("activation forward and backward are within the document
         mpx_test::bound_checker bwd(std::string(A::name) + " backward " + std::string(mpx::dtype_name<T>));
         bool nonzero = false;
         for (std::size_t i = 0; i < n; ++i) {
-          double const r = R::f(to_d(x[i]));
-          double const g = to_d(dy[i]) * R::df(to_d(x[i]));
+          double const r = ref.f(to_d(x[i]));
+          double const g = to_d(dy[i]) * ref.df(to_d(x[i]));
           nonzero |= r != 0 && g != 0;
-          fwd.check(i, to_d(got_y[i]), r, bound<T>(r, 0) + 8 * uf * std::fabs(R::df(to_d(x[i])) * to_d(x[i])));
+          fwd.check(i, to_d(got_y[i]), r, bound<T>(r, 0) + 8 * uf * std::fabs(ref.df(to_d(x[i])) * to_d(x[i])));
           bwd.check(i, to_d(got_dx[i]), g, bound<T>(g, std::fabs(to_d(dy[i]))));
         }
         INFO("rows=" << rows << " cols=" << cols);
@@ -128,8 +93,7 @@ TEMPLATE_LIST_TEST_CASE("bias + activation forward, backward and the bias gradie
     using T = decltype(tag);
     for_each_activation([&](auto a, auto ref) {
       using A = decltype(a);
-      using R = decltype(ref);
-      for (auto [rows, cols] : mpx_test::awkward_matrices()) {
+        for (auto [rows, cols] : mpx_test::awkward_matrices()) {
         mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
         mpx::shape const sb{static_cast<std::int64_t>(cols)};
         std::size_t const n = rows * cols;
@@ -162,10 +126,10 @@ TEMPLATE_LIST_TEST_CASE("bias + activation forward, backward and the bias gradie
         for (std::size_t i = 0; i < n; ++i) {
           std::size_t const j = i % cols;
           double const z = to_d(x[i]) + to_d(b[j]);
-          double const r = R::f(z);
-          double const g = to_d(dy[i]) * R::df(z);
+          double const r = ref.f(z);
+          double const g = to_d(dy[i]) * ref.df(z);
           // x + b is rounded to float in the kernel: one more float rounding in f's argument.
-          double const arg = std::fabs(R::df(z)) * std::fabs(z) * uf;
+          double const arg = std::fabs(ref.df(z)) * std::fabs(z) * uf;
           fwd.check(i, to_d(got_y[i]), r, bound<T>(r, 0) + 9 * arg);
           // The float part of dz's own bound (its rounding to T does not reach db).
           double const dz_err = 32 * uf * (std::fabs(g) + std::fabs(to_d(dy[i]))) + 4 * arg * std::fabs(to_d(dy[i]));
@@ -201,6 +165,7 @@ TEMPLATE_LIST_TEST_CASE("activations keep NaN, stay finite at +-1e4 and refuse b
     using T = decltype(tag);
     for_each_activation([&](auto a, auto) {
       using A = decltype(a);
+      if constexpr (std::is_same_v<A, mpx::act::identity>) return;  // its dx is dy, whatever x holds
       INFO(A::name << " " << mpx::dtype_name<T>);
       // [2, 4]: a NaN in x at (0, 1); extremes elsewhere; a NaN in the bias at column 3.
       std::vector<float> const xf = {1e4f, NAN, -1e4f, 0.5f, -1e4f, 1e4f, 0.0f, -3.0f};
@@ -268,4 +233,30 @@ TEMPLATE_LIST_TEST_CASE("the bias gradient of an empty batch is zero", "[activat
   mpx::fill(exec, db, mpx_test::poison<float>());
   mpx::bias_gradient(exec, dy, db);
   REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, db), std::vector<float>(5, 0.0f)).empty());
+}
+
+TEST_CASE("mpx::activation selects every activation of the one list, by value and by name", "[activation]") {
+  std::size_t count = 0;
+  mpx_test::for_each_listed_activation([&](auto a) {
+    using A = decltype(a);
+    mpx::activation const sel = a;
+    INFO(A::name);
+    CHECK(sel.index() == count++);
+    CHECK(sel.name() == A::name);
+    CHECK(mpx::to_string(sel) == A::name);
+    CHECK(mpx::activation::from_name(A::name) == sel);
+    bool right_functor = false;
+    mpx::with_activation(sel, [&](auto b) { right_functor = std::is_same_v<decltype(b), A>; });
+    CHECK(right_functor);
+  });
+  CHECK(count == mpx::activations::size);
+  CHECK(mpx::activation{} == mpx::activation::linear);
+  CHECK(mpx::activation(mpx::activation::gelu_tanh).name() == "gelu_tanh");
+  CHECK(mpx::activation(mpx::activation::gelu).name() == "gelu");
+  CHECK(mpx::activation::gelu != mpx::activation(mpx::activation::gelu_tanh));
+  CHECK_THROWS_TYPE_WITH(mpx::activation::from_name("swish"), mpx::invalid_argument,
+                         Catch::Contains("swish") && Catch::Contains("gelu_tanh"));
+  static_assert(mpx::listed_activation<mpx::act::gelu_tanh>);
+  static_assert(mpx::activation(mpx::activation::gelu_tanh).name() == "gelu_tanh");  // docs/transformers.md
+  static_assert(!mpx::listed_activation<float>);
 }

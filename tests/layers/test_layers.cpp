@@ -19,6 +19,7 @@
 //   norms   as tests/kernels/test_norm.cpp with k = n + 40 roundings for a statistic of n
 //           values.
 //   activation, softmax: one rounding u_T |ref| plus a few dozen float roundings.
+#include "../support/activation_reference.hpp"
 #include "../support/nn_reference.hpp"
 
 #include <mpx/layers/activation_layer.hpp>
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,8 +57,9 @@ template <class T>
 using policy_of = mpx_test::preset_policy<T>;
 
 constexpr mpx::activation all_activations[] = {mpx::activation::linear, mpx::activation::relu,
-                                               mpx::activation::sigmoid, mpx::activation::tanh,
-                                               mpx::activation::gelu};
+                                               mpx::activation::sigmoid,  mpx::activation::tanh,
+                                               mpx::activation::gelu,    mpx::activation::gelu_tanh};
+static_assert(std::size(all_activations) == mpx::activations::size, "every listed activation is tested");
 
 
 // The views the layer API takes (its Space is deduced, so a tensor is not converted).
@@ -97,33 +100,8 @@ void poison_ref(Exec const& exec, mpx::tensor_ref<Space> const& ref) {
 
 // ---- float64 references ----
 
-double act_forward(mpx::activation a, double x) {
-  switch (a) {
-    case mpx::activation::linear: return x;
-    case mpx::activation::relu: return x > 0 ? x : 0;
-    case mpx::activation::sigmoid: return 1 / (1 + std::exp(-x));
-    case mpx::activation::tanh: return std::tanh(x);
-    case mpx::activation::gelu: return 0.5 * x * std::erfc(-x / std::sqrt(2.0));
-  }
-  return NAN;
-}
-double act_derivative(mpx::activation a, double x) {
-  switch (a) {
-    case mpx::activation::linear: return 1;
-    case mpx::activation::relu: return x > 0 ? 1 : 0;
-    case mpx::activation::sigmoid: {
-      double const s = 1 / (1 + std::exp(-x));
-      return s * (1 - s);
-    }
-    case mpx::activation::tanh: {
-      double const t = std::tanh(x);
-      return 1 - t * t;
-    }
-    case mpx::activation::gelu:
-      return 0.5 * std::erfc(-x / std::sqrt(2.0)) + x * std::exp(-0.5 * x * x) / std::sqrt(2 * 3.14159265358979323846);
-  }
-  return NAN;
-}
+double act_forward(mpx::activation a, double x) { return mpx_test::reference_of(a).f(x); }
+double act_derivative(mpx::activation a, double x) { return mpx_test::reference_of(a).df(x); }
 
 //! y = act(x W + b) over [rows, in] x [in, units] and its gradients for the loss sum(dy * y).
 struct dense_reference {
@@ -589,7 +567,8 @@ TEMPLATE_LIST_TEST_CASE("dense backward with an empty dx writes only the paramet
   using Space = mpx::memory_space_t<TestType>;
   auto for_type = [&](auto tag) {
     using T = decltype(tag);
-    for (mpx::activation a : {mpx::activation::linear, mpx::activation::gelu}) {
+    for (mpx::activation a : {mpx::activation(mpx::activation::linear), mpx::activation(mpx::activation::gelu),
+                              mpx::activation(mpx::activation::gelu_tanh)}) {
       INFO(mpx::dtype_name<T> << " " << mpx::to_string(a));
       mpx::dense<policy_of<T>> layer(5, a);
       layer.set_name("dense");

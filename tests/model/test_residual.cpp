@@ -2,8 +2,6 @@
 // model, forward and backward against a float64 reference, names, summary and training.
 #include "support/testing.hpp"
 
-#include <mpx/layers/attention.hpp>
-
 #include <cmath>
 #include <string>
 #include <vector>

@@ -26,6 +26,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -42,6 +43,24 @@ inline std::vector<std::size_t> shuffled_order(std::size_t n, std::uint64_t seed
   for (std::size_t i = n; i > 1; --i) std::swap(order[i - 1], order[static_cast<std::size_t>(rng.below(i))]);
   return order;
 }
+
+//! The order of epoch `epoch` of a batch source: shuffled_order(n, seed, epoch), or [0, n)
+//! without shuffling.
+inline std::vector<std::size_t> epoch_order(std::size_t n, bool shuffle, std::uint64_t seed, std::uint64_t epoch) {
+  if (shuffle) return shuffled_order(n, seed, epoch);
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  return order;
+}
+
+namespace detail {
+//! invalid_argument unless a resumed epoch's first batch lies within its `batches`.
+inline void require_first_batch(std::string_view op, std::size_t first_batch, std::size_t batches) {
+  if (first_batch > batches)
+    fail<invalid_argument>(op, "batch " + std::to_string(first_batch) + " of an epoch of " + std::to_string(batches) +
+                                   " batches");
+}
+}  // namespace detail
 
 //! How the replicas of a data-parallel job share an epoch (every replica draws the
 //! same shuffle from the same seed).
@@ -285,18 +304,10 @@ class batch_loader {
   //! batch `first_batch` (0: the start; a resumed run passes its training_position), and
   //! starts preparing that batch. invalid_argument when the epoch has fewer batches.
   void start_epoch(std::uint64_t epoch, std::size_t first_batch = 0) {
-    if (first_batch > batches_per_epoch())
-      detail::fail<invalid_argument>("batch_loader::start_epoch",
-                                     "batch " + std::to_string(first_batch) + " of an epoch of " +
-                                         std::to_string(batches_per_epoch()) + " batches");
+    detail::require_first_batch("batch_loader::start_epoch", first_batch, batches_per_epoch());
     epoch_ = epoch;
     started_ = true;
-    if (options_.shuffle) {
-      order_ = shuffled_order(data_->size(), options_.seed, epoch);
-    } else {
-      order_.resize(data_->size());
-      std::iota(order_.begin(), order_.end(), std::size_t{0});
-    }
+    order_ = epoch_order(data_->size(), options_.shuffle, options_.seed, epoch);
     next_batch_ = first_batch;
     if (next_batch_ < batches_per_epoch()) staging_->stage(samples_of(next_batch_));
   }

@@ -1,7 +1,7 @@
-// Pointwise activations (relu, sigmoid, tanh, gelu) forward and backward on any executor,
+// Pointwise activations (relu, sigmoid, tanh, gelu, gelu_tanh), the one list a layer
+// selects from (mpx::activations, mpx::activation), forward and backward on any executor,
 // alone or fused with a bias add, y[i, j] = act(x[i, j] + bias[j]), and with the bias
-// gradient db[j] = sum_i dz[i, j]. Whatever the storage, the arithmetic is float,
-// rounded once to the output's dtype.
+// gradient db[j] = sum_i dz[i, j]. The arithmetic is float, rounded once to the output.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -14,9 +14,11 @@
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/column_reduce.hpp>
 #include <mpx/kernels/elementwise.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -122,6 +124,92 @@ concept activation_function = std::is_trivially_copyable_v<A> && requires(A cons
   { a.derivative(x) } -> std::same_as<float>;
 };
 
+//! A list of activation functors (a type list; nothing is stored).
+template <class... A>
+struct activation_list {
+  static constexpr std::size_t size = sizeof...(A);
+};
+
+//! The activations a layer can select by value: the one list. mpx::activation, its
+//! names, its lookup by name and with_activation's dispatch all derive from it, so a new
+//! activation is a functor above and an entry here (and, if wanted, an alias below).
+using activations = activation_list<act::identity, act::relu, act::sigmoid, act::tanh, act::gelu, act::gelu_tanh>;
+
+namespace detail {
+template <class A, class... L>
+constexpr std::size_t activation_index(activation_list<L...>) noexcept {
+  constexpr bool same[] = {std::is_same_v<A, L>...};
+  std::size_t i = 0;
+  while (i < sizeof...(L) && !same[i]) ++i;
+  return i;
+}
+template <class... L>
+constexpr auto activation_names(activation_list<L...>) noexcept {
+  return std::array<std::string_view, sizeof...(L)>{L::name...};
+}
+inline constexpr auto activation_name_table = activation_names(activations{});
+
+template <class F, class First, class... Rest>
+decltype(auto) visit_activation(std::size_t index, F& f, activation_list<First, Rest...>) {
+  if constexpr (sizeof...(Rest) == 0) {
+    return f(First{});
+  } else {
+    if (index == 0) return f(First{});
+    return visit_activation(index - 1, f, activation_list<Rest...>{});
+  }
+}
+}  // namespace detail
+
+//! Whether A is in mpx::activations (and so selectable by a layer).
+template <class A>
+concept listed_activation = detail::activation_index<A>(activations{}) < activations::size;
+
+//! An activation chosen at run time from mpx::activations: what a layer's configuration
+//! holds. Converts from any listed functor (`mpx::act::gelu_tanh{}`); the aliases below
+//! spell the usual ones as `mpx::activation::relu`. Default: linear (no activation).
+class activation {
+ public:
+  static constexpr act::identity linear{};
+  static constexpr act::relu relu{};
+  static constexpr act::sigmoid sigmoid{};
+  static constexpr act::tanh tanh{};
+  static constexpr act::gelu gelu{};            //!< exact, with erf (Keras's default)
+  static constexpr act::gelu_tanh gelu_tanh{};  //!< the tanh approximation (Keras approximate=True)
+
+  constexpr activation() noexcept = default;
+  template <listed_activation A>
+  constexpr activation(A) noexcept : index_(static_cast<std::uint8_t>(detail::activation_index<A>(activations{}))) {}
+
+  //! The name Keras gives it: "linear", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh".
+  [[nodiscard]] constexpr std::string_view name() const noexcept { return detail::activation_name_table[index_]; }
+  //! Its position in mpx::activations.
+  [[nodiscard]] constexpr std::size_t index() const noexcept { return index_; }
+  //! The activation called `name`; mpx::invalid_argument listing the names otherwise.
+  [[nodiscard]] static activation from_name(std::string_view name) {
+    for (std::size_t i = 0; i < activations::size; ++i)
+      if (detail::activation_name_table[i] == name) return activation(static_cast<std::uint8_t>(i));
+    std::string known;
+    for (std::string_view n : detail::activation_name_table) known += (known.empty() ? "" : ", ") + std::string(n);
+    detail::fail<invalid_argument>("mpx::activation", "no activation is called '" + std::string(name) +
+                                                          "' (the activations are " + known + ")");
+  }
+  friend constexpr bool operator==(activation, activation) noexcept = default;
+
+ private:
+  constexpr explicit activation(std::uint8_t index) noexcept : index_(index) {}
+  std::uint8_t index_ = 0;
+};
+
+//! The activation's name ("relu").
+[[nodiscard]] constexpr std::string_view to_string(activation a) noexcept { return a.name(); }
+
+//! Calls f with the mpx::act functor `a` stands for (one instantiation of f per
+//! activation in the list); returns what f returns, which must be one type for all.
+template <class F>
+decltype(auto) with_activation(activation a, F&& f) {
+  return detail::visit_activation(a.index(), f, activations{});
+}
+
 namespace ops {
 //! act(x), computed in float, rounded once to Out.
 template <class Act, class Out>
@@ -156,14 +244,9 @@ inline void bias_layout(std::string_view op, shape const& x, shape const& bias, 
   rows = cols ? x.size() / cols : 0;
 }
 
-//! Rows summed into one float partial before the partials are summed, on the host: the
-//! rounding of about rows / 256 + 256 additions instead of rows.
-inline constexpr std::size_t host_rows_per_chunk = 256;
-
-//! The fused bias passes' per-row buffers (host_scratch_floats), slot by slot; the
-//! backward pass also keeps its column sums there (one partial per chunk, and the total).
+//! The fused bias passes' per-row buffers (host_scratch_floats), slot by slot.
 struct bias_activation_scratch {};
-enum bias_scratch_slot : std::size_t { bias_slot, x_row_slot, y_row_slot, dy_row_slot, chunk_sum_slot, total_sum_slot };
+enum bias_scratch_slot : std::size_t { bias_slot, x_row_slot, y_row_slot, dy_row_slot };
 
 template <bias_scratch_slot Slot>
 float* bias_row_buffer(std::size_t cols) {
@@ -190,35 +273,38 @@ void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::
   }
 }
 
-// dz = dy * act'(x + bias) in float; dx = dz rounded (when dx is given); db = column sums
-// of the float dz (not of the rounded dx), chunk by chunk.
-template <class Act, class X, class B, class DY, class DX, class DB>
-void host_bias_backward(Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db, std::size_t rows,
-                        std::size_t cols) {
-  float* total = bias_row_buffer<total_sum_slot>(cols);
-  float* chunk = bias_row_buffer<chunk_sum_slot>(cols);
-  float* dz = bias_row_buffer<y_row_slot>(cols);
-  std::fill(total, total + cols, 0.0f);
-  float const* b = nullptr;  // x and bias are null for the identity (bias_gradient)
-  if constexpr (!std::is_same_v<Act, act::identity>) b = bias_row_as_float<bias_slot>(bias, cols);
-  for (std::size_t r0 = 0; r0 < rows; r0 += host_rows_per_chunk) {
-    std::fill(chunk, chunk + cols, 0.0f);
-    std::size_t const r1 = std::min(rows, r0 + host_rows_per_chunk);
-    for (std::size_t r = r0; r < r1; ++r) {
-      float const* dyr = bias_row_as_float<dy_row_slot>(dy + r * cols, cols);
-      float const* dzr = dyr;  // the identity's dz is dy
-      if constexpr (!std::is_same_v<Act, act::identity>) {
-        float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
-        for (std::size_t j = 0; j < cols; ++j) dz[j] = dyr[j] * act.derivative(xr[j] + b[j]);
-        dzr = dz;
-      }
-      if (dx) round_span(dzr, dx + r * cols, cols);
-      for (std::size_t j = 0; j < cols; ++j) chunk[j] += dzr[j];
-    }
-    for (std::size_t j = 0; j < cols; ++j) total[j] += chunk[j];
+// The terms of the bias gradient: dz = dy * act'(x + bias) in float; dx = dz rounded
+// (when dx is given) as a side output; db sums the float dz (not the rounded dx) in the
+// column reduction (kernels/column_reduce.hpp). x and bias are null for the identity.
+template <class Act, class X, class B, class DY, class DX>
+struct bias_backward_terms {
+  Act act;
+  X const* x;
+  B const* bias;
+  DY const* dy;
+  DX* dx;
+  std::size_t cols;
+
+  MPX_HD void operator()(std::size_t r, std::size_t j, float (&t)[1]) const {
+    std::size_t const i = r * cols + j;
+    float dz = cast<float>(dy[i]);
+    if constexpr (!std::is_same_v<Act, act::identity>) dz *= act.derivative(cast<float>(x[i]) + cast<float>(bias[j]));
+    if (dx) dx[i] = cast<DX>(dz);
+    t[0] = dz;
   }
-  for (std::size_t j = 0; j < cols; ++j) db[j] = cast<DB>(total[j]);
-}
+  // The host's row at a time: each 16-bit row widened and rounded as a whole.
+  void row(std::size_t r, float* dz) const {
+    float const* dyr = bias_row_as_float<dy_row_slot>(dy + r * cols, cols);
+    if constexpr (std::is_same_v<Act, act::identity>) {
+      std::copy(dyr, dyr + cols, dz);
+    } else {
+      float const* b = bias_row_as_float<bias_slot>(bias, cols);
+      float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
+      for (std::size_t j = 0; j < cols; ++j) dz[j] = dyr[j] * act.derivative(xr[j] + b[j]);
+    }
+    if (dx) round_span(dz, dx + r * cols, cols);
+  }
+};
 
 #if MPX_HAS_CUDA
 // Forward: a grid-stride pass. With 16-byte vectors when every row is a whole number of
@@ -239,54 +325,6 @@ __global__ void __launch_bounds__(block_size)
   }
 }
 
-// Backward, first level: block (32, 8) owns 32 columns of a chunk of rows; a warp reads
-// 32 neighbouring elements of one row (coalesced), writes dx, and each thread sums its
-// column; the 8 row-threads' sums are added in a fixed order into partials[chunk][j].
-inline constexpr int column_tile = 32;
-inline constexpr int column_tile_rows = 8;
-
-template <class Act, class X, class B, class DY, class DX>
-__global__ void __launch_bounds__(column_tile * column_tile_rows)
-    bias_backward_kernel(Act act, X const* x, B const* bias, DY const* dy, DX* dx, std::size_t rows,
-                         std::size_t cols, std::size_t rows_per_chunk, float* __restrict__ partials) {
-  __shared__ float sums[column_tile_rows][column_tile + 1];
-  std::size_t const j = static_cast<std::size_t>(blockIdx.x) * column_tile + threadIdx.x;
-  std::size_t const r0 = static_cast<std::size_t>(blockIdx.y) * rows_per_chunk;
-  std::size_t const r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-  float acc = 0.0f;
-  if (j < cols) {
-    float const bj = bias ? cast<float>(bias[j]) : 0.0f;
-    for (std::size_t r = r0 + threadIdx.y; r < r1; r += column_tile_rows) {
-      std::size_t const i = r * cols + j;
-      float dz = cast<float>(dy[i]);
-      if constexpr (!std::is_same_v<Act, act::identity>) dz *= act.derivative(cast<float>(x[i]) + bj);
-      if (dx) dx[i] = cast<DX>(dz);
-      acc += dz;
-    }
-  }
-  sums[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < cols) {
-    float t = 0.0f;
-    MPX_UNROLL
-    for (int k = 0; k < column_tile_rows; ++k) t += sums[k][threadIdx.x];
-    partials[static_cast<std::size_t>(blockIdx.y) * cols + j] = t;
-  }
-}
-
-// Backward, second level: one thread per column adds its chunks' partials in order.
-template <class DB>
-__global__ void __launch_bounds__(block_size)
-    column_partials_kernel(float const* __restrict__ partials, std::size_t chunks, std::size_t cols,
-                           DB* __restrict__ db) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t j = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
-    float t = 0.0f;
-    for (std::size_t c = 0; c < chunks; ++c) t += partials[c * cols + j];
-    db[j] = cast<DB>(t);
-  }
-}
-
 template <class Act, class X, class B, class Y>
 void cuda_bias_activation(cudaStream_t stream, Act const& act, X const* x, B const* bias, Y* y, std::size_t rows,
                           std::size_t cols) {
@@ -302,50 +340,15 @@ void cuda_bias_activation(cudaStream_t stream, Act const& act, X const* x, B con
   MPX_CUDA_CHECK_LAUNCH("mpx::bias_activation_kernel");
 }
 
-template <class Act, class X, class B, class DY, class DX, class DB>
-void cuda_bias_backward(cudaStream_t stream, Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db,
-                        std::size_t rows, std::size_t cols) {
-  // Chunks of rows: enough blocks to fill the GPU about 8 times over (2048 threads per
-  // SM), at least 8 rows per chunk. Fixed by the shape and the device, so the sums come
-  // out the same run after run.
-  std::size_t const tiles = (cols + column_tile - 1) / column_tile;
-  std::size_t const wanted_blocks = static_cast<std::size_t>(sm_count()) * 8;
-  std::size_t chunks = std::max<std::size_t>(1, (wanted_blocks + tiles - 1) / tiles);
-  chunks = std::min({chunks, (rows + column_tile_rows - 1) / column_tile_rows, std::size_t{65535}});
-  chunks = std::max<std::size_t>(chunks, 1);
-  std::size_t const rows_per_chunk = (rows + chunks - 1) / chunks;
-  chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
-  if (tiles > 0x7FFF'FFFFu) fail<invalid_argument>("bias_activation_backward", "too many columns for one launch");
-
-  buffer<float, device_space> partials(chunks * cols, stream);
-  dim3 const grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
-  dim3 const block(column_tile, column_tile_rows);
-  bias_backward_kernel<<<grid, block, 0, stream>>>(act, x, bias, dy, dx, rows, cols, rows_per_chunk, partials.data());
-  MPX_CUDA_CHECK_LAUNCH("mpx::bias_backward_kernel");
-  column_partials_kernel<<<grid_for(cols), block_size, 0, stream>>>(partials.data(), chunks, cols, db);
-  MPX_CUDA_CHECK_LAUNCH("mpx::column_partials_kernel");
-}
 #endif
 
 // Shared by bias_activation_backward and bias_gradient: dx may be null (not written),
-// and for act::identity x is not read.
+// and for act::identity x and bias are not read.
 template <class Act, class Exec, class X, class B, class DY, class DX, class DB>
-void bias_backward([[maybe_unused]] Exec const& exec, Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db,
+void bias_backward(Exec const& exec, Act const& act, X const* x, B const* bias, DY const* dy, DX* dx, DB* db,
                    std::size_t rows, std::size_t cols) {
-  if (cols == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    host_bias_backward(act, x, bias, dy, dx, db, rows, cols);
-  } else {
-#if MPX_HAS_CUDA
-    if (rows == 0) {
-      transform(exec, tensor_view<DB, device_space>(db, shape{static_cast<std::int64_t>(cols)}), ops::fill_with<DB>{cast<DB>(0.0f)});
-      return;
-    }
-    cuda_bias_backward(exec.stream(), act, x, bias, dy, dx, db, rows, cols);
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+  column_reduce<1, float>(exec, bias_backward_terms<Act, X, B, DY, DX>{act, x, bias, dy, dx, cols},
+                          store_sum_as<float, DB>{db}, rows, cols);
 }
 
 }  // namespace detail
@@ -395,10 +398,10 @@ void bias_activation_forward([[maybe_unused]] Exec const& exec, Act act, X&& x, 
 
 //! The backward pass of bias_activation_forward: dz = dy * act'(x + bias) in float;
 //! dx = dz rounded to dx's dtype (dx may be dy); db[j] = sum over rows of the float dz,
-//! accumulated in float and rounded once to db's dtype. Deterministic: on the GPU a
-//! two-level column reduction (no atomics) whose order depends only on the shape and
-//! the device. Asynchronous on a cuda_executor (it allocates its partial sums on the
-//! stream, rows/8 x cols floats at most).
+//! accumulated in float and rounded once to db's dtype. Deterministic: the column
+//! reduction of kernels/column_reduce.hpp (no atomics; its order depends only on the
+//! shape and the device). Asynchronous on a cuda_executor (it allocates its partial sums
+//! on the stream, 256 x cols floats at most).
 template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like DY, tensor_like DX,
           tensor_like DB>
 void bias_activation_backward(Exec const& exec, Act act, X&& x, B&& bias, DY&& dy, DX&& dx, DB&& db) {

@@ -11,16 +11,15 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/column_reduce.hpp>
 #include <mpx/kernels/row_reduce.hpp>
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 namespace mpx {
 
@@ -61,133 +60,6 @@ inline void last_axis_layout(std::string_view op, shape const& x, std::size_t& r
   // The warp kernels count columns in int steps of 32: keep the last step below 2^31.
   if (cols > 0x7FFF'FFFFu - 1024)
     fail<invalid_argument>(op, "rows of more than 2^31 - 1025 elements are not supported");
-}
-
-// ---- Deterministic column sums of two float quantities, shared with batch_norm ----
-//
-// For every column j, (sum_r a(r, j), sum_r b(r, j)) in float, then finish(j, sa, sb).
-// The order of the additions depends only on the shape (and, on the GPU, the device),
-// so the results are the same run after run. `Terms` and `Finish` are plain structs
-// with MPX_HD call operators: Terms(r, j, a, b) sets a and b; Finish(j, sa, sb).
-
-inline constexpr std::size_t norm_host_rows_per_chunk = 256;
-
-template <class Terms, class Finish>
-void host_column_sums(Terms const& terms, Finish const& finish, std::size_t rows, std::size_t cols) {
-  std::vector<float> ta(cols, 0.0f), tb(cols, 0.0f), ca(cols), cb(cols);
-  for (std::size_t r0 = 0; r0 < rows; r0 += norm_host_rows_per_chunk) {
-    std::fill(ca.begin(), ca.end(), 0.0f);
-    std::fill(cb.begin(), cb.end(), 0.0f);
-    std::size_t const r1 = std::min(rows, r0 + norm_host_rows_per_chunk);
-    for (std::size_t r = r0; r < r1; ++r)
-      for (std::size_t j = 0; j < cols; ++j) {
-        float a = 0.0f, b = 0.0f;
-        terms(r, j, a, b);
-        ca[j] += a;
-        cb[j] += b;
-      }
-    for (std::size_t j = 0; j < cols; ++j) {
-      ta[j] += ca[j];
-      tb[j] += cb[j];
-    }
-  }
-  for (std::size_t j = 0; j < cols; ++j) finish(j, ta[j], tb[j]);
-}
-
-#if MPX_HAS_CUDA
-inline constexpr int norm_column_tile = 32;
-inline constexpr int norm_column_tile_rows = 8;
-
-// First level: block (32, 8) owns 32 columns of a chunk of rows (a warp reads 32
-// neighbouring elements of a row, coalesced); the 8 row-threads' sums are added in a
-// fixed order into partials[chunk][j] (a) and partials[chunks + chunk][j] (b).
-template <class Terms>
-__global__ void __launch_bounds__(norm_column_tile * norm_column_tile_rows)
-    norm_column_partials_kernel(Terms terms, std::size_t rows, std::size_t cols, std::size_t rows_per_chunk,
-                                std::size_t chunks, float* __restrict__ partials) {
-  __shared__ float sa[norm_column_tile_rows][norm_column_tile + 1];
-  __shared__ float sb[norm_column_tile_rows][norm_column_tile + 1];
-  std::size_t const j = static_cast<std::size_t>(blockIdx.x) * norm_column_tile + threadIdx.x;
-  std::size_t const r0 = static_cast<std::size_t>(blockIdx.y) * rows_per_chunk;
-  std::size_t const r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-  float acc_a = 0.0f, acc_b = 0.0f;
-  if (j < cols) {
-    for (std::size_t r = r0 + threadIdx.y; r < r1; r += norm_column_tile_rows) {
-      float a = 0.0f, b = 0.0f;
-      terms(r, j, a, b);
-      acc_a += a;
-      acc_b += b;
-    }
-  }
-  sa[threadIdx.y][threadIdx.x] = acc_a;
-  sb[threadIdx.y][threadIdx.x] = acc_b;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < cols) {
-    float ta = 0.0f, tb = 0.0f;
-    MPX_UNROLL
-    for (int k = 0; k < norm_column_tile_rows; ++k) {
-      ta += sa[k][threadIdx.x];
-      tb += sb[k][threadIdx.x];
-    }
-    partials[static_cast<std::size_t>(blockIdx.y) * cols + j] = ta;
-    partials[(chunks + blockIdx.y) * cols + j] = tb;
-  }
-}
-
-// Second level: one thread per column adds its chunks' partials in order.
-template <class Finish>
-__global__ void __launch_bounds__(block_size)
-    norm_column_finish_kernel(Finish finish, float const* __restrict__ partials, std::size_t chunks,
-                              std::size_t cols) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t j = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
-    float ta = 0.0f, tb = 0.0f;
-    for (std::size_t c = 0; c < chunks; ++c) {
-      ta += partials[c * cols + j];
-      tb += partials[(chunks + c) * cols + j];
-    }
-    finish(j, ta, tb);
-  }
-}
-
-template <class Terms, class Finish>
-void cuda_column_sums(cudaStream_t stream, Terms const& terms, Finish const& finish, std::size_t rows,
-                      std::size_t cols) {
-  std::size_t const tiles = (cols + norm_column_tile - 1) / norm_column_tile;
-  if (tiles > 0x7FFF'FFFFu) fail<invalid_argument>("column sums", "too many columns for one launch");
-  // Chunks fixed by the shape and the device: enough blocks to fill the GPU ~8 times.
-  std::size_t const wanted_blocks = static_cast<std::size_t>(sm_count()) * 8;
-  std::size_t chunks = std::max<std::size_t>(1, (wanted_blocks + tiles - 1) / tiles);
-  // At most 256 chunks: the finish adds a column's chunk partials one after another, and
-  // the documented rounding bound counts at most 256 of them.
-  chunks = std::min({chunks, (rows + norm_column_tile_rows - 1) / norm_column_tile_rows, std::size_t{256}});
-  chunks = std::max<std::size_t>(chunks, 1);
-  std::size_t const rows_per_chunk = std::max<std::size_t>(1, (rows + chunks - 1) / chunks);
-  chunks = std::max<std::size_t>(1, (rows + rows_per_chunk - 1) / rows_per_chunk);
-  buffer<float, device_space> partials(2 * chunks * cols, stream);
-  dim3 const grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
-  dim3 const block(norm_column_tile, norm_column_tile_rows);
-  norm_column_partials_kernel<<<grid, block, 0, stream>>>(terms, rows, cols, rows_per_chunk, chunks,
-                                                          partials.data());
-  MPX_CUDA_CHECK_LAUNCH("mpx::norm_column_partials_kernel");
-  norm_column_finish_kernel<<<grid_for(cols), block_size, 0, stream>>>(finish, partials.data(), chunks, cols);
-  MPX_CUDA_CHECK_LAUNCH("mpx::norm_column_finish_kernel");
-}
-#endif
-
-template <class Exec, class Terms, class Finish>
-void column_sums([[maybe_unused]] Exec const& exec, Terms const& terms, Finish const& finish, std::size_t rows,
-                 std::size_t cols) {
-  if (cols == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    host_column_sums(terms, finish, rows, cols);
-  } else {
-#if MPX_HAS_CUDA
-    cuda_column_sums(exec.stream(), terms, finish, rows, cols);
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
 }
 
 // ---- LayerNorm ----
@@ -259,15 +131,6 @@ struct layer_norm_param_terms {
     float const g = cast<float>(dy[i]);
     a = g * ((cast<float>(x[i]) - mean[r]) * rstd[r]);
     b = g;
-  }
-};
-
-struct store_two_sums {
-  float* a;
-  float* b;
-  MPX_HD void operator()(std::size_t j, float sa, float sb) const {
-    a[j] = sa;
-    b[j] = sb;
   }
 };
 

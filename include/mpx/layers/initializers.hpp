@@ -19,7 +19,8 @@
 
 namespace mpx {
 
-enum class initializer { zeros, ones, glorot_uniform, glorot_normal, he_uniform, he_normal };
+//! random_uniform: Keras's RandomUniform(-0.05, 0.05), the default of its Embedding.
+enum class initializer { zeros, ones, glorot_uniform, glorot_normal, he_uniform, he_normal, random_uniform };
 
 [[nodiscard]] constexpr std::string_view to_string(initializer i) noexcept {
   switch (i) {
@@ -29,6 +30,7 @@ enum class initializer { zeros, ones, glorot_uniform, glorot_normal, he_uniform,
     case initializer::glorot_normal: return "glorot_normal";
     case initializer::he_uniform: return "he_uniform";
     case initializer::he_normal: return "he_normal";
+    case initializer::random_uniform: return "random_uniform";
   }
   return "?";
 }
@@ -74,6 +76,7 @@ void initialize(Exec const& exec, X&& x, initializer init, std::int64_t fan_in, 
       case initializer::he_uniform: r = std::sqrt(6.0 / fi) * (2 * detail::uniform_open01(seed, i) - 1); break;
       case initializer::glorot_normal: r = std::sqrt(2.0 / (fi + fo)) * detail::truncated_normal(seed, i); break;
       case initializer::he_normal: r = std::sqrt(2.0 / fi) * detail::truncated_normal(seed, i); break;
+      case initializer::random_uniform: r = 0.05 * (2 * detail::uniform_open01(seed, i) - 1); break;
     }
     values[i] = cast<T>(static_cast<float>(r));
   }

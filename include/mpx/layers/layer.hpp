@@ -1,6 +1,6 @@
-// What every typed layer shares: the placeholder for "the model's policy", the
-// activation a layer may fuse, the memory a layer owns once built, and the `layer`
-// concept a model checks at compile time.
+// What every typed layer shares: the placeholder for "the model's policy", the memory a
+// layer owns once built, and the `layer` concept a model checks at compile time. (The
+// activation a layer may fuse, mpx::activation, is one list in kernels/activation.hpp.)
 //
 // A layer is a value you construct from its configuration alone
 // (`mpx::dense<mpx::mixed_float16> fc(128, mpx::activation::relu)`); `build(exec,
@@ -41,33 +41,6 @@ struct model_policy {
   using param_type = float;
   static constexpr std::string_view name = "(the model's policy)";
 };
-
-//! The activation a layer applies to its output, fused with its bias add.
-enum class activation { linear, relu, sigmoid, tanh, gelu };
-
-[[nodiscard]] constexpr std::string_view to_string(activation a) noexcept {
-  switch (a) {
-    case activation::linear: return "linear";
-    case activation::relu: return "relu";
-    case activation::sigmoid: return "sigmoid";
-    case activation::tanh: return "tanh";
-    case activation::gelu: return "gelu";
-  }
-  return "?";
-}
-
-//! Calls f with the mpx::act functor for `a` (one instantiation of f per activation).
-template <class F>
-decltype(auto) with_activation(activation a, F&& f) {
-  switch (a) {
-    case activation::relu: return f(act::relu{});
-    case activation::sigmoid: return f(act::sigmoid{});
-    case activation::tanh: return f(act::tanh{});
-    case activation::gelu: return f(act::gelu{});
-    case activation::linear: break;
-  }
-  return f(act::identity{});
-}
 
 namespace detail {
 

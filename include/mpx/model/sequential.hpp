@@ -379,8 +379,9 @@ class sequential_model {
     std::vector<summary_row> rows;
     boost::hana::for_each(nodes_, [&](auto const& node) {
       using L = std::remove_cvref_t<decltype(node.layer)>;
-      if (node.casts_input)
-        rows.push_back({"  (cast to " + std::string(dtype_name<typename L::input_type>) + ")", "", "inserted by the model", "0"});
+      if constexpr (dtype<typename L::input_type>)  // (token ids are never cast)
+        if (node.casts_input)
+          rows.push_back({"  (cast to " + std::string(dtype_name<typename L::input_type>) + ")", "", "inserted by the model", "0"});
       std::string shp = node.layer.output_shape().to_string();
       shp = "(None, " + shp.substr(1, shp.size() - 2) + ")";
       rows.push_back({node.layer.name() + " (" + std::string(L::kind) + ")", shp, std::string(L::policy::name),

@@ -1,7 +1,8 @@
 // mpx::adam and mpx::adamw: Adam with bias correction, with L2 weight decay folded into
 // the gradient (adam, as torch.optim.Adam) or decoupled from it (adamw, as
 // torch.optim.AdamW: w -= lr * weight_decay * w before the Adam step), applied to float
-// master weights. See optim/optimizer.hpp for what all optimizers share.
+// master weights (or to the 16-bit values themselves, see mpx::master_weight_options).
+// See optim/optimizer.hpp for what all optimizers share.
 #pragma once
 
 #include <mpx/optim/learning_rate.hpp>
@@ -80,9 +81,9 @@ class adam : public detail::optimizer_core<Exec, adam_rule<Schedule, false>> {
 
  public:
   adam(Exec const& exec, std::vector<parameter<memory_space_t<Exec>>> params, Schedule learning_rate,
-       adam_options options = {})
+       adam_options options = {}, master_weight_options masters = {})
       : core(exec, std::move(params), (detail::validate_adam("adam", options), adam_rule<Schedule, false>{learning_rate, options}),
-             "adam") {}
+             "adam", masters) {}
 };
 
 template <executor Exec, learning_rate_schedule Schedule = constant_learning_rate>
@@ -91,19 +92,19 @@ class adamw : public detail::optimizer_core<Exec, adam_rule<Schedule, true>> {
 
  public:
   adamw(Exec const& exec, std::vector<parameter<memory_space_t<Exec>>> params, Schedule learning_rate,
-        adamw_options options = {})
+        adamw_options options = {}, master_weight_options masters = {})
       : core(exec, std::move(params),
              (detail::validate_adam("adamw", options.as_adam()), adam_rule<Schedule, true>{learning_rate, options.as_adam()}),
-             "adamw") {}
+             "adamw", masters) {}
 };
 
 template <executor Exec, class P>
-adam(Exec const&, P, float, adam_options = {}) -> adam<Exec, constant_learning_rate>;
+adam(Exec const&, P, float, adam_options = {}, master_weight_options = {}) -> adam<Exec, constant_learning_rate>;
 template <executor Exec, class P, learning_rate_schedule S>
-adam(Exec const&, P, S, adam_options = {}) -> adam<Exec, S>;
+adam(Exec const&, P, S, adam_options = {}, master_weight_options = {}) -> adam<Exec, S>;
 template <executor Exec, class P>
-adamw(Exec const&, P, float, adamw_options = {}) -> adamw<Exec, constant_learning_rate>;
+adamw(Exec const&, P, float, adamw_options = {}, master_weight_options = {}) -> adamw<Exec, constant_learning_rate>;
 template <executor Exec, class P, learning_rate_schedule S>
-adamw(Exec const&, P, S, adamw_options = {}) -> adamw<Exec, S>;
+adamw(Exec const&, P, S, adamw_options = {}, master_weight_options = {}) -> adamw<Exec, S>;
 
 }  // namespace mpx

@@ -1,8 +1,9 @@
-// What every mpx optimizer shares: float master weights for 16-bit parameters, moment
-// slots, a step count kept on the executor, and one fused multi-tensor kernel per dtype
-// per step that reads the gradient check's verdict on the device, leaves everything
-// untouched when it says skip, and otherwise updates the float master copy and writes
-// it back rounded to the storage type. sgd.hpp and adam.hpp supply the update rules.
+// What every mpx optimizer shares: float master weights for 16-bit parameters (or none,
+// when the policy's param_type is its storage type), moment slots, a step count kept on
+// the executor, and one fused multi-tensor kernel per dtype per step that reads the
+// gradient check's verdict on the device, leaves everything untouched when it says skip,
+// and otherwise updates the weight in float and writes it back rounded to the storage
+// type (to nearest even, or stochastically). sgd.hpp and adam.hpp supply the update rules.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -13,6 +14,8 @@
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/optim/checkpoint_file.hpp>
@@ -31,44 +34,152 @@
 #include <utility>
 #include <vector>
 
+namespace mpx {
+
+//! Where an optimizer keeps the weights it updates: a float copy of every 16-bit
+//! parameter (float32, the default), or none (the update is computed in float from the
+//! stored value and written back rounded to the parameter's dtype).
+enum class master_weights { float32, none };
+
+//! How an optimizer keeps and writes back its 16-bit parameters.
+struct master_weight_options {
+  master_weights master = master_weights::float32;
+  //! Without master weights only: a bfloat16 or half result is rounded up with
+  //! probability (distance to the lower neighbour) / (distance between the neighbours),
+  //! so an update below half an ulp still moves the weight on average. False: to nearest even.
+  bool stochastic_rounding = false;
+  //! Philox key of the rounding; the draws depend on (seed, step, parameter, element)
+  //! alone, so the host and the GPU round alike and a resumed run repeats them.
+  std::uint64_t seed = 0;
+};
+
+//! The master weights a policy asks for: float32 when its param_type is float, none
+//! when param_type is its storage type (pure 16-bit training).
+template <policy_type Policy>
+constexpr master_weight_options master_weights_for(bool stochastic_rounding = false, std::uint64_t seed = 0) noexcept {
+  using P = typename Policy::param_type;
+  static_assert(std::is_same_v<P, float> || std::is_same_v<P, typename Policy::storage_type>,
+                "mpx optimizers keep master weights in float (param_type float) or none at all (param_type equal "
+                "to the policy's storage type); this policy's param_type is neither");
+  if constexpr (std::is_same_v<P, float>) return {master_weights::float32, false, seed};
+  else return {master_weights::none, stochastic_rounding, seed};
+}
+
+}  // namespace mpx
+
 namespace mpx::detail {
 
+//! Rounds x to bfloat16 or half, up (in magnitude) with probability equal to its
+//! distance to the lower-magnitude neighbour over the gap between the neighbours;
+//! `random` is 32 uniform bits. Non-finite values and overflow round as cast does.
+template <class T>
+MPX_HD inline T stochastic_round(float x, std::uint32_t random) noexcept {
+  static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, half>,
+                "mpx: stochastic rounding is defined for bfloat16 and half");
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    std::uint32_t const u = bit_cast<std::uint32_t>(x);
+    if ((u & 0x7F80'0000u) == 0x7F80'0000u) return cast<bfloat16>(x);
+    // Adding r < 2^16 to the 16 bits dropped carries into the kept ones exactly when
+    // r >= 2^16 - dropped: probability dropped / 2^16. Carries reach inf only past max.
+    return from_bits<bfloat16>(static_cast<std::uint16_t>((u + (random & 0xFFFFu)) >> 16));
+  } else {
+    T const nearest = cast<T>(x);
+    float const n = cast<float>(nearest);
+    if (n == x || !(n - n == 0)) return nearest;  // exact, or overflowed to inf, or NaN
+    // The other neighbour is one code further from zero when |x| > |n|, one closer otherwise.
+    bool const beyond = (x < 0 ? -x : x) > (n < 0 ? -n : n);
+    T const other = from_bits<T>(static_cast<bits_t<T>>(beyond ? bits(nearest) + 1u : bits(nearest) - 1u));
+    float const o = cast<float>(other);
+    if (!(o - o == 0)) return nearest;  // the next code up is inf: x lies between max and the overflow threshold
+    float const lo = beyond ? n : o, hi = beyond ? o : n;  // lower and higher magnitude
+    float const p_up = (x - lo) / (hi - lo);               // both same sign: a ratio in (0, 1)
+    float const u = static_cast<float>(random >> 8) * 0x1p-24f;
+    return u < p_up ? (beyond ? other : nearest) : (beyond ? nearest : other);
+  }
+}
+
+//! How update_elements writes a 16-bit result back: to nearest even, or stochastically
+//! with Philox draws keyed by the seed and counted by (element, parameter, step).
+struct weight_rounding {
+  bool stochastic = false;
+  std::uint64_t seed = 0;
+  //! Index of the table's first parameter among the optimizer's parameters of its dtype,
+  //! dtype in the top byte: the `parameter` word of the counter.
+  std::uint32_t first_stream = 0;
+
+  //! 4 random words for elements 4q .. 4q + 3 of parameter `stream` at step `step`.
+  [[nodiscard]] MPX_HD philox_counter draws(std::uint64_t step, std::uint32_t stream, std::uint64_t q) const noexcept {
+    return philox4x32_10(
+        philox_counter{{static_cast<std::uint32_t>(q), static_cast<std::uint32_t>(q >> 32), stream,
+                        static_cast<std::uint32_t>(step)}},
+        philox_key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32) ^
+                                                          static_cast<std::uint32_t>(step >> 32)}});
+  }
+};
+
+//! The rounding of one table's updates: where its random draws start.
+struct rounding_position {
+  std::uint64_t step;     // the step being applied, 1, 2, ...
+  std::uint32_t stream;   // the parameter
+  std::size_t element0;   // index of value[0] within the parameter
+};
+
 //! Updates elements [i, i + N) of one parameter: the float master weight (the value
-//! itself for float parameters), the rule's slots, and the stored value.
+//! itself for float parameters; none when master is null), the rule's slots, and the
+//! stored value.
 template <int N, class T, class Rule>
 MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants const& c, float factor, std::size_t i,
-                                   T* value, T const* gradient, float* master, float* const* slot) {
+                                   T* value, T const* gradient, float* master, float* const* slot,
+                                   weight_rounding const& rounding = {}, rounding_position const& at = {}) {
   constexpr int slots = Rule::slots;
   auto const g = *reinterpret_cast<aligned_vector<T, N> const*>(gradient + i);
   aligned_vector<float, N> w;
-  if constexpr (std::is_same_v<T, float>) w = *reinterpret_cast<aligned_vector<float, N> const*>(value + i);
-  else w = *reinterpret_cast<aligned_vector<float, N> const*>(master + i);
+  if constexpr (std::is_same_v<T, float>) {
+    w = *reinterpret_cast<aligned_vector<float, N> const*>(value + i);
+  } else if (master) {
+    w = *reinterpret_cast<aligned_vector<float, N> const*>(master + i);
+  } else {
+    auto const v = *reinterpret_cast<aligned_vector<T, N> const*>(value + i);
+    MPX_UNROLL
+    for (int k = 0; k < N; ++k) w.v[k] = cast<float>(v.v[k]);
+  }
   // Value-initialised: a slot the rule does not use (SGD without momentum) is never
   // loaded, and is still copied below.
   aligned_vector<float, N> s[slots > 0 ? slots : 1] = {};
   for (int j = 0; j < slots; ++j)
     if (rule.uses_slot(j)) s[j] = *reinterpret_cast<aligned_vector<float, N> const*>(slot[j] + i);
   aligned_vector<T, N> out;
+  [[maybe_unused]] philox_counter r{};
   MPX_UNROLL
   for (int k = 0; k < N; ++k) {
     float sk[slots > 0 ? slots : 1] = {};
     for (int j = 0; j < slots; ++j) sk[j] = s[j].v[k];
     rule(c, w.v[k], cast<float>(g.v[k]) * factor, sk);
     for (int j = 0; j < slots; ++j) s[j].v[k] = sk[j];
+    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) {
+      if (rounding.stochastic) {
+        std::uint64_t const e = at.element0 + i + static_cast<std::size_t>(k);
+        if (k == 0 || e % 4 == 0) r = rounding.draws(at.step, at.stream, e / 4);
+        out.v[k] = stochastic_round<T>(w.v[k], r.v[e % 4]);
+        continue;
+      }
+    }
     out.v[k] = cast<T>(w.v[k]);
   }
   for (int j = 0; j < slots; ++j)
     if (rule.uses_slot(j)) *reinterpret_cast<aligned_vector<float, N>*>(slot[j] + i) = s[j];
-  if constexpr (!std::is_same_v<T, float>) *reinterpret_cast<aligned_vector<float, N>*>(master + i) = w;
+  if constexpr (!std::is_same_v<T, float>)
+    if (master) *reinterpret_cast<aligned_vector<float, N>*>(master + i) = w;
   *reinterpret_cast<aligned_vector<T, N>*>(value + i) = out;
 }
 
-//! Pointers in a table row: value, gradient, master, then the rule's slots.
+//! Pointers in a table row: value, gradient, master (the value for a float parameter,
+//! null for a 16-bit one without master weights), then the rule's slots.
 inline constexpr int fixed_lists = 3;
 
 template <class T, class Rule, int Lists>
 void host_optimizer_step(tensor_table<Lists> const& table, Rule const& rule, std::uint64_t steps,
-                         gradient_summary const* verdict) {
+                         gradient_summary const* verdict, weight_rounding const& rounding = {}) {
   if (verdict && verdict->found_nonfinite) return;
   float const factor = verdict ? verdict->gradient_factor : 1.0f;
   auto const c = rule.at(steps + 1);
@@ -77,7 +188,8 @@ void host_optimizer_step(tensor_table<Lists> const& table, Rule const& rule, std
     for (int j = 0; j < Lists - fixed_lists; ++j) slot[j] = static_cast<float*>(table.data[fixed_lists + j][t]);
     for (std::size_t i = 0; i < table.size[t]; ++i)
       update_elements<1>(rule, c, factor, i, static_cast<T*>(table.data[0][t]), static_cast<T const*>(table.data[1][t]),
-                         static_cast<float*>(table.data[2][t]), slot);
+                         static_cast<float*>(table.data[2][t]), slot, rounding,
+                         rounding_position{steps + 1, rounding.first_stream + t, 0});
   }
 }
 
@@ -85,15 +197,17 @@ void host_optimizer_step(tensor_table<Lists> const& table, Rule const& rule, std
 template <class T, class Rule, int Lists>
 __global__ void __launch_bounds__(block_size)
     optimizer_step_kernel(tensor_table<Lists> const table, Rule const rule, std::uint64_t const* __restrict__ steps,
-                          gradient_summary const* __restrict__ verdict) {
+                          gradient_summary const* __restrict__ verdict, weight_rounding const rounding = {}) {
   // The verdict is one value for the whole grid: every block returns, or none does.
   if (verdict && verdict->found_nonfinite) return;
   float const factor = verdict ? verdict->gradient_factor : 1.0f;
-  auto const c = rule.at(*steps + 1);
+  std::uint64_t const step = *steps + 1;
+  auto const c = rule.at(step);
   chunk_location const loc = locate_chunk(table, blockIdx.x);
   T* const value = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
   T const* const gradient = static_cast<T const*>(table.data[1][loc.tensor]) + loc.begin;
-  float* const master = static_cast<float*>(table.data[2][loc.tensor]) + loc.begin;
+  float* const master =
+      table.data[2][loc.tensor] ? static_cast<float*>(table.data[2][loc.tensor]) + loc.begin : nullptr;
   constexpr int slots = Lists - fixed_lists;
   float* slot[slots > 0 ? slots : 1];
   bool aligned = vector_aligned<vector_width<T, float>>(value, gradient, master);
@@ -104,7 +218,8 @@ __global__ void __launch_bounds__(block_size)
   // Several pointers: vectorised only when all start on a boundary (the float master and
   // slots always do; a 16-bit value carved out of a packed buffer may not).
   for_each_in_chunk<vector_width<T, float>>(loc.count, 0, aligned, [&](auto w, std::size_t i) {
-    update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot);
+    update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot, rounding,
+                                        rounding_position{step, rounding.first_stream + loc.tensor, loc.begin});
   });
 }
 
@@ -126,16 +241,18 @@ class optimizer_core {
   static constexpr int slots = Rule::slots;
   static constexpr int lists = fixed_lists + slots;
 
-  optimizer_core(Exec const& exec, std::vector<parameter<space>> params, Rule rule, std::string kind)
-      : kind_(std::move(kind)), params_(std::move(params)), rule_(rule), steps_(exec, std::uint64_t{0}),
-        gradients_(exec, gradient_refs(kind_, params_), parameter_names(params_)) {
+  optimizer_core(Exec const& exec, std::vector<parameter<space>> params, Rule rule, std::string kind,
+                 master_weight_options masters = {})
+      : kind_(std::move(kind)), params_(std::move(params)), rule_(rule), master_options_(masters),
+        steps_(exec, std::uint64_t{0}), gradients_(exec, gradient_refs(kind_, params_), parameter_names(params_)) {
     if constexpr (requires { rule_.learning_rate; }) validate_learning_rate(kind_, rule_.learning_rate);
+    validate_master_options();
     masters_.reserve(params_.size());
     slots_.reserve(params_.size());
     for (auto const& p : params_) {
       shape const flat{static_cast<std::int64_t>(p.value.size())};
       tensor<float, space> master;
-      if (p.value.dtype() != dtype_id::float32) {
+      if (p.value.dtype() != dtype_id::float32 && masters.master == master_weights::float32) {
         master = tensor<float, space>(exec, flat);
         visit_dtype(p.value.dtype(), [&](auto t) {
           using T = decltype(t);
@@ -161,6 +278,8 @@ class optimizer_core {
   //! The update rule with its hyperparameters; change them between steps if you like.
   [[nodiscard]] Rule& rule() noexcept { return rule_; }
   [[nodiscard]] Rule const& rule() const noexcept { return rule_; }
+  //! Whether float master weights are kept, and how results are rounded without them.
+  [[nodiscard]] master_weight_options const& master_options() const noexcept { return master_options_; }
 
   //! Where kernels (and schedules) find the number of applied steps.
   [[nodiscard]] std::uint64_t* steps_data() const noexcept { return steps_.get(); }
@@ -188,19 +307,22 @@ class optimizer_core {
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
       visit_dtype(all_dtypes[d], [&](auto t) {
         using T = decltype(t);
+        weight_rounding rounding{master_options_.stochastic_rounding, master_options_.seed,
+                                 static_cast<std::uint32_t>(d) << 24};
         for (auto const& table : plans_[d].tables) {
           if constexpr (is_host_executor_v<Exec>) {
-            host_optimizer_step<T>(table, rule_, *steps_.get(), verdict);
+            host_optimizer_step<T>(table, rule_, *steps_.get(), verdict, rounding);
           } else {
 #if MPX_HAS_CUDA
             if (table.blocks() == 0) continue;
             optimizer_step_kernel<T><<<table.blocks(), block_size, 0, exec.stream()>>>(table, rule_, steps_.get(),
-                                                                                      verdict);
+                                                                                      verdict, rounding);
             MPX_CUDA_CHECK_LAUNCH("mpx::optimizer_step_kernel");
 #else
             kernels_need_nvcc<Exec>();
 #endif
           }
+          rounding.first_stream += table.count;
         }
       });
     }
@@ -220,12 +342,15 @@ class optimizer_core {
   }
 
   //! Adds the optimizer's state to a checkpoint: the parameter list (checked on load),
-  //! step count, values, master weights and slots. Synchronises a cuda_executor.
+  //! step count, values, master weights (when kept), the rounding and its seed, and
+  //! slots. Synchronises a cuda_executor.
   void save(Exec const& exec, checkpoint_writer& out) const {
     out.add("optimizer/kind", as_bytes("mpx::" + kind_));
     std::string const listing = parameter_listing();
     out.add("optimizer/parameters", as_bytes(listing));
     out.add("optimizer/state", as_bytes(state_listing()));
+    out.add("optimizer/master weights", as_bytes(master_listing()));
+    if (master_options_.stochastic_rounding) out.add_value("optimizer/rounding seed", master_options_.seed);
     out.add_value("optimizer/steps", steps(exec));
     for (std::size_t i = 0; i < params_.size(); ++i) {
       std::string const n = std::to_string(i);
@@ -255,12 +380,21 @@ class optimizer_core {
 
   //! Restores what save() wrote. Everything is checked against this optimizer's
   //! parameters first, then `last_check()` runs (the caller's own checks of the file);
-  //! on any mismatch mpx::checkpoint_error is thrown and nothing changes.
+  //! on any mismatch mpx::checkpoint_error is thrown and nothing changes. A stochastic
+  //! rounding seed is restored from the file, so the resumed run draws as the saved one would.
   template <class LastCheck>
   void load(Exec const& exec, checkpoint_reader const& in, LastCheck&& last_check) {
     check_section_text(in, "optimizer/kind", "mpx::" + kind_, "optimizer");
     check_section_text(in, "optimizer/parameters", parameter_listing(), "parameter list");
     check_section_text(in, "optimizer/state", state_listing(), "state kept per parameter");
+    // Files written before master weights became optional always kept them.
+    std::string const saved_masters = in.contains("optimizer/master weights") ? section_text(in, "optimizer/master weights")
+                                                                               : std::string(master_listing_float32);
+    if (saved_masters != master_listing())
+      in.refuse("it was saved by an optimizer with master weights \"" + saved_masters + "\"; this one has \"" +
+                master_listing() + "\" (make the optimizer with the same mpx::master_weight_options)");
+    std::uint64_t const seed =
+        master_options_.stochastic_rounding ? in.value<std::uint64_t>("optimizer/rounding seed") : master_options_.seed;
     struct pending {
       void* to;
       std::span<std::byte const> from;
@@ -284,6 +418,7 @@ class optimizer_core {
     // Every section is present and of the right size: now, and only now, write.
     for (auto const& w : writes) upload_bytes(exec, w.to, w.from);
     steps_.write(exec, steps);
+    master_options_.seed = seed;
     exec.synchronize();
   }
 
@@ -314,6 +449,19 @@ class optimizer_core {
     }
   }
 
+  void validate_master_options() const {
+    if (master_options_.master == master_weights::float32 && master_options_.stochastic_rounding)
+      fail<invalid_argument>(kind_, "stochastic rounding applies only without master weights (master_weights::none): "
+                                    "with float master weights the stored value is a rounded copy and rounds to nearest");
+  }
+
+  static constexpr std::string_view master_listing_float32 = "float32";
+  //! What a checkpoint records of master_options_ (the seed is a value of its own).
+  [[nodiscard]] std::string master_listing() const {
+    if (master_options_.master == master_weights::float32) return std::string(master_listing_float32);
+    return master_options_.stochastic_rounding ? "none, stochastic rounding" : "none, rounded to nearest even";
+  }
+
   void plan() {
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
       std::vector<std::array<void*, lists>> rows;
@@ -323,7 +471,10 @@ class optimizer_core {
         std::array<void*, lists> row{};
         row[0] = params_[i].value.data();
         row[1] = params_[i].gradient.data();
-        row[2] = masters_[i].empty() ? params_[i].value.data() : static_cast<void*>(masters_[i].data());
+        // The float master copy; a float parameter is its own, a 16-bit one without masters has none.
+        row[2] = !masters_[i].empty()                            ? static_cast<void*>(masters_[i].data())
+                 : params_[i].value.dtype() == dtype_id::float32 ? params_[i].value.data()
+                                                                 : nullptr;
         for (int j = 0; j < slots; ++j) row[static_cast<std::size_t>(fixed_lists + j)] = slots_[i][static_cast<std::size_t>(j)].data();
         rows.push_back(row);
         sizes.push_back(params_[i].value.size());
@@ -350,12 +501,16 @@ class optimizer_core {
   static std::span<std::byte const> as_bytes(std::string const& s) noexcept {
     return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
   }
+  static std::string section_text(checkpoint_reader const& in, std::string const& name) {
+    auto const got = in.section(name);
+    return std::string(reinterpret_cast<char const*>(got.data()), got.size());
+  }
   static void check_section_text(checkpoint_reader const& in, std::string const& name, std::string const& expected,
                                  std::string_view what) {
-    auto const got = in.section(name);
-    if (std::string(reinterpret_cast<char const*>(got.data()), got.size()) != expected)
-      in.refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" +
-                std::string(reinterpret_cast<char const*>(got.data()), got.size()) + "\nexpected:\n" + expected);
+    std::string const got = section_text(in, name);
+    if (got != expected)
+      in.refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" + got + "\nexpected:\n" +
+                expected);
   }
   static std::vector<std::byte> download_bytes(Exec const& exec, void const* from, std::size_t bytes) {
     std::vector<std::byte> out(bytes);
@@ -384,6 +539,7 @@ class optimizer_core {
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints
   std::vector<parameter<space>> params_;
   Rule rule_;
+  master_weight_options master_options_;
   resident<std::uint64_t, space> steps_;
   gradient_list<Exec> gradients_;
   std::vector<tensor<float, space>> masters_;

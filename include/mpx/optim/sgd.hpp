@@ -1,6 +1,7 @@
 // mpx::sgd: stochastic gradient descent with optional momentum (heavy-ball or Nesterov),
 // dampening and L2 weight decay, exactly as PyTorch's torch.optim.SGD defines them,
-// applied to float master weights. See optim/optimizer.hpp for what all optimizers share.
+// applied to float master weights (or to the 16-bit values themselves, see
+// mpx::master_weight_options). See optim/optimizer.hpp for what all optimizers share.
 #pragma once
 
 #include <mpx/optim/learning_rate.hpp>
@@ -52,8 +53,8 @@ class sgd : public detail::optimizer_core<Exec, sgd_rule<Schedule>> {
 
  public:
   sgd(Exec const& exec, std::vector<parameter<memory_space_t<Exec>>> params, Schedule learning_rate,
-      sgd_options options = {})
-      : core(exec, std::move(params), validated(learning_rate, options), "sgd") {}
+      sgd_options options = {}, master_weight_options masters = {})
+      : core(exec, std::move(params), validated(learning_rate, options), "sgd", masters) {}
 
  private:
   static sgd_rule<Schedule> validated(Schedule s, sgd_options const& o) {
@@ -65,8 +66,8 @@ class sgd : public detail::optimizer_core<Exec, sgd_rule<Schedule>> {
 };
 
 template <executor Exec, class P>
-sgd(Exec const&, P, float, sgd_options = {}) -> sgd<Exec, constant_learning_rate>;
+sgd(Exec const&, P, float, sgd_options = {}, master_weight_options = {}) -> sgd<Exec, constant_learning_rate>;
 template <executor Exec, class P, learning_rate_schedule S>
-sgd(Exec const&, P, S, sgd_options = {}) -> sgd<Exec, S>;
+sgd(Exec const&, P, S, sgd_options = {}, master_weight_options = {}) -> sgd<Exec, S>;
 
 }  // namespace mpx

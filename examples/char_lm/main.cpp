@@ -1,0 +1,377 @@
+// A GPT-style character (byte) language model on the fortune cookies Debian's `fortunes`
+// package installs, under float32, mixed_bfloat16 and mixed_float16 with Keras's dynamic
+// loss scale: the transformer workflow mixed-precision users train today.
+//
+//   embedding(256 bytes -> width, + learned positions)
+//   4 x [ residual(layer_norm, causal_self_attention(heads)),
+//         residual(layer_norm, dense(4 width, gelu), dense(width)) ]
+//   layer_norm, dense(256), softmax (float32)
+//
+// Each policy trains from the same seed on the same windows; the run prints the loss and
+// loss scale as it goes, then one row per policy (validation loss, tokens per second,
+// skipped steps, peak memory) beside the unigram model's loss (what a model that ignores
+// context scores), and a short text sampled from each model.
+//
+//   char_lm [--policy all|float32|mixed_bfloat16|mixed_float16] [--steps N] [--batch N]
+//           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
+//           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
+//           [--demo-overflow]
+//
+// --demo-overflow shows, instead of training, the transformer failure docs/transformers.md
+// explains: attention logits that overflow float16. Large models see their attention
+// logits grow during training ("attention logit growth", Dehghani et al. 2023); the demo
+// stands for that by multiplying the first block's query/key/value weights by 100. Under
+// mixed_float16, without the attention's 1/sqrt(head width), the logits (stored in
+// float16, as under autocast) pass 65504: mpx::find_nonfinite names the layer and the
+// tensor and says why. Then the same weights with the scaling: finite.
+#include <mpx/mpx.hpp>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct settings {
+  std::string policy = "all";
+  std::string executor = "auto";
+  std::size_t steps = 0;  // 0: 300 on the host, 2000 on a GPU
+  std::size_t batch = 16;
+  std::int64_t context = 64;
+  std::int64_t width = 128;
+  std::int64_t heads = 4;
+  float lr = 3e-3f;
+  std::string corpus = "/usr/share/games/fortunes";
+  std::uint64_t seed = 1;
+  std::size_t sample = 160;
+  std::size_t log_every = 25;
+  std::size_t eval_batches = 40;  // validation batches (of --batch windows) scored at the end
+  bool scale_logits = true;
+  bool demo_overflow = false;
+};
+
+struct outcome {
+  std::string policy;
+  double validation_loss = 0;
+  double tokens_per_second = 0;
+  std::size_t skipped = 0;
+  float final_scale = 0;
+  double peak_mib = 0;
+  std::string sample;
+};
+
+constexpr std::size_t blocks = 4;
+
+// One pre-norm transformer block: attention, then the MLP, each in a residual branch.
+auto transformer_block(settings const& s) {
+  return std::make_tuple(
+      mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<>(s.heads, s.scale_logits)),
+      mpx::residual(mpx::layer_norm<>(), mpx::dense<>(4 * s.width, mpx::activation::gelu), mpx::dense<>(s.width)));
+}
+
+template <class P, std::size_t... I>
+auto make_gpt(settings const& s, std::index_sequence<I...>) {
+  auto layers = std::tuple_cat(
+      std::make_tuple(mpx::embedding<>(256, s.width, s.context)), (static_cast<void>(I), transformer_block(s))...,
+      std::make_tuple(mpx::layer_norm<>(), mpx::dense<>(256), mpx::softmax_layer<mpx::float32>()));
+  return std::apply([](auto&&... l) { return mpx::sequential<P>(std::move(l)...); }, std::move(layers));
+}
+
+// The first `limit` batches of a source each epoch (the validation score on a sample of
+// the validation text: the whole of it would take longer than the training on the host).
+template <class Source>
+struct first_batches {
+  Source& source;
+  std::size_t limit;
+  std::size_t given = 0;
+  [[nodiscard]] std::size_t batches_per_epoch() const { return std::min(limit, source.batches_per_epoch()); }
+  void start_epoch(std::uint64_t epoch) {
+    source.start_epoch(epoch);
+    given = 0;
+  }
+  auto next() {
+    using batch = decltype(source.next());
+    if (given++ >= limit) return batch{};
+    return source.next();
+  }
+};
+
+double peak_mib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+// The cross-entropy (nats per byte) of a unigram model fitted on `train` (add-one
+// smoothing), on `validation`: the loss a model that ignores the context reaches.
+double unigram_loss(std::span<std::uint8_t const> train, std::span<std::uint8_t const> validation) {
+  std::vector<double> count(256, 1.0);
+  for (auto b : train) count[b] += 1;
+  double total = 0;
+  for (double c : count) total += c;
+  double loss = 0;
+  for (auto b : validation) loss -= std::log(count[b] / total);
+  return loss / static_cast<double>(validation.size());
+}
+
+// Text generated by the model from `prompt`: each next byte drawn from the softmax of the
+// last position (temperature 0.8), the window sliding over the last `context` bytes.
+template <class Exec, class Model>
+std::string sample_text(Exec const& exec, Model& model, std::string const& prompt, std::size_t count,
+                        std::int64_t context, std::uint64_t seed) {
+  using Space = mpx::memory_space_t<Exec>;
+  std::vector<std::int32_t> tokens(prompt.begin(), prompt.end());
+  mpx::splitmix64 rng(seed);
+  auto window = mpx::make_tensor<std::int32_t>(exec, {1, context});
+  std::string out = prompt;
+  for (std::size_t n = 0; n < count; ++n) {
+    std::vector<std::int32_t> w(static_cast<std::size_t>(context), static_cast<std::int32_t>(' '));
+    std::size_t const have = std::min<std::size_t>(tokens.size(), static_cast<std::size_t>(context));
+    std::copy(tokens.end() - static_cast<std::ptrdiff_t>(have), tokens.end(), w.begin());
+    mpx::copy(exec, mpx::tensor_view<std::int32_t const, mpx::host_space>(w.data(), window.shape()), window);
+    auto const probabilities = mpx::to_host(exec, model.forward(exec, mpx::tensor_view<std::int32_t const, Space>(window), false));
+    float const* last = probabilities.data() + (have - 1) * 256;  // the position of the newest byte
+    std::vector<double> p(256);
+    double sum = 0;
+    for (std::size_t c = 0; c < 256; ++c) sum += p[c] = std::pow(static_cast<double>(last[c]) + 1e-12, 1 / 0.8);
+    double r = static_cast<double>(rng.below(1u << 30)) / static_cast<double>(1u << 30) * sum;
+    std::size_t next = 0;
+    while (next < 255 && (r -= p[next]) > 0) ++next;
+    tokens.push_back(static_cast<std::int32_t>(next));
+    out += static_cast<char>(next);
+  }
+  for (char& c : out)
+    if (c != '\n' && (static_cast<unsigned char>(c) < 32 || static_cast<unsigned char>(c) > 126)) c = '?';
+  return out;
+}
+
+// Linux keeps a process's peak resident size; writing 5 to clear_refs resets it, so each
+// policy's run reports its own.
+void reset_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+}
+
+template <class P, class Exec>
+outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) {
+  using storage = typename P::storage_type;
+  reset_peak();
+  auto model = make_gpt<P>(s, std::make_index_sequence<blocks>{});
+  model.build(exec, {s.context}, s.seed);
+  std::printf("\n== %s on the %s executor: %zu parameters\n", std::string(P::name).c_str(),
+              mpx::is_host_executor_v<Exec> ? "host" : "cuda", model.parameter_count());
+
+  mpx::text_batches<Exec> train_batches(exec, text.train,
+                                        {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch,
+                                         .stride = static_cast<std::size_t>(s.context) / 2, .seed = s.seed});
+  mpx::text_batches<Exec> validation(exec, text.validation,
+                                     {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch,
+                                      .shuffle = false});
+  constexpr bool float16 = std::is_same_v<storage, mpx::half>;
+  auto adam = mpx::adamw(exec, model.parameters(exec), s.lr);
+  outcome o;
+  o.policy = std::string(P::name);
+  auto run = [&](auto& optimizer) {
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    auto const start = std::chrono::steady_clock::now();
+    std::size_t step = 0, epoch = 0, tokens = 0;
+    while (step < s.steps) {
+      train_batches.start_epoch(epoch++);
+      while (step < s.steps) {
+        auto b = train_batches.next();
+        if (!b) break;
+        trainer.step(exec, b->inputs, b->targets);
+        tokens += b->targets.size();
+        if (++step % s.log_every == 0 || step == s.steps) {
+          auto const records = trainer.history(exec);
+          for (auto const& r : records) o.skipped += r.skipped;
+          std::printf("step %5zu/%zu  loss %.4f  loss scale %g  skipped %zu\n", step, s.steps,
+                      static_cast<double>(records.back().loss), static_cast<double>(records.back().loss_scale),
+                      o.skipped);
+          std::fflush(stdout);
+        }
+      }
+    }
+    exec.synchronize();
+    o.tokens_per_second = static_cast<double>(tokens) /
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    first_batches<mpx::text_batches<Exec>> sample{validation, s.eval_batches};
+    o.validation_loss = mpx::evaluate(exec, model, sample).loss;
+    o.final_scale = optimizer.scaler().scale(exec);
+  };
+  if constexpr (float16) {
+    mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    run(optimizer);
+  } else {
+    mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::static_loss_scaler(exec, 1.0f));
+    run(optimizer);
+  }
+  o.peak_mib = peak_mib();
+  o.sample = sample_text(exec, model, "Q: ", s.sample, s.context, s.seed);
+  return o;
+}
+
+// --demo-overflow: the first training batch through a mixed_float16 model whose first
+// attention weights grew 100-fold, without and with the 1/sqrt(head width) scaling.
+template <class Exec>
+void demonstrate_overflow(Exec const& exec, settings s, mpx::text_split const& text) {
+  using space = mpx::memory_space_t<Exec>;
+  mpx::text_batches<Exec> batches(exec, text.train,
+                                  {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch, .seed = s.seed});
+  batches.start_epoch(0);
+  auto const batch = batches.next();
+  for (bool scaled : {false, true}) {
+    s.scale_logits = scaled;
+    auto model = make_gpt<mpx::mixed_float16>(s, std::make_index_sequence<blocks>{});
+    model.build(exec, {s.context}, s.seed);
+    auto& attention = model.template layer<1>().branch().template layer<1>();  // block 1: residual(layer_norm, attention)
+    mpx::scale(exec, attention.query_key_value().template kernel<space>(), 100.0f);
+    model.forward(exec, batch->inputs, true);
+    std::printf("\n== mixed_float16, attention weights grown 100x, logits %s\n",
+                scaled ? "scaled by 1/sqrt(head width)" : "NOT scaled");
+    if (auto finding = mpx::find_nonfinite(exec, model))
+      std::printf("find_nonfinite: %s\n", finding->explanation().c_str());
+    else
+      std::printf("find_nonfinite: every activation is finite: the 1/sqrt(head width) scaling, applied inside the\n"
+                  "product's float sums before the logits are rounded to float16, keeps them in range.\n");
+  }
+}
+
+[[noreturn]] void usage(char const* program, int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: %s [--policy all|float32|mixed_bfloat16|mixed_float16] [--steps N] [--batch N]\n"
+               "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
+               "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
+               "          [--demo-overflow]\n",
+               program);
+  std::exit(code);
+}
+
+settings parse(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    std::string const a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(argv[0], 2);
+      return argv[++i];
+    };
+    auto number = [&]() -> long long {
+      std::string const v = value();
+      char* end = nullptr;
+      long long const n = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n <= 0) {
+        std::fprintf(stderr, "%s expects a positive number, got '%s'\n", a.c_str(), v.c_str());
+        std::exit(2);
+      }
+      return n;
+    };
+    if (a == "--policy") s.policy = value();
+    else if (a == "--steps") s.steps = static_cast<std::size_t>(number());
+    else if (a == "--batch") s.batch = static_cast<std::size_t>(number());
+    else if (a == "--context") s.context = number();
+    else if (a == "--width") s.width = number();
+    else if (a == "--heads") s.heads = number();
+    else if (a == "--lr") s.lr = std::strtof(value().c_str(), nullptr);
+    else if (a == "--corpus") s.corpus = value();
+    else if (a == "--seed") s.seed = static_cast<std::uint64_t>(number());
+    else if (a == "--sample") s.sample = static_cast<std::size_t>(number());
+    else if (a == "--log-every") s.log_every = static_cast<std::size_t>(number());
+    else if (a == "--eval-batches") s.eval_batches = static_cast<std::size_t>(number());
+    else if (a == "--executor") s.executor = value();
+    else if (a == "--demo-overflow") s.demo_overflow = true;
+    else if (a == "--help" || a == "-h") usage(argv[0], 0);
+    else {
+      std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());
+      usage(argv[0], 2);
+    }
+  }
+  if (s.policy != "all" && s.policy != "float32" && s.policy != "mixed_bfloat16" && s.policy != "mixed_float16") {
+    std::fprintf(stderr, "unknown policy '%s'\n", s.policy.c_str());
+    std::exit(2);
+  }
+  if (s.width % s.heads != 0) {
+    std::fprintf(stderr, "--width %lld must be a multiple of --heads %lld\n", static_cast<long long>(s.width),
+                 static_cast<long long>(s.heads));
+    std::exit(2);
+  }
+  return s;
+}
+
+bool gpu_available() {
+#if MPX_HAS_CUDA
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+#else
+  return false;
+#endif
+}
+
+template <class Exec>
+std::vector<outcome> train_policies(Exec const& exec, settings const& s, mpx::text_split const& text) {
+  std::vector<outcome> out;
+  std::vector<std::string> names = {s.policy};
+  if (s.policy == "all") names = {"float32", "mixed_bfloat16", "mixed_float16"};
+  for (auto const& name : names)
+    mpx::with_policy(name, [&](auto p) { out.push_back(train<typename decltype(p)::type>(exec, s, text)); });
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  settings s = parse(argc, argv);
+  bool const use_gpu = s.executor == "cuda" || (s.executor == "auto" && gpu_available());
+  if (s.executor == "cuda" && !gpu_available()) throw mpx::error("--executor cuda: no GPU is visible to this process");
+  if (s.steps == 0) s.steps = use_gpu ? 2000 : 300;
+
+  mpx::text_corpus const corpus = mpx::read_text_corpus(s.corpus);
+  mpx::text_split const text = mpx::split_text(corpus, 0.1);
+  std::printf("corpus: %zu bytes from %zu file(s) under %s; %zu for training, %zu for validation\n", corpus.size(),
+              corpus.files.size(), s.corpus.c_str(), text.train.size(), text.validation.size());
+  std::printf("model: %zu blocks, width %lld, %lld heads, context %lld; batch %zu, %zu steps, AdamW(%g)\n", blocks,
+              static_cast<long long>(s.width), static_cast<long long>(s.heads), static_cast<long long>(s.context),
+              s.batch, s.steps, static_cast<double>(s.lr));
+  double const unigram = unigram_loss(text.train, text.validation);
+  if (s.demo_overflow) {
+    if (use_gpu) {
+#if MPX_HAS_CUDA
+      demonstrate_overflow(mpx::cuda_executor{}, s, text);
+#endif
+    } else {
+      demonstrate_overflow(mpx::host_executor{}, s, text);
+    }
+    return 0;
+  }
+
+  std::vector<outcome> results;
+  if (use_gpu) {
+#if MPX_HAS_CUDA
+    results = train_policies(mpx::cuda_executor{}, s, text);
+#endif
+  } else {
+    results = train_policies(mpx::host_executor{}, s, text);
+  }
+
+  std::printf("\n%-16s %16s %14s %10s %12s %14s\n", "policy", "validation loss", "tokens / s", "skipped",
+              "final scale", "peak memory");
+  for (auto const& r : results)
+    std::printf("%-16s %16.4f %14.0f %10zu %12g %10.0f MiB\n", r.policy.c_str(), r.validation_loss,
+                r.tokens_per_second, r.skipped, static_cast<double>(r.final_scale), r.peak_mib);
+  std::printf("%-16s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
+  for (auto const& r : results) std::printf("\n-- sampled from %s:\n%s\n", r.policy.c_str(), r.sample.c_str());
+  return 0;
+} catch (mpx::error const& e) {
+  std::fprintf(stderr, "char_lm: %s\n", e.what());
+  return 1;
+}
