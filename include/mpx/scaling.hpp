@@ -1,8 +1,9 @@
-// <mpx/scaling.hpp>: loss scalers (dynamic, static) and the multi-tensor unscale-and-
-// check.
+// <mpx/scaling.hpp>: loss scalers (dynamic, static), the multi-tensor unscale-and-
+// check, and per-tensor fp8 scaling.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
 
+#include <mpx/scaling/fp8_scaling.hpp>
 #include <mpx/scaling/loss_scale_rules.hpp>
 #include <mpx/scaling/loss_scaler.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
