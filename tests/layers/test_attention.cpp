@@ -29,7 +29,12 @@ struct attention_reference {
   std::size_t B, T, D, H;
   bool scale = true;
   matrix wqkv, bqkv, wo, bo;
+  matrix keep;  // dropout on the weights: 0 or 1/(1 - rate) per [B*H, T, T] element; empty: none
   matrix y, dx, dwqkv, dbqkv, dwo, dbo;
+
+  double kept(std::size_t b, std::size_t h, std::size_t i, std::size_t j) const {
+    return keep.empty() ? 1.0 : keep[((b * H + h) * T + i) * T + j];
+  }
 
   void run(matrix const& x, matrix const& dy) {
     std::size_t const N = B * T, dh = D / H;
@@ -54,7 +59,8 @@ struct attention_reference {
           for (std::size_t j = 0; j <= i; ++j) sum += (pr[j] = std::exp(pr[j] - m));
           for (std::size_t j = 0; j <= i; ++j) pr[j] /= sum;
           for (std::size_t c = 0; c < dh; ++c)
-            for (std::size_t j = 0; j <= i; ++j) o[(b * T + i) * D + h * dh + c] += pr[j] * at(qkv, 2, b, j, h, c);
+            for (std::size_t j = 0; j <= i; ++j)
+              o[(b * T + i) * D + h * dh + c] += pr[j] * kept(b, h, i, j) * at(qkv, 2, b, j, h, c);
         }
     y = mm(o, wo, N, D, D);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] += bo[i % D];
@@ -72,11 +78,13 @@ struct attention_reference {
         for (std::size_t i = 0; i < T; ++i) {
           double const* pr = &p[((b * H + h) * T + i) * T];
           std::vector<double> dp(i + 1, 0.0);
-          for (std::size_t j = 0; j <= i; ++j)
+          for (std::size_t j = 0; j <= i; ++j) {
             for (std::size_t c = 0; c < dh; ++c) {
               dp[j] += dout[(b * T + i) * D + h * dh + c] * at(qkv, 2, b, j, h, c);
-              dat(2, b, j, h, c) += pr[j] * dout[(b * T + i) * D + h * dh + c];
+              dat(2, b, j, h, c) += pr[j] * kept(b, h, i, j) * dout[(b * T + i) * D + h * dh + c];
             }
+            dp[j] *= kept(b, h, i, j);
+          }
           double dot = 0;
           for (std::size_t j = 0; j <= i; ++j) dot += pr[j] * dp[j];
           for (std::size_t j = 0; j <= i; ++j) {
@@ -108,17 +116,19 @@ double worst_relative_error(std::vector<double> const& got, std::vector<double> 
 
 }  // namespace
 
-TEMPLATE_LIST_TEST_CASE("causal self-attention matches float64 forward and backward", "[attention][layers]",
-                        mpx_test::executors) {
+TEMPLATE_LIST_TEST_CASE("causal self-attention matches float64 forward and backward, with and without dropout",
+                        "[attention][layers]", mpx_test::executors) {
   TestType exec;
   using space = mpx::memory_space_t<TestType>;
   struct sizes {
     std::size_t B, T, D, H;
+    float dropout;
   };
-  for (auto const z : {sizes{1, 1, 4, 1}, sizes{2, 7, 12, 3}, sizes{3, 13, 8, 2}, sizes{1, 33, 16, 4}}) {
-    INFO("B=" << z.B << " T=" << z.T << " D=" << z.D << " H=" << z.H);
+  for (auto const z : {sizes{1, 1, 4, 1, 0}, sizes{2, 7, 12, 3, 0}, sizes{3, 13, 8, 2, 0}, sizes{1, 33, 16, 4, 0},
+                       sizes{2, 7, 12, 3, 0.3f}, sizes{1, 33, 16, 4, 0.5f}}) {
+    INFO("B=" << z.B << " T=" << z.T << " D=" << z.D << " H=" << z.H << " dropout=" << z.dropout);
     auto const T = static_cast<std::int64_t>(z.T), D = static_cast<std::int64_t>(z.D);
-    mpx::causal_self_attention<mpx::float32> layer(static_cast<std::int64_t>(z.H));
+    mpx::causal_self_attention<mpx::float32> layer(static_cast<std::int64_t>(z.H), true, z.dropout);
     layer.set_name("attention");
     layer.build(exec, {T, D}, 9);
     std::vector<mpx::parameter<space>> params;
@@ -131,7 +141,7 @@ TEMPLATE_LIST_TEST_CASE("causal self-attention matches float64 forward and backw
       mpx::copy(exec, mpx::tensor_view<float const, mpx::host_space>(b.data(), params[i].value.shape()),
                 params[i].value.template as<float>());
     }
-    attention_reference ref{z.B, z.T, z.D, z.H, true, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+    attention_reference ref{z.B, z.T, z.D, z.H, true, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
     ref.wqkv = mpx_test::widen(mpx_test::download(exec, params[0].value.template as<float>()));
     ref.bqkv = mpx_test::widen(mpx_test::download(exec, params[1].value.template as<float>()));
     ref.wo = mpx_test::widen(mpx_test::download(exec, params[2].value.template as<float>()));
@@ -148,6 +158,19 @@ TEMPLATE_LIST_TEST_CASE("causal self-attention matches float64 forward and backw
     for (auto& p : params) mpx::fill(exec, p.gradient.template as<float>(), std::nanf(""));
     layer.reserve(exec, static_cast<std::int64_t>(z.B));
     layer.forward(exec, mpx::tensor_view<float const, space>(mpx::view(xd)), mpx::view(y), true);
+    if (z.dropout > 0) {  // the weights this forward dropped, as dropout_keeps says
+      auto const options = layer.latest_dropout(exec);
+      CHECK(options.offset == 1);  // the first training forward
+      ref.keep.resize(z.B * z.H * z.T * z.T);
+      std::size_t dropped = 0;
+      for (std::size_t e = 0; e < ref.keep.size(); ++e) {
+        bool const keep = mpx::dropout_keeps(options, e);
+        ref.keep[e] = keep ? 1.0 / (1.0 - static_cast<double>(z.dropout)) : 0.0;
+        dropped += !keep;
+      }
+      CHECK(dropped > 0);
+      ref.run(mpx_test::widen(x), mpx_test::widen(dy));
+    }
     layer.backward(exec, mpx::tensor_view<float const, space>(mpx::view(xd)), mpx::tensor_view<float const, space>(mpx::view(y)),
                    mpx::tensor_view<float const, space>(mpx::view(dyd)), mpx::view(dx));
     CHECK(worst_relative_error(mpx_test::widen(mpx_test::download(exec, y)), ref.y) < 2e-5);

@@ -7,6 +7,8 @@
 //   s_h     = q_h k_hᵀ / sqrt(width / heads)    batched products under the policy; the
 //                                               logits are stored in the storage dtype
 //   p_h     = causal_softmax(s_h)               in float
+//   p_h     = dropout(p_h)                      when training with dropout > 0 (Keras's
+//                                               MultiHeadAttention(dropout=...))
 //   y       = concat_h(p_h v_h) W_o + b_o        a second dense layer
 //
 // The logits live in the storage dtype, as under PyTorch's autocast and Keras's
@@ -17,6 +19,7 @@
 #pragma once
 
 #include <mpx/kernels/attention.hpp>
+#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/layer.hpp>
@@ -32,6 +35,10 @@ struct causal_self_attention_config {
   //! Multiply the logits by 1/sqrt(head width) (the transformer's scaling). Only a
   //! demonstration of what goes wrong turns it off.
   bool scale_logits = true;
+  //! The probability of dropping an attention weight while training, in [0, 1): the
+  //! masks are Philox draws from the layer's seed and a count of training forwards, the
+  //! same on host and GPU, regenerated in the backward pass (nothing is stored).
+  float dropout = 0.0f;
 };
 
 template <class Policy = model_policy>
@@ -43,10 +50,12 @@ class causal_self_attention : public layer_base {
   using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "MultiHeadAttention";
 
-  explicit causal_self_attention(std::int64_t heads, bool scale_logits = true)
-      : causal_self_attention(causal_self_attention_config{heads, scale_logits}) {}
+  explicit causal_self_attention(std::int64_t heads, bool scale_logits = true, float dropout = 0.0f)
+      : causal_self_attention(causal_self_attention_config{heads, scale_logits, dropout}) {}
   explicit causal_self_attention(causal_self_attention_config c) : config_(c) {
     if (c.heads <= 0) detail::fail<invalid_argument>("causal_self_attention", "heads must be positive");
+    if (!(c.dropout >= 0.0f && c.dropout < 1.0f))
+      detail::fail<invalid_argument>("causal_self_attention", "dropout must be in [0, 1), got " + detail::to_text(c.dropout));
   }
   [[nodiscard]] causal_self_attention_config config() const noexcept { return config_; }
 
@@ -69,6 +78,9 @@ class causal_self_attention : public layer_base {
     out_.set_name(name_ + "/output");
     qkv_.build(exec, shape{width_}, seed);
     out_.build(exec, shape{width_}, seed + 1);
+    dropout_seed_ = seed + 2;
+    dropout_step_.allocate(exec, shape{1});
+    fill(exec, dropout_step_.template view<memory_space_t<Exec>>(), std::uint64_t{0});
     mark_built(in, in);
   }
 
@@ -107,6 +119,13 @@ class causal_self_attention : public layer_base {
     auto const p = p_.template view<Space>(s.shape());
     auto const ps = p_store_.template view<Space>(s.shape());
     causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
+    dropped_ = training && config_.dropout > 0.0f;
+    if (dropped_) {  // on the weights P V reads; p keeps the softmax for its backward pass
+      auto const step = dropout_step_.template view<Space>();
+      advance_dropout_step(exec, step);
+      dropout_options_ = dropout_options{config_.dropout, dropout_seed_, 0, step.data()};
+      dropout_forward(exec, dropout_options_, ps, ps);
+    }
     auto const o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
     gemm<Policy>(exec, ps, v, o);
     auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
@@ -136,6 +155,7 @@ class causal_self_attention : public layer_base {
     gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
     auto const dp = dp_.template view<Space>(ps.shape());
     gemm<Policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
+    if (dropped_) dropout_backward(exec, dropout_options_, dp, dp);  // through the same mask
     auto const ds = logits_.template view<Space>(ps.shape());  // the logits are no longer needed
     causal_softmax_backward(exec, tensor_view<float const, Space>(p_.template view<Space>(ps.shape())),
                             tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
@@ -156,6 +176,23 @@ class causal_self_attention : public layer_base {
   }
   [[nodiscard]] std::size_t parameter_count() const noexcept {
     return built_ ? qkv_.parameter_count() + out_.parameter_count() : 0;
+  }
+
+  //! The count of training forwards that draws the dropout masks, and the seed: training
+  //! state, saved by save_training_state so a resumed run draws the same masks.
+  template <memory_space Space>
+  void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
+    out.emplace_back(name() + "/dropout_forwards", dropout_step_.template view<Space>());
+  }
+  void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
+    out.emplace_back(name() + "/dropout_seed", &dropout_seed_);
+  }
+  //! The dropout of the latest training forward, its count folded in (for dropout_keeps:
+  //! which attention weights were dropped). Synchronises a cuda_executor.
+  template <executor Exec>
+  [[nodiscard]] dropout_options latest_dropout(Exec const& exec) const {
+    auto const step = to_host(exec, dropout_step_.template view<memory_space_t<Exec>>());
+    return dropout_options{config_.dropout, dropout_seed_, step[0], nullptr};
   }
 
   //! The projections, for inspection and tests.
@@ -204,6 +241,10 @@ class causal_self_attention : public layer_base {
   detail::layer_tensor<input_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
   detail::layer_tensor<float> p_, dp_;
   lazy_tensor<input_type> d_tokens_, d_heads_;
+  std::uint64_t dropout_seed_ = 0;
+  detail::layer_tensor<std::uint64_t> dropout_step_;  // training forwards with dropout, where the executor computes
+  dropout_options dropout_options_{};
+  bool dropped_ = false;  // the latest forward dropped weights
 };
 
 }  // namespace mpx
