@@ -331,6 +331,7 @@ mpx_step layer_bench 90 layer_bench --executor cuda --repeat 20
 # runs with the machine's own LD_LIBRARY_PATH, never mpx's.
 if python3 -c "import torch" 2> /dev/null; then
   step torch_compare 90 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,200,1000
+  step torch_attention 90 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside layer_bench's attention rows
 else
   record torch_compare "not run: no PyTorch here"
 fi

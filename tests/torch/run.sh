@@ -46,3 +46,8 @@ if [ "${MPX_TORCH_CUDA_CHECK:-1}" != 0 ] && [ -x "$cuda/bin/nvcc" ] &&
 fi
 
 PYTHONPATH="$root/build-torch/lib${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/torch "$@"
+
+# bench/torch_attention.py's GPU rows sit beside layer_bench's on a GPU machine; here, a
+# CPU smoke that it still runs against this PyTorch.
+python3 bench/torch_attention.py --device cpu --repeat 1 > /dev/null
+echo "bench/torch_attention.py: runs (CPU smoke)"

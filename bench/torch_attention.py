@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""PyTorch's causal self-attention at layer_bench's attention sizes, timed the same way.
+
+The layer is mpx::causal_self_attention's: a packed QKV projection (Linear(D, 3D)), H heads
+of width D/H, a causal softmax over the logits, P V, and an output projection (Linear(D,
+D)). Two PyTorch forms of it, forward and forward + backward, median of --repeat runs
+after a warm-up, timed with CUDA events:
+
+  * unfused: q k^T / sqrt(d) as a batched matmul, a causal mask, softmax in float32, P V:
+    the same products mpx issues (mpx stores the logits in the storage dtype; PyTorch's
+    autocast does too);
+  * sdpa: torch.nn.functional.scaled_dot_product_attention(is_causal=True), which picks a
+    fused kernel (FlashAttention or memory-efficient) that never writes the T x T matrix:
+    what a fused mpx kernel would have to beat.
+
+GFLOP/s counts what layer_bench counts (8 N D^2 + 4 B T^2 D forward, twice that backward):
+the forward column compares directly with layer_bench's; the second column is forward +
+backward (3 times the forward's flops), to set against layer_bench's fwd + bwd times. --device cpu runs a
+small smoke on the host (the test command does); its times mean nothing.
+
+  python3 bench/torch_attention.py [--repeat R] [--device cuda|cpu] [--small]
+"""
+
+import argparse
+import statistics
+import time
+
+GPU_SIZES = [(16, 256, 512, 8), (8, 1024, 1024, 16), (4, 2048, 1024, 16)]
+SMALL_SIZES = [(2, 16, 32, 2)]
+
+
+def attention(torch, x, qkv, out, heads, fused):
+    b, t, d = x.shape
+    q, k, v = qkv(x).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    if fused:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        s = (q @ k.transpose(-1, -2)) * (1.0 / (d // heads) ** 0.5)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        p = s.float().masked_fill(mask, float("-inf")).softmax(-1).to(x.dtype)
+        o = p @ v
+    return out(o.transpose(1, 2).reshape(b, t, d))
+
+
+def timed(torch, device, repeat, fn):
+    fn()  # warm-up (kernel selection, allocator)
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="PyTorch's counterpart of layer_bench's attention rows.")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="one small size (as layer_bench --small)")
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("torch_attention: PyTorch is not installed here; nothing to compare.")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"torch_attention: PyTorch {torch.__version__} sees no CUDA device; nothing to compare.")
+        return 0
+    device = torch.device(args.device)
+    sizes = SMALL_SIZES if args.small or device.type == "cpu" else GPU_SIZES
+    unit, scale = ("TFLOP/s", 1e12) if device.type == "cuda" else ("GFLOP/s", 1e9)
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU'}; "
+          f"median of {args.repeat} runs")
+    print(f"{'form':<10} {'dtype':<9} {'B x T x D / heads':<18} {'fwd (us)':>10} {unit:>9} {'fwd+bwd (us)':>13} {unit:>9}")
+    torch.manual_seed(0)
+    for b, t, d, h in sizes:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if device.type == "cpu" and dtype == torch.float16:
+                continue  # slow and partial on CPUs; the GPU rows are the point
+            qkv = torch.nn.Linear(d, 3 * d, device=device, dtype=dtype)
+            out = torch.nn.Linear(d, d, device=device, dtype=dtype)
+            x = torch.randn(b, t, d, device=device, dtype=dtype, requires_grad=True)
+            dy = torch.randn(b, t, d, device=device, dtype=dtype) * 0.01
+            flops = 8 * b * t * d * d + 4 * b * t * t * d
+            for fused in (False, True):
+                def forward():
+                    with torch.no_grad():
+                        attention(torch, x, qkv, out, h, fused)
+
+                def forward_backward():
+                    y = attention(torch, x, qkv, out, h, fused)
+                    y.backward(dy)
+
+                fwd = timed(torch, device, args.repeat, forward)
+                both = timed(torch, device, args.repeat, forward_backward)
+                name = "sdpa" if fused else "unfused"
+                print(f"{name:<10} {str(dtype).removeprefix('torch.'):<9} {f'{b}x{t}x{d} / {h}':<18} "
+                      f"{fwd * 1e6:>10.1f} {flops / fwd / scale:>9.3f} {both * 1e6:>13.1f} {3 * flops / both / scale:>9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
