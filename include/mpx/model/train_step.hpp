@@ -49,6 +49,15 @@ struct step_record {
 
 namespace detail {
 
+//! A value that tells a batch's element types apart (float images, half images, int32
+//! token ids), for the graph mode's "is this the batch I captured" test.
+template <class T>
+inline constexpr char batch_type_tag = 0;
+template <class T>
+constexpr void const* batch_type_key() noexcept {
+  return &batch_type_tag<T>;
+}
+
 //! Index of the largest of n values, the first on ties (-inf included); -1, which no
 //! label equals, when the row holds a NaN (a diverged model predicts nothing) or is empty.
 template <class T>
@@ -280,14 +289,14 @@ class classifier_trainer {
       eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
     }
     // A graph serves one batch shape and dtype: it was captured reading those bytes.
-    bool const replay = graph_exec_ ? images.shape() == graph_shape_ && dtype_id_of<T> == graph_dtype_
-                                    : images.shape() == eager_shape_ && dtype_id_of<T> == eager_dtype_;
+    bool const replay = graph_exec_ ? images.shape() == graph_shape_ && detail::batch_type_key<T>() == graph_dtype_
+                                    : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_;
     if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
       graph_record_ = tensor<step_record, Space>(exec, shape{1});
       graph_shape_ = images.shape();
-      graph_dtype_ = dtype_id_of<T>;
+      graph_dtype_ = detail::batch_type_key<T>();
     }
     Exec const on = exec.on(graph_streams_->stream);
     graph_streams_->follow(exec.stream());
@@ -298,7 +307,7 @@ class classifier_trainer {
         step_body(on, images, labels, record(pending_));
         ++pending_;
         eager_shape_ = images.shape();
-        eager_dtype_ = dtype_id_of<T>;
+        eager_dtype_ = detail::batch_type_key<T>();
       }
     } catch (...) {
       // What was enqueued (a copy of the caller's batch, say) still runs on the side
@@ -376,8 +385,8 @@ class classifier_trainer {
   tensor<step_record, Space> graph_record_;
   shape graph_shape_{0};
   shape eager_shape_{0};
-  dtype_id graph_dtype_ = dtype_id::float32;
-  dtype_id eager_dtype_ = dtype_id::float32;
+  void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
+  void const* eager_dtype_ = nullptr;
   std::uint64_t captured_generation_ = 0;
   std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};
