@@ -34,7 +34,7 @@ std::vector<T> rank_values(std::size_t n, int rank) {
 
 template <class T>
 std::uint64_t checksum(std::vector<T> const& v) {
-  return mpx::detail::fnv1a(v.data(), v.size() * sizeof(T));
+  return mpx::detail::fnv1a(std::as_bytes(std::span<T const>(v.data(), v.size())));
 }
 
 // Whether every rank holds the same 64-bit value.

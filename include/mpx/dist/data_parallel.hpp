@@ -17,6 +17,7 @@
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#include <mpx/optim/checkpoint_file.hpp>  // detail::fnv1a, for fingerprints
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -62,13 +64,6 @@ struct average_of_sum {
 }  // namespace ops
 
 namespace detail {
-
-//! FNV-1a, for fingerprints of model descriptions and parameter bytes.
-inline std::uint64_t fnv1a(void const* data, std::size_t bytes, std::uint64_t h = 1469598103934665603ull) {
-  auto const* p = static_cast<unsigned char const*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 
 //! A 64-bit value as two doubles that hold it exactly (for all_gather_values).
 inline std::pair<double, double> as_two_doubles(std::uint64_t h) {
@@ -167,12 +162,12 @@ class data_parallel {
 
   //! A checksum of this rank's parameter bytes. Synchronises.
   [[nodiscard]] std::uint64_t parameter_checksum(executor_type const& exec) const {
-    std::uint64_t h = 1469598103934665603ull;
+    std::uint64_t h = detail::fnv1a({});
     for (auto const& p : params_) {
       auto const bytes = tensor_view<std::uint8_t const, space>(static_cast<std::uint8_t const*>(p.value.data()),
                                                                 shape{static_cast<std::int64_t>(p.value.size_bytes())});
       auto const host = to_host(exec, bytes);
-      h = detail::fnv1a(host.data(), host.size(), h);
+      h = detail::fnv1a(std::as_bytes(std::span<std::uint8_t const>(host.data(), host.size())), h);
     }
     return h;
   }
@@ -302,10 +297,10 @@ class data_parallel {
   // Every rank describes its parameter list; a rank whose description differs from
   // rank 0's is named, with the first parameter that differs as this rank sees it.
   void refuse_different_models() {
-    std::uint64_t whole = 1469598103934665603ull;
+    std::uint64_t whole = detail::fnv1a({});
     for (auto const& p : params_) {
       std::string const d = detail::describe(p) + ";";
-      whole = detail::fnv1a(d.data(), d.size(), whole);
+      whole = detail::fnv1a(std::as_bytes(std::span<char const>(d.data(), d.size())), whole);
     }
     auto const [hi, lo] = detail::as_two_doubles(whole);
     double const mine[3] = {static_cast<double>(params_.size()), hi, lo};
