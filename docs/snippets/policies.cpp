@@ -15,6 +15,10 @@ static_assert(std::is_same_v<mpx::mixed_float16, mpx::policy<half, half, float, 
 static_assert(std::is_same_v<mpx::mixed_bfloat16, mpx::policy<bfloat16>>);  // the defaults fill in float
 static_assert(std::is_same_v<mpx::float32, mpx::policy<float>>);
 static_assert(mpx::mixed_float16::name == "mixed_float16");
+static_assert(std::is_same_v<mpx::pure_bfloat16, mpx::policy<bfloat16, bfloat16, float, bfloat16>>);
+static_assert(mpx::pure_bfloat16::name == "bfloat16");  // Keras's name: bfloat16 variables too
+static_assert(std::is_same_v<mpx::mixed_fp8, mpx::policy<bfloat16, mpx::float8_e4m3>>);
+static_assert(std::is_same_v<mpx::without_fp8<mpx::mixed_fp8>, mpx::mixed_bfloat16>);
 
 // Any other combination is a policy too, named by its dtypes.
 using half_compute_in_float = mpx::policy<half, float>;
@@ -65,7 +69,7 @@ int main(int argc, char** argv) {
   float result = 0;
   try {
     result = mpx::with_policy(name, [](auto p) {
-      using P = typename decltype(p)::type;  // mpx::float32, mpx::mixed_float16 or mpx::mixed_bfloat16
+      using P = typename decltype(p)::type;  // one of the five presets
       std::printf("running under %s: storage %s, params %s\n", std::string(P::name).c_str(),
                   std::string(mpx::dtype_name<typename P::storage_type>).c_str(),
                   std::string(mpx::dtype_name<typename P::param_type>).c_str());

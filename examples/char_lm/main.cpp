@@ -1,6 +1,7 @@
 // A GPT-style character (byte) language model on the fortune cookies Debian's `fortunes`
 // package installs, under float32, mixed_bfloat16 and mixed_float16 with Keras's dynamic
-// loss scale: the transformer workflow mixed-precision users train today.
+// loss scale (`--policy all`, the default), or bfloat16 (no float master weights) or
+// mixed_fp8 (the MLPs in fp8): the transformer workflow mixed-precision users train today.
 //
 //   embedding(256 bytes -> width, + learned positions)
 //   4 x [ residual(layer_norm, causal_self_attention(heads)),
@@ -12,7 +13,7 @@
 // skipped steps, peak memory) beside the unigram model's loss (what a model that ignores
 // context scores), and a short text sampled from each model.
 //
-//   char_lm [--policy all|float32|mixed_bfloat16|mixed_float16] [--steps N] [--batch N]
+//   char_lm [--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8] [--steps N] [--batch N]
 //           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
 //           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
 //           [--demo-overflow]
@@ -71,17 +72,20 @@ struct outcome {
 constexpr std::size_t blocks = 4;
 
 // One pre-norm transformer block: attention, then the MLP, each in a residual branch.
+// Under mixed_fp8 the MLP's dense layers run in fp8 and attention stays in bfloat16
+// (mpx::without_fp8<P>, which is P under every other policy), as in Transformer Engine.
+template <class P>
 auto transformer_block(settings const& s) {
   return std::make_tuple(
-      mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<>(s.heads, s.scale_logits)),
+      mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<mpx::without_fp8<P>>(s.heads, s.scale_logits)),
       mpx::residual(mpx::layer_norm<>(), mpx::dense<>(4 * s.width, mpx::activation::gelu), mpx::dense<>(s.width)));
 }
 
 template <class P, std::size_t... I>
 auto make_gpt(settings const& s, std::index_sequence<I...>) {
   auto layers = std::tuple_cat(
-      std::make_tuple(mpx::embedding<>(256, s.width, s.context)), (static_cast<void>(I), transformer_block(s))...,
-      std::make_tuple(mpx::layer_norm<>(), mpx::dense<>(256), mpx::softmax_layer<mpx::float32>()));
+      std::make_tuple(mpx::embedding<>(256, s.width, s.context)), (static_cast<void>(I), transformer_block<P>(s))...,
+      std::make_tuple(mpx::layer_norm<>(), mpx::dense<mpx::without_fp8<P>>(256), mpx::softmax_layer<mpx::float32>()));
   return std::apply([](auto&&... l) { return mpx::sequential<P>(std::move(l)...); }, std::move(layers));
 }
 
@@ -179,7 +183,7 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
                                      {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch,
                                       .shuffle = false});
   constexpr bool float16 = std::is_same_v<storage, mpx::half>;
-  auto adam = mpx::adamw(exec, model.parameters(exec), s.lr);
+  auto adam = mpx::adamw(exec, model.parameters(exec), s.lr, {}, mpx::master_weights_for<P>(true, s.seed));
   outcome o;
   o.policy = std::string(P::name);
   auto run = [&](auto& optimizer) {
@@ -296,7 +300,8 @@ settings parse(int argc, char** argv) {
       usage(argv[0], 2);
     }
   }
-  if (s.policy != "all" && s.policy != "float32" && s.policy != "mixed_bfloat16" && s.policy != "mixed_float16") {
+  if (s.policy != "all" && s.policy != "float32" && s.policy != "mixed_bfloat16" && s.policy != "mixed_float16" &&
+      s.policy != "bfloat16" && s.policy != "mixed_fp8") {
     std::fprintf(stderr, "unknown policy '%s'\n", s.policy.c_str());
     std::exit(2);
   }

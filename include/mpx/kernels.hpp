@@ -1,5 +1,5 @@
-// <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm (cuBLASLt on the
-// GPU), activations, column reductions, softmax, norms, dropout, conv2d, pooling, LSTM,
+// <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm and fp8_gemm (cuBLASLt on
+// the GPU), activations, column reductions, softmax, norms, dropout, conv2d, pooling, LSTM,
 // embeddings.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
@@ -13,6 +13,7 @@
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/embedding.hpp>
+#include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/lstm.hpp>

@@ -60,6 +60,19 @@ TEMPLATE_TEST_CASE("widen_span gives every 16-bit pattern exactly as the element
   }
 }
 
+TEMPLATE_TEST_CASE("widen_span gives every 8-bit pattern exactly as the element-wise cast", "[cast][span]",
+                   mpx::float8_e4m3, mpx::float8_e5m2) {
+  std::vector<TestType> all(256);
+  for (std::uint32_t p = 0; p < all.size(); ++p) all[p] = mpx::detail::bit_cast<TestType>(static_cast<std::uint8_t>(p));
+  std::vector<float> out(all.size() + 1, 12345.0f);
+  mpx::detail::widen_span(all.data(), out.data(), all.size());
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    INFO("pattern 0x" << std::hex << i);
+    REQUIRE(float_bits(out[i]) == float_bits(mpx::detail::widen_8_to_float(all[i])));
+  }
+  REQUIRE(out[all.size()] == 12345.0f);
+}
+
 TEMPLATE_TEST_CASE("round_span rounds random floats exactly as the element-wise cast", "[cast][span]", half,
                    bfloat16) {
   std::mt19937 rng(20261123);

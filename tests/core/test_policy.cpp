@@ -39,7 +39,20 @@ TEST_CASE("policy names read like Keras's", "[policy]") {
   CHECK(mpx::mixed_bfloat16::name == "mixed_bfloat16");
   CHECK(mpx::policy<half, float>::name == "policy<storage=float16, compute=float32, accumulate=float32, param=float32>");
   CHECK(mpx::policy<half, half, half>::name == "policy<storage=float16, compute=float16, accumulate=float16, param=float32>");
+  CHECK(mpx::pure_bfloat16::name == "bfloat16");
+  CHECK(mpx::mixed_fp8::name == "mixed_fp8");
 }
+
+// mixed_fp8 is Transformer Engine's hybrid recipe over bfloat16 storage; without_fp8
+// takes a layer out of fp8 and leaves every other policy as it is.
+static_assert(std::is_same_v<mpx::mixed_fp8::storage_type, bfloat16> &&
+              std::is_same_v<mpx::mixed_fp8::compute_type, mpx::float8_e4m3> &&
+              std::is_same_v<mpx::mixed_fp8::param_type, float>);
+static_assert(std::is_same_v<mpx::pure_bfloat16::param_type, bfloat16>);
+static_assert(std::is_same_v<mpx::without_fp8<mpx::mixed_fp8>, mpx::mixed_bfloat16>);
+static_assert(std::is_same_v<mpx::without_fp8<mpx::mixed_float16>, mpx::mixed_float16>);
+static_assert(std::is_same_v<mpx::without_fp8<mpx::policy<float, bfloat16>>, mpx::policy<float, bfloat16>>);
+static_assert(mpx::computes_in_fp8<mpx::mixed_fp8> && !mpx::computes_in_fp8<mpx::mixed_bfloat16>);
 
 TEST_CASE("with_policy dispatches a runtime name to the preset type", "[policy]") {
   auto storage_bits = [](std::string_view name) {
@@ -51,6 +64,8 @@ TEST_CASE("with_policy dispatches a runtime name to the preset type", "[policy]"
   CHECK(storage_bits("float32") == 3207);
   CHECK(storage_bits("mixed_float16") == 1613);
   CHECK(storage_bits("mixed_bfloat16") == 1614);
+  CHECK(storage_bits("bfloat16") == 1608);
+  CHECK(storage_bits("mixed_fp8") == 1609);
 
   std::string seen;
   mpx::with_policy("mixed_bfloat16", [&](auto p) { seen = decltype(p)::type::name; });
@@ -88,8 +103,10 @@ TEST_CASE("every policy over the dtype list has its own name", "[policy]") {
   REQUIRE(names.size() == mpx::dtype_count * mpx::dtype_count * mpx::dtype_count * mpx::dtype_count);
   CHECK(mpx::policy<mpx::float8_e4m3, mpx::float8_e4m3>::name == "mixed_float8_e4m3fn");
   CHECK(mpx::policy<mpx::float8_e5m2, mpx::float8_e5m2>::name == "mixed_float8_e5m2");
-  CHECK(mpx::policy<mpx::bfloat16, mpx::float8_e4m3>::name ==
-        "policy<storage=bfloat16, compute=float8_e4m3fn, accumulate=float32, param=float32>");
+  CHECK(mpx::policy<mpx::bfloat16, mpx::float8_e4m3>::name == "mixed_fp8");
+  CHECK(mpx::policy<half, mpx::float8_e4m3>::name ==
+        "policy<storage=float16, compute=float8_e4m3fn, accumulate=float32, param=float32>");
+  CHECK(mpx::policy<half, half, float, half>::name == "float16");
   std::sort(names.begin(), names.end());
   auto const repeated = std::adjacent_find(names.begin(), names.end());
   INFO("a name two policies share: " << (repeated == names.end() ? std::string_view("none") : *repeated));

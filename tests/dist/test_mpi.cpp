@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -311,6 +312,63 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   // Without the averaging the replicas would each step on their own shard's gradient:
   // the check above can fail.
   CHECK(same_on_every_rank(dp.parameter_checksum(exec)));
+}
+
+TEST_CASE("fp8 scales under data parallelism follow the global amax, the same on every rank", "[dist][fp8]") {
+  mpx::host_executor exec;
+  int const ranks = comm().size();
+  std::size_t const local_batch = 16, steps = 4;
+  auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 21);
+  auto fp8_state = [&](auto& model) -> auto& {  // the first dense layer's input scale
+    return model.template layer<1>().products().template scale<mpx::operand_role::activation>(exec);
+  };
+
+  // One process with the global batch: its first layer's input amax is the global one.
+  auto reference = small_model<mpx::mixed_fp8>();
+  reference.build(exec, {2, 1, 1}, 1);
+  auto reference_opt = sgd_with_dynamic_scale(exec, reference);
+  mpx::batch_loader<mpx::host_executor, mpx::bfloat16> global(exec, data, {.batch_size = local_batch * ranks, .seed = 9});
+  {
+    mpx::classifier_trainer one(exec, reference, reference_opt);
+    global.start_epoch(0);
+    while (auto b = global.next()) one.step(exec, b->images, b->labels);
+  }
+
+  auto model = small_model<mpx::mixed_fp8>();
+  model.build(exec, {2, 1, 1}, 1);
+  auto opt = sgd_with_dynamic_scale(exec, model);
+  mpx::data_parallel dp(exec, comm(), opt);
+  mpx::batch_loader<mpx::host_executor, mpx::bfloat16> shard(
+      exec, data, {.batch_size = local_batch, .seed = 9, .replica = static_cast<std::size_t>(comm().rank()),
+                   .replicas = static_cast<std::size_t>(ranks)});
+  {
+    mpx::classifier_trainer trainer(exec, model, opt);
+    trainer.run_as_replica(dp.hooks(exec));
+    shard.start_epoch(0);
+    while (auto b = shard.next()) trainer.step(exec, b->images, b->labels);
+  }
+  auto const got = fp8_state(model).values(exec);
+  auto const expected = fp8_state(reference).values(exec);
+  CHECK(got.steps == steps);
+  // The data are the same, so the input's amax history and scale are the global ones,
+  // bit for bit (each rank alone would have seen only its shard's maximum).
+  CHECK(got.scale == expected.scale);
+  CHECK(std::memcmp(got.history, expected.history, sizeof got.history) == 0);
+  // Every scale of every fp8 layer is the same on every rank.
+  std::vector<float> scales;
+  model.for_each_layer([&](auto& layer) {
+    if constexpr (requires { layer.products().template scale<mpx::operand_role::gradient>(exec); }) {
+      auto const& p = layer.products();
+      for (auto const& v : {p.template scale<mpx::operand_role::activation>(exec).values(exec),
+                           p.template scale<mpx::operand_role::weight>(exec).values(exec),
+                           p.template scale<mpx::operand_role::gradient>(exec).values(exec)}) {
+        scales.push_back(v.scale);
+        scales.push_back(v.last_amax);
+      }
+    }
+  });
+  REQUIRE(scales.size() == 12);  // two fp8 layers, three roles, scale and amax
+  CHECK(same_on_every_rank(checksum(scales)));
 }
 
 TEST_CASE("half gradients all-reduced in their own dtype match the float reduction closely", "[dist]") {

@@ -4,6 +4,7 @@
 // documented error bound; NaN propagation; shape errors and their messages.
 #include "../support/testing.hpp"
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -592,3 +593,74 @@ TEST_CASE("gemm inside a CUDA graph capture: refused on a cold stream, captured 
   mpx::release_gemm_resources();
 }
 #endif
+
+namespace {
+//! gemm under a policy whose compute type differs from its storage: the product of the
+//! operands rounded to the compute type, within the float-sum bound, on a poisoned C.
+template <class Policy, class Exec>
+void check_compute_type(Exec const& exec, std::int64_t m, std::int64_t n, std::int64_t k, bool ta, bool tb) {
+  using S = typename Policy::storage_type;
+  using Compute = typename Policy::compute_type;
+  auto const a = mpx_test::random_values<S>(static_cast<std::size_t>(m * k), -2.0, 2.0, 71);
+  auto const b = mpx_test::random_values<S>(static_cast<std::size_t>(k * n), -2.0, 2.0, 72);
+  auto const ad = mpx_test::upload(exec, a, ta ? mpx::shape{k, m} : mpx::shape{m, k});
+  auto const bd = mpx_test::upload(exec, b, tb ? mpx::shape{n, k} : mpx::shape{k, n});
+  auto c = mpx_test::poisoned<S>(exec, mpx::shape{m, n});
+  mpx::gemm<Policy>(exec, ad, bd, c, {.transpose_a = ta, .transpose_b = tb});
+  auto const got = mpx_test::download(exec, c);
+  auto const through = [](S x) { return mpx::detail::to_double(mpx::cast<Compute>(mpx::cast<float>(x))); };
+  std::size_t bad = 0, changed = 0;
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double exact = 0, scale = 0, storage_exact = 0;
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        S const x = a[static_cast<std::size_t>(ta ? kk * m + i : i * k + kk)];
+        S const y = b[static_cast<std::size_t>(tb ? j * k + kk : kk * n + j)];
+        exact += through(x) * through(y);
+        scale += std::abs(through(x) * through(y));
+        storage_exact += mpx::detail::to_double(x) * mpx::detail::to_double(y);
+      }
+      double const g = mpx::detail::to_double(got[static_cast<std::size_t>(i * n + j)]);
+      double const allowed = error_bound<Compute, S>(k) * scale + 1e-30;
+      if (!(std::abs(g - exact) <= allowed)) ++bad;
+      if (std::abs(storage_exact - exact) > allowed) ++changed;
+    }
+  INFO(std::string(Policy::name) << " M=" << m << " N=" << n << " K=" << k << " ta=" << ta << " tb=" << tb);
+  CHECK(bad == 0);
+  // The rounding to the compute type is visible: the storage-precision product differs
+  // (somewhere, given enough outputs; one sum of 300 may hide it in its bound).
+  if (m * n >= 64) CHECK(changed > 0);
+}
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("gemm reads its operands in the policy's compute type", "[gemm][compute_type]",
+                        mpx_test::executors) {
+  TestType const exec;
+  // Float activations with bfloat16 products (tensor cores over float storage).
+  using float_bf16 = mpx::policy<float, mpx::bfloat16>;
+  // Half operands read in bfloat16 (three mantissa bits fewer); float read in half.
+  using half_bf16 = mpx::policy<mpx::half, mpx::bfloat16>;
+  using float_half = mpx::policy<float, mpx::half>;
+  for (auto [m, n, k] : {std::array<std::int64_t, 3>{37, 19, 45}, {1, 1, 300}, {64, 48, 32}}) {
+    for (bool ta : {false, true}) {
+      check_compute_type<float_bf16>(exec, m, n, k, ta, !ta);
+      check_compute_type<half_bf16>(exec, m, n, k, ta, ta);
+      check_compute_type<float_half>(exec, m, n, k, !ta, ta);
+    }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("a float compute type over 16-bit storage is the storage product", "[gemm][compute_type]",
+                        mpx_test::executors) {
+  TestType const exec;
+  // Every bfloat16 is a float: "compute in float" reads the same values.
+  auto const a = mpx_test::random_values<mpx::bfloat16>(33 * 41, -1.0, 1.0, 81);
+  auto const b = mpx_test::random_values<mpx::bfloat16>(41 * 17, -1.0, 1.0, 82);
+  auto const ad = mpx_test::upload(exec, a, mpx::shape{33, 41});
+  auto const bd = mpx_test::upload(exec, b, mpx::shape{41, 17});
+  auto c1 = mpx_test::poisoned<float>(exec, mpx::shape{33, 17});
+  auto c2 = mpx_test::poisoned<float>(exec, mpx::shape{33, 17});
+  mpx::gemm<mpx::mixed_bfloat16>(exec, ad, bd, c1);
+  mpx::gemm<mpx::policy<mpx::bfloat16, float>>(exec, ad, bd, c2);
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, c2), mpx_test::download(exec, c1)).empty());
+}

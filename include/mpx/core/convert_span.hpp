@@ -139,11 +139,25 @@ inline void round_bfloat16_sse2(float const* x, bfloat16* out, std::size_t n) no
 }
 #endif
 
-//! out[i] = x[i] as float, exactly, for i < n (a 16-bit x must not overlap out).
+//! Every value of an 8-bit format as float, indexed by its bit pattern: widening an fp8
+//! array is one load per element.
+template <class T>
+inline constexpr auto fp8_widening_table = [] {
+  struct table {
+    float value[256];
+  } t{};
+  for (unsigned i = 0; i < 256; ++i) t.value[i] = widen_8_to_float(bit_cast<T>(static_cast<std::uint8_t>(i)));
+  return t;
+}();
+
+//! out[i] = x[i] as float, exactly, for i < n (a 16- or 8-bit x must not overlap out).
 template <class T>
 void widen_span(T const* x, float* out, std::size_t n) noexcept {
   if constexpr (std::is_same_v<T, float>) {
     if (n != 0 && out != x) std::memmove(out, x, n * sizeof(float));
+  } else if constexpr (dtype8<T>) {
+    auto const& table = fp8_widening_table<T>.value;
+    for (std::size_t i = 0; i < n; ++i) out[i] = table[bit_cast<std::uint8_t>(x[i])];
 #if MPX_HOST_SSE2
   } else if constexpr (std::is_same_v<T, bfloat16>) {
     widen_bfloat16_sse2(x, out, n);
@@ -154,7 +168,7 @@ void widen_span(T const* x, float* out, std::size_t n) noexcept {
       if (host_has_f16c()) return widen_half_f16c(x, out, n);
     }
 #endif
-    for (std::size_t i = 0; i < n; ++i) out[i] = widen_16_to_float(x[i]);
+    for (std::size_t i = 0; i < n; ++i) out[i] = widen_to_float(x[i]);
   }
 }
 

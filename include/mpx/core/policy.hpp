@@ -23,8 +23,11 @@ namespace detail {
 // "policy<storage=float16, compute=float32, accumulate=float32, param=float32>", built at
 // compile time so every policy has a printable name that differs from every other
 // policy's. Keras's rule names the policies that store and compute in one dtype and sum
-// and keep master weights in float: "float32", and "mixed_" + the dtype's name
-// ("mixed_float16", "mixed_bfloat16", "mixed_float8_e5m2"); the rest spell out all four.
+// in float: with float master weights "float32", and "mixed_" + the dtype's name
+// ("mixed_float16", "mixed_bfloat16", "mixed_float8_e5m2"); with master weights in that
+// dtype too, the dtype's name ("bfloat16", "float16": Keras's policies whose variables
+// are 16-bit). mpx::mixed_fp8 is "mixed_fp8", as Transformer Engine's users say it; the
+// rest spell out all four.
 template <class S, class C, class A, class P>
 struct policy_name_builder {
   static constexpr auto chars = [] {
@@ -33,7 +36,13 @@ struct policy_name_builder {
     auto put = [&](std::string_view s) {
       for (char c : s) out[n++] = c;
     };
-    if constexpr (std::is_same_v<A, float> && std::is_same_v<P, float> && std::is_same_v<S, C>) {
+    constexpr bool float_sums = std::is_same_v<A, float>;
+    if constexpr (float_sums && std::is_same_v<P, float> && std::is_same_v<S, bfloat16> &&
+                  std::is_same_v<C, float8_e4m3>) {
+      put("mixed_fp8");
+    } else if constexpr (float_sums && std::is_same_v<S, C> && std::is_same_v<P, S> && !std::is_same_v<S, float>) {
+      put(dtype_name<S>);
+    } else if constexpr (float_sums && std::is_same_v<P, float> && std::is_same_v<S, C>) {
       if constexpr (std::is_same_v<S, float>) {
         put("float32");
       } else {
@@ -57,10 +66,14 @@ struct policy_name_builder {
 };
 }  // namespace detail
 
-//! A mixed-precision policy. Storage: the dtype activations and gradients are stored
-//! in. Compute: the dtype elementwise arithmetic runs in. Accumulate: the dtype of sums
-//! (matrix products, reductions, norms). Param: the dtype of the optimizer's master copy
-//! of trainable parameters.
+//! A mixed-precision policy (docs/policies.md says what each member does, with numbers).
+//! Storage: the dtype activations, gradients and parameters are stored in. Compute: the
+//! dtype matrix products (dense, conv, LSTM gates, attention) read their operands in,
+//! cast on the fly; an fp8 compute type runs dense and conv products in fp8 with
+//! per-tensor scales (e4m3 forward, e5m2 gradients). Elementwise math (activations,
+//! softmax, norms, losses, optimizer updates) always runs in float. Accumulate: the dtype
+//! of sums (matrix products, reductions, norms). Param: the dtype of the optimizer's
+//! master copy of trainable parameters (master_weights_for<Policy>).
 template <class Storage, class Compute = Storage, class Accumulate = float, class Param = float>
 struct policy {
   static_assert(dtype<Storage> && dtype<Compute> && dtype<Accumulate> && dtype<Param>,
@@ -70,9 +83,10 @@ struct policy {
   using compute_type = Compute;
   using accumulate_type = Accumulate;
   using param_type = Param;
-  //! "float32", "mixed_float16", "mixed_bfloat16" for the presets (and "mixed_" + the dtype's
-  //! name for any dtype stored and computed in with float sums and master weights); the
-  //! four dtypes otherwise. No two policies share a name.
+  //! The presets' names ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16",
+  //! "mixed_fp8"), "mixed_" + the dtype's name for any dtype stored and computed in with
+  //! float sums and master weights; the four dtypes otherwise. No two policies share a
+  //! name.
   static constexpr std::string_view name = detail::policy_name_builder<Storage, Compute, Accumulate, Param>::value;
 };
 
@@ -84,6 +98,36 @@ using mixed_float16 = policy<half, half, float, float>;
 //! Keras's "mixed_bfloat16": bfloat16 storage and compute, float sums and master weights.
 //! Float's range, so loss scaling is rarely needed; 8 bits of precision.
 using mixed_bfloat16 = policy<bfloat16, bfloat16, float, float>;
+
+//! Keras's "bfloat16": everything in bfloat16 but sums, master weights included (no
+//! float copy: half the optimizer's parameter memory). Updates smaller than half a
+//! bfloat16 ulp of a weight are lost unless rounded stochastically:
+//! mpx::master_weights_for<mpx::pure_bfloat16>(true, seed).
+using pure_bfloat16 = policy<bfloat16, bfloat16, float, bfloat16>;
+//! Transformer Engine's hybrid fp8 recipe: bfloat16 storage; dense and conv products
+//! read e4m3 weights and activations and e5m2 gradients, each tensor with its own
+//! delayed scale (amax history); float sums and master weights. Keep the first and last
+//! layers out of fp8 (mpx::without_fp8<P>), as Transformer Engine advises.
+using mixed_fp8 = policy<bfloat16, float8_e4m3, float, float>;
+
+namespace detail {
+template <class P>
+struct without_fp8_of {
+  using compute = typename P::compute_type;
+  using type = policy<typename P::storage_type,
+                      std::conditional_t<sizeof(compute) == 1, typename P::storage_type, compute>,
+                      typename P::accumulate_type, typename P::param_type>;
+};
+}  // namespace detail
+
+//! P with its products in the storage type where P computes in fp8, else P itself: for
+//! the layers kept out of fp8 (a network's first and last, LSTMs, attention).
+template <class P>
+using without_fp8 = typename detail::without_fp8_of<P>::type;
+
+//! Whether P's matrix products run in fp8 (dense and conv layers then keep scales).
+template <class P>
+inline constexpr bool computes_in_fp8 = sizeof(typename P::compute_type) == 1;
 
 //! Anything shaped like mpx::policy.
 template <class P>

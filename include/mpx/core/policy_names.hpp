@@ -27,7 +27,9 @@ namespace mpx {
 inline constexpr auto preset_policies = boost::hana::make_tuple(
     boost::hana::make_pair(BOOST_HANA_STRING("float32"), boost::hana::type_c<float32>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_float16"), boost::hana::type_c<mixed_float16>),
-    boost::hana::make_pair(BOOST_HANA_STRING("mixed_bfloat16"), boost::hana::type_c<mixed_bfloat16>));
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_bfloat16"), boost::hana::type_c<mixed_bfloat16>),
+    boost::hana::make_pair(BOOST_HANA_STRING("bfloat16"), boost::hana::type_c<pure_bfloat16>),
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8"), boost::hana::type_c<mixed_fp8>));
 
 //! The preset named by a compile-time Hana string, as a hana::type:
 //! `constexpr auto n = BOOST_HANA_STRING("mixed_float16"); using P = decltype(mpx::policy_by_name(n))::type;`
@@ -38,7 +40,7 @@ constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
   });
   static_assert(!decltype(found == boost::hana::nothing)::value,
                 "mpx::policy_by_name: no preset policy has this name; the presets are "
-                "\"float32\", \"mixed_float16\" and \"mixed_bfloat16\"");
+                "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\" and \"mixed_fp8\"");
   return boost::hana::second(*found);
 }
 
@@ -49,7 +51,7 @@ using policy_named = typename decltype(policy_by_name(HanaString{}))::type;
 namespace detail {
 [[noreturn]] inline void unknown_policy(std::string_view name) {
   fail<invalid_argument>("with_policy", "unknown policy \"" + std::string(name) +
-                                            "\"; the presets are float32, mixed_float16 and mixed_bfloat16");
+                                            "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16 and mixed_fp8");
 }
 
 // Each step compares then calls; the last step throws instead of recursing. (An

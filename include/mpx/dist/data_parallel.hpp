@@ -217,6 +217,9 @@ class data_parallel {
     h.after_backward = [this, exec] { all_reduce_gradients(exec); };
     if (options_.check_replicas_agree) h.after_step = [this, exec] { check_replicas_agree(exec); };
     h.sum_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::sum); };
+    h.max_in_place = [this, exec](float* x) {
+      comm_->all_reduce(exec, tensor_view<float, memory_space_t<executor_type>>(x, shape{1}), reduce_op::max);
+    };
     return h;
   }
 

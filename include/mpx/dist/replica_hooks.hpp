@@ -24,6 +24,10 @@ struct replica_hooks {
   std::function<void()> after_step;
   //! Sums a few host values over the replicas, in place (metrics for the progress line).
   std::function<void(std::span<double>)> sum_values;
+  //! Replaces one float in the executor's memory by its maximum over the replicas (NaN
+  //! kept), in stream order: each fp8 scale's amax before its update, so that every
+  //! replica keeps the scales one process with the global batch would.
+  std::function<void(float*)> max_in_place;
 
   [[nodiscard]] bool active() const noexcept { return count > 1 || static_cast<bool>(after_backward); }
   [[nodiscard]] bool prints() const noexcept { return rank == 0; }

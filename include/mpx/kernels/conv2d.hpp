@@ -170,6 +170,17 @@ constexpr void check_conv2d_types() {
   }
 }
 
+//! The product a convolution runs: mpx::gemm<Policy>, unless a layer passes its own
+//! (mpx::conv2d under an fp8 policy passes its matrix_products, which keep the scales).
+template <class Policy>
+struct policy_gemm {
+  template <class Exec, class A, class B, class C>
+  void operator()(Exec const& exec, A const& a, B const& b, C const& c, gemm_options const& o,
+                  mpx::source_location loc) const {
+    gemm<Policy>(exec, a, b, c, o, loc);
+  }
+};
+
 // ---- host -----------------------------------------------------------------------------
 
 //! The kernel taps [begin, end) that land inside an input of `extent` pixels for an
@@ -498,9 +509,10 @@ inline conv2d_options conv2d_padding_same(shape const& x_shape, shape const& w_s
 //! which then keeps x's columns for conv2d_backward_weights). Nothing is allocated.
 //! Outputs must not overlap inputs. Shape errors throw mpx::shape_error naming x's and
 //! w's shapes. Asynchronous on a cuda_executor. Error bounds: docs/conv_and_pooling.md.
-template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like Y, tensor_like Cols>
+template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like Y, tensor_like Cols,
+          class Product = detail::policy_gemm<Policy>>
 void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, conv2d_options const& options = {},
-                    mpx::source_location loc = mpx::source_location::current()) {
+                    mpx::source_location loc = mpx::source_location::current(), Product&& product = {}) {
   detail::check_conv2d_types<Policy, value_t<X>, value_t<W>, value_t<Y>, value_t<Cols>>();
   detail::require_access<Exec, space_t<X>, space_t<W>, space_t<Y>, space_t<Cols>>();
   auto const xv = mpx::view(x);
@@ -521,7 +533,7 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
     auto const columns = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
                              .reshape(shape{images * g.pixels(), g.patch()});
     detail::im2col(exec, op, g, xv.data(), n0, images, columns.data());
-    gemm<Policy>(exec, columns, weights, detail::image_rows(out, g, n0, images, g.cout), {}, loc);
+    product(exec, columns, weights, detail::image_rows(out, g, n0, images, g.cout), gemm_options{}, loc);
   }
 }
 
@@ -531,10 +543,11 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
 //! (elements no window reaches get 0). Deterministic on both executors (the GPU's col2im
 //! is a gather, without atomics). Shapes as conv2d_forward, with dx [N, H, W, Cin] and dy
 //! [N, OH, OW, Cout]. Overwrites the workspace. Asynchronous on a cuda_executor.
-template <class Policy, executor Exec, tensor_like DY, tensor_like W, tensor_like DX, tensor_like Cols>
+template <class Policy, executor Exec, tensor_like DY, tensor_like W, tensor_like DX, tensor_like Cols,
+          class Product = detail::policy_gemm<Policy>>
 void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& workspace,
                           conv2d_options const& options = {},
-                          mpx::source_location loc = mpx::source_location::current()) {
+                          mpx::source_location loc = mpx::source_location::current(), Product&& product = {}) {
   detail::check_conv2d_types<Policy, value_t<DY>, value_t<W>, value_t<DX>, value_t<Cols>>();
   detail::require_access<Exec, space_t<DY>, space_t<W>, space_t<DX>, space_t<Cols>>();
   auto const dyv = mpx::view(dy);
@@ -555,8 +568,8 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
     std::int64_t const images = std::min(chunk, g.n - n0);
     auto const dcolumns = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
                               .reshape(shape{images * g.pixels(), g.patch()});
-    gemm<Policy>(exec, detail::image_rows(grad, g, n0, images, g.cout), weights, dcolumns, {.transpose_b = true},
-                 loc);
+    product(exec, detail::image_rows(grad, g, n0, images, g.cout), weights, dcolumns,
+            gemm_options{.transpose_b = true}, loc);
     detail::col2im(exec, op, g, dcolumns.data(), n0, images, dxv.data());
   }
 }
@@ -570,10 +583,11 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
 //! trusts the workspace to hold conv2d_forward's columns of this x and options (a
 //! whole-batch workspace, not written since, e.g. by conv2d_backward_data: call this
 //! first), saving the im2col. Asynchronous on a cuda_executor.
-template <class Policy, executor Exec, tensor_like X, tensor_like DY, tensor_like DW, tensor_like Cols>
+template <class Policy, executor Exec, tensor_like X, tensor_like DY, tensor_like DW, tensor_like Cols,
+          class Product = detail::policy_gemm<Policy>>
 void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& workspace,
                              conv2d_options const& options = {}, conv2d_columns columns = conv2d_columns::recompute,
-                             mpx::source_location loc = mpx::source_location::current()) {
+                             mpx::source_location loc = mpx::source_location::current(), Product&& product = {}) {
   detail::check_conv2d_types<Policy, value_t<X>, value_t<DY>, value_t<Cols>>();
   static_assert(!policy_type<Policy> || std::is_same_v<value_t<DW>, typename Policy::storage_type> ||
                     std::is_same_v<value_t<DW>, float>,
@@ -606,8 +620,8 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
     auto const cols = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
                           .reshape(shape{images * g.pixels(), g.patch()});
     if (!reuse) detail::im2col(exec, op, g, xv.data(), n0, images, cols.data());
-    gemm<Policy>(exec, cols, detail::image_rows(grad, g, n0, images, g.cout), dweights,
-                 {.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);
+    product(exec, cols, detail::image_rows(grad, g, n0, images, g.cout), dweights,
+            gemm_options{.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);
   }
 }
 

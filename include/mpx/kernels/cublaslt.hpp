@@ -72,6 +72,9 @@ struct lt_plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   std::size_t workspace_bytes = 0;
+  //! Held from setting per-call attributes on `desc` (fp8 scale pointers) to the
+  //! cublasLtMatmul that reads them: the descriptor is shared by every call of the problem.
+  mutable std::mutex call_mutex;
 
   lt_plan() = default;
   lt_plan(lt_plan const&) = delete;
@@ -319,17 +322,39 @@ class lt_context {
   std::uint64_t generation_ = 0;
 };
 
-//! Runs one planned product on `stream`: D = C = alpha * op(A) op(B) + beta * C, in
-//! cuBLASLt's column-major terms. alpha and beta point to host values of the scale type.
+//! Device pointers to one float each that cuBLASLt multiplies its A's and B's values by
+//! (fp8 operands' dequantisation: CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER). Null: none.
+struct lt_operand_scales {
+  float const* a = nullptr;
+  float const* b = nullptr;
+};
+
+//! Runs one planned product on `stream`: D = C = alpha * scales.a * scales.b * op(A) op(B)
+//! + beta * C, in cuBLASLt's column-major terms. alpha and beta point to host values of
+//! the scale type; the scales (when given) to device floats, read when the product runs.
 inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alpha, void const* a, void const* b,
-                      void const* beta, void* c) {
+                      void const* beta, void* c, lt_operand_scales const& scales = {}) {
   lt_context& context = lt_context::instance();
   cublasLtHandle_t const handle = context.handle(p.device);
   lt_context::workspace const ws = context.workspace_for(p.device, stream);
   lt_plan const& plan = context.plan(p, handle, ws.bytes);
-  check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c, &plan.algo,
-                              ws.data, ws.bytes, stream),
-               "cublasLtMatmul");
+  auto const run = [&] {
+    check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c,
+                                &plan.algo, ws.data, ws.bytes, stream),
+                 "cublasLtMatmul");
+  };
+  if (!scales.a && !scales.b) return run();
+  // The pointers are attributes of the cached descriptor, which other threads' products
+  // of the same problem share: set them and launch under the plan's lock (cuBLASLt reads
+  // the attributes when it enqueues the kernel, not when the kernel runs).
+  std::lock_guard lock(plan.call_mutex);
+  check_cublas(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales.a,
+                                              sizeof(scales.a)),
+               "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
+  check_cublas(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales.b,
+                                              sizeof(scales.b)),
+               "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
+  run();
 }
 
 }  // namespace detail

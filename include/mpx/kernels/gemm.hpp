@@ -1,8 +1,8 @@
 // mpx::gemm: C = alpha * op(A) op(B) + beta * C on row-major tensors, one matrix or a
-// strided batch, summed in the policy's accumulate type. On a cuda_executor it is one
-// cuBLASLt call (tensor cores for 16-bit operands, float accumulation); on the host a
-// BLAS sgemm on float panels where the build found one (MPX_HAS_CBLAS), else a blocked
-// product of its own.
+// strided batch, with A and B read in the policy's compute type and summed in its
+// accumulate type. On a cuda_executor it is one cuBLASLt call (tensor cores for 16-bit
+// operands, float accumulation); on the host a BLAS sgemm on float panels where the
+// build found one (MPX_HAS_CBLAS), else a blocked product of its own.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -83,8 +83,21 @@ constexpr void check_gemm_types() {
     static_assert(!std::is_same_v<Acc, half> || (std::is_same_v<S, half> && std::is_same_v<TC, half>),
                   "mpx::gemm: accumulation in half needs half operands and a half C (cuBLAS computes in half "
                   "only on half data)");
+    static_assert(!dtype8<typename Policy::compute_type>,
+                  "mpx::gemm: this policy computes its matrix products in fp8, which needs a per-tensor scale for "
+                  "every operand. mpx::dense and mpx::conv2d keep those scales and run fp8 products "
+                  "(mpx::fp8_gemm underneath); give other layers (LSTM, attention) mpx::without_fp8<Policy>, and "
+                  "call mpx::fp8_gemm yourself for products of your own");
+    static_assert(!std::is_same_v<Acc, half> || std::is_same_v<typename Policy::compute_type, half>,
+                  "mpx::gemm: accumulation in half needs half compute");
   }
 }
+
+//! Whether reading a T operand in Compute changes its value: not when they are one
+//! type, and not when Compute is float (every dtype widens to float exactly, so a
+//! 16-bit operand "computed in float" is what tensor cores with float sums already do).
+template <class T, class Compute>
+inline constexpr bool rounds_operand = !std::is_same_v<T, Compute> && !std::is_same_v<Compute, float>;
 
 //! The sizes of one product: C[b] = op(A[b]) op(B[b]), op(A) M x K, op(B) K x N. A
 //! stride (elements between batch entries) of 0 means the operand is shared by all.
@@ -171,7 +184,7 @@ enum gemm_scratch_slot : std::size_t {
 template <class T>
 float widen_to_float_fast(T x) noexcept {
   if constexpr (std::is_same_v<T, float>) return x;
-  else return widen_16_to_float(x);
+  else return widen_to_float(x);
 }
 
 //! out = alpha * product + beta * out, rounded once to TC (out is not read when beta == 0).
@@ -349,6 +362,43 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
 }
 #endif
 
+//! x[0, n) read in Compute, as floats: widened, rounded to Compute and widened again (in
+//! chunks through a stack buffer), into the (Tag, Slot) scratch.
+template <class Compute, class Tag, std::size_t Slot, class T>
+float const* host_floats_through(T const* x, std::size_t n) {
+  float* out = host_scratch_floats<Tag, Slot>(n);
+  widen_span(x, out, n);
+  constexpr std::size_t chunk = 2048;
+  Compute rounded[chunk];
+  for (std::size_t i0 = 0; i0 < n; i0 += chunk) {
+    std::size_t const len = std::min(chunk, n - i0);
+    round_span(out + i0, rounded, len);
+    widen_span(rounded, out + i0, len);
+  }
+  return out;
+}
+
+struct gemm_compute_scratch {};
+
+template <class Acc, class TA, class TB, class TC>
+void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c);
+
+//! host_gemm with A and B read in Compute: operands Compute would round are rounded
+//! into float copies first, so the products are those of the Compute values.
+template <class Acc, class Compute, class TA, class TB, class TC>
+void host_gemm_in(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
+  auto const extent = [&](std::int64_t stride, std::int64_t one) {
+    return static_cast<std::size_t>(stride ? stride * d.batch : one);
+  };
+  if constexpr (rounds_operand<TA, Compute> || rounds_operand<TB, Compute>) {
+    float const* ac = host_floats_through<Compute, gemm_compute_scratch, 0>(a, extent(d.stride_a, d.m * d.k));
+    float const* bc = host_floats_through<Compute, gemm_compute_scratch, 1>(b, extent(d.stride_b, d.k * d.n));
+    host_gemm<Acc>(d, ta, tb, alpha, ac, bc, beta, c);
+  } else {
+    host_gemm<Acc>(d, ta, tb, alpha, a, b, beta, c);
+  }
+}
+
 template <class Acc, class TA, class TB, class TC>
 void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
   d = fold_batch(d, ta);
@@ -381,9 +431,11 @@ inline std::uint32_t gemm_alignment(void const* p, std::int64_t stride_bytes) {
   return static_cast<std::uint32_t>(v & (~v + 1));
 }
 
+//! `scales`, in cuBLASLt's terms (its A is our B), are the fp8 operands' inverse scales
+//! on the device (mpx::fp8_gemm); none for other products.
 template <class Acc, class TA, class TB, class TC>
 void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
-               TC* c) {
+               TC* c, lt_operand_scales const& scales = {}) {
   d = fold_batch(d, ta);
   if (d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX || d.batch > INT_MAX)
     fail<invalid_argument>("gemm", "cuBLASLt takes extents up to 2^31 - 1; got M = " + std::to_string(d.m) +
@@ -425,19 +477,48 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
     half const alpha_h = mpx::cast<half>(alpha), beta_h = mpx::cast<half>(beta);
     lt_matmul(p, stream, &alpha_h, b, a, &beta_h, c);
   } else {
-    lt_matmul(p, stream, &alpha, b, a, &beta, c);
+    lt_matmul(p, stream, &alpha, b, a, &beta, c, scales);
+  }
+}
+
+//! cuda_gemm with A and B read in Compute: operands Compute would round are cast into
+//! stream-ordered temporaries first. cuBLASLt takes Compute operands with a C of
+//! Compute or float; any other C gets a float temporary, converted once at the end.
+template <class Acc, class Compute, class Exec, class TA, class TB, class TC>
+void cuda_gemm_in(Exec const& exec, gemm_dims const& d, shape const& sa, shape const& sb, shape const& sc, bool ta,
+                  bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
+  if constexpr (!rounds_operand<TA, Compute> && !rounds_operand<TB, Compute>) {
+    cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, a, b, beta, c);
+  } else {
+    tensor<Compute, device_space> ac(exec, sa), bc(exec, sb);
+    mpx::cast(exec, tensor_view<TA const, device_space>(a, sa), ac);
+    mpx::cast(exec, tensor_view<TB const, device_space>(b, sb), bc);
+    if constexpr (std::is_same_v<TC, float> || std::is_same_v<TC, Compute>) {
+      cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, ac.data(), bc.data(), beta, c);
+    } else {
+      tensor<float, device_space> cf(exec, sc);
+      tensor_view<TC, device_space> const cv(c, sc);
+      if (beta != 0.0f) mpx::cast(exec, cv, cf);
+      cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, ac.data(), bc.data(), beta, cf.data());
+      mpx::cast(exec, cf, cv);
+    }
   }
 }
 #endif
 
 }  // namespace detail
 
-//! C = alpha * op(A) op(B) + beta * C, summed in Policy::accumulate_type.
+//! C = alpha * op(A) op(B) + beta * C, A and B read in Policy::compute_type, summed in
+//! Policy::accumulate_type.
 //!
 //! Shapes (row-major): A [M, K] ([K, M] with transpose_a), B [K, N] ([N, K] with
 //! transpose_b), C [M, N]; or batches [batch, ., .], where a matrix beside batches is
 //! shared by every product. A and B hold Policy::storage_type, C the storage type or
-//! float. Shapes that do not agree throw mpx::shape_error naming all three and the
+//! float. A compute type other than the storage type is applied on the fly: each
+//! operand is rounded to it as it is read (float storage with bfloat16 compute gives
+//! bfloat16 tensor-core products over float activations); a float compute type over
+//! 16-bit storage changes nothing, since every 16-bit value is a float. An fp8 compute
+//! type is refused here: its products need scales (mpx::fp8_gemm). Shapes that do not agree throw mpx::shape_error naming all three and the
 //! caller's file:line; tensors the executor cannot reach, wrong dtypes and a policy that
 //! sums in 16 bits are compile errors. C must not overlap A or B. Asynchronous on a
 //! cuda_executor (one cuBLASLt call on its stream; cuBLAS failures throw
@@ -460,13 +541,15 @@ void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options c
     return;
   }
   using Acc = typename Policy::accumulate_type;
+  using Compute = typename Policy::compute_type;
   if constexpr (is_host_executor_v<Exec>) {
-    detail::host_gemm<Acc>(d, options.transpose_a, options.transpose_b, options.alpha, av.data(), bv.data(),
-                           options.beta, cv.data());
+    detail::host_gemm_in<Acc, Compute>(d, options.transpose_a, options.transpose_b, options.alpha, av.data(),
+                                       bv.data(), options.beta, cv.data());
   } else {
 #if MPX_HAS_CUDA
-    detail::cuda_gemm<Acc>(exec.stream(), d, options.transpose_a, options.transpose_b, options.alpha, av.data(),
-                           bv.data(), options.beta, cv.data());
+    detail::cuda_gemm_in<Acc, Compute>(exec, d, av.shape(), bv.shape(), cv.shape(), options.transpose_a,
+                                       options.transpose_b, options.alpha, av.data(), bv.data(), options.beta,
+                                       cv.data());
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif

@@ -71,6 +71,7 @@ class causal_self_attention : public layer_base {
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
+    detail::require_products_without_fp8<Policy>();
     width_ = compute_output_shape(in)[1];
     qkv_ = dense<Policy>(width_, 3 * width_, activation::linear);
     out_ = dense<Policy>(width_, width_, activation::linear);

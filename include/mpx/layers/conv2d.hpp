@@ -1,15 +1,17 @@
 // mpx::conv2d<Policy>: a 2-D convolution over NHWC images with a bias and a fused
 // activation, like keras.layers.Conv2D (kernel [KH, KW, Cin, Cout], 'valid' or 'same'
 // padding, strides, dilation). im2col into a workspace the layer reserves once, one
-// mpx::gemm (accumulating in the policy's accumulate type), and the bias add with the
-// activation in one float pass (kernels/conv2d.hpp, kernels/activation.hpp). The
-// backward pass reuses the forward pass's columns for the weight gradient.
+// matrix product in the policy's compute type (fp8 with per-tensor scales under
+// mpx::mixed_fp8: layers/matrix_products.hpp), and the bias add with the activation in
+// one float pass (kernels/conv2d.hpp, kernels/activation.hpp). The backward pass reuses
+// the forward pass's columns for the weight gradient.
 #pragma once
 
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/conv2d.hpp>
 #include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/matrix_products.hpp>
 
 #include <cstdint>
 #include <string>
@@ -31,7 +33,7 @@ struct conv2d_config {
 };
 
 template <class Policy = model_policy>
-class conv2d : public layer_base {
+class conv2d : public layer_base, public with_matrix_products<Policy> {
  public:
   using policy = Policy;
   using config_type = conv2d_config;
@@ -74,6 +76,7 @@ class conv2d : public layer_base {
     std::int64_t const taps = config_.kernel_h * config_.kernel_w;
     initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters, seed);
     initialize(exec, bias_.template view<Space>(), config_.bias_initializer, 1, 1, seed + 1);
+    this->products_.build(exec);
     mark_built(in, out);
   }
 
@@ -96,13 +99,13 @@ class conv2d : public layer_base {
     auto const cols = columns_.template view<Space>();
     auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
     if (config_.activation == activation::linear) {
-      conv2d_forward<Policy>(exec, x, w, y, cols, options_);
+      conv2d_forward<Policy>(exec, x, w, y, cols, options_, here(), forward_product());
       columns_hold_forward_ = true;
       bias_activation_forward(exec, act::identity{}, y.reshape(rows), b, y.reshape(rows));
       return;
     }
     auto const z = pre_activation_.template view<Space>(y.shape());
-    conv2d_forward<Policy>(exec, x, w, z, cols, options_);
+    conv2d_forward<Policy>(exec, x, w, z, cols, options_, here(), forward_product());
     columns_hold_forward_ = true;
     with_activation(config_.activation, [&](auto a) { bias_activation_forward(exec, a, z.reshape(rows), b, y.reshape(rows)); });
   }
@@ -132,11 +135,20 @@ class conv2d : public layer_base {
     // Right after forward the columns hold its im2col of x and the weight gradient reuses
     // them; the data gradient then overwrites them, so a second backward recomputes.
     conv2d_backward_weights<Policy>(exec, x, dz, dw, cols, options_,
-                                    columns_hold_forward_ ? conv2d_columns::reuse_forward : conv2d_columns::recompute);
+                                    columns_hold_forward_ ? conv2d_columns::reuse_forward : conv2d_columns::recompute,
+                                    here(), product<operand_role::activation, operand_role::gradient>());
     if (dx.data() != nullptr) {
-      conv2d_backward_data<Policy>(exec, dz, w, dx, cols, options_);
+      conv2d_backward_data<Policy>(exec, dz, w, dx, cols, options_, here(),
+                                   product<operand_role::gradient, operand_role::weight>());
       columns_hold_forward_ = false;
     }
+    this->products_.end_step(exec);
+  }
+
+  //! The fp8 scales, for save_training_state (nothing outside fp8).
+  template <executor Exec>
+  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
+    this->products_.append_to(out, name());
   }
 
   template <memory_space Space>
@@ -151,6 +163,8 @@ class conv2d : public layer_base {
   [[nodiscard]] tensor_view<output_type, Space> kernel() const { return kernel_.template view<Space>(); }
   template <memory_space Space>
   [[nodiscard]] tensor_view<output_type, Space> bias() const { return bias_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<output_type, Space> kernel_gradient() const { return kernel_grad_.template view<Space>(); }
 
  private:
   std::string display_name() const { return name().empty() ? std::string("mpx::conv2d") : name(); }
@@ -164,6 +178,15 @@ class conv2d : public layer_base {
     return o;
   }
   static shape batched(std::int64_t batch, shape const& s) { return detail::with_batch(batch, s); }
+  static mpx::source_location here(mpx::source_location loc = mpx::source_location::current()) { return loc; }
+  //! The convolution's product through this layer's matrix_products, operands of roles
+  //! RA and RB.
+  template <operand_role RA, operand_role RB>
+  auto product() {
+    return [this](auto const& exec, auto const& a, auto const& b, auto const& c, gemm_options const& o,
+                  mpx::source_location loc) { this->products_.template run<RA, RB>(exec, a, b, c, o, loc); };
+  }
+  auto forward_product() { return product<operand_role::activation, operand_role::weight>(); }
 
   conv2d_config config_;
   conv2d_options options_{};

@@ -1,13 +1,16 @@
 // mpx::dense<Policy>: y = act(x W + b) over the last axis, like keras.layers.Dense.
 // W [in, units] and b [units] are stored in the policy's storage type (an optimizer
-// keeps their float master copies); the product accumulates in the policy's
-// accumulate type (mpx::gemm), the bias add and activation run in float in one pass.
+// keeps their master copies in the policy's param type); the products read their
+// operands in the policy's compute type (fp8 with per-tensor scales under
+// mpx::mixed_fp8: layers/matrix_products.hpp) and accumulate in its accumulate type;
+// the bias add and activation run in float in one pass.
 #pragma once
 
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/matrix_products.hpp>
 
 #include <cstdint>
 #include <string>
@@ -24,7 +27,7 @@ struct dense_config {
 };
 
 template <class Policy = model_policy>
-class dense : public layer_base {
+class dense : public layer_base, public with_matrix_products<Policy> {
  public:
   using policy = Policy;
   using config_type = dense_config;
@@ -68,6 +71,7 @@ class dense : public layer_base {
     using Space = memory_space_t<Exec>;
     initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, fan_in, config_.units, seed);
     initialize(exec, bias_.template view<Space>(), config_.bias_initializer, fan_in, config_.units, seed + 1);
+    this->products_.build(exec);
     mark_built(in, out);
   }
 
@@ -91,12 +95,12 @@ class dense : public layer_base {
     auto const w = kernel_.template view<Space>();
     auto const b = bias_.template view<Space>();
     if (config_.activation == activation::linear) {
-      gemm<Policy>(exec, xm, w, ym);
+      this->products_.template run<operand_role::activation, operand_role::weight>(exec, xm, w, ym);
       bias_activation_forward(exec, act::identity{}, ym, b, ym);
       return;
     }
     auto const z = pre_activation_.template view<Space>({rows, config_.units});
-    gemm<Policy>(exec, xm, w, z);
+    this->products_.template run<operand_role::activation, operand_role::weight>(exec, xm, w, z);
     with_activation(config_.activation, [&](auto a) { bias_activation_forward(exec, a, z, b, ym); });
   }
 
@@ -122,11 +126,20 @@ class dense : public layer_base {
       with_activation(config_.activation, [&](auto a) { bias_activation_backward(exec, a, z, b, dym, dz_out, db); });
       dz = dz_out;
     }
-    gemm<Policy>(exec, xm, dz, dw, {.transpose_a = true});
+    this->products_.template run<operand_role::activation, operand_role::gradient>(exec, xm, dz, dw,
+                                                                             {.transpose_a = true});
     if (dx.data() != nullptr) {
       detail::require_batch_shape(name(), "input gradient", dx.shape(), input_shape_);
-      gemm<Policy>(exec, dz, w, dx.reshape({rows, in}), {.transpose_b = true});
+      this->products_.template run<operand_role::gradient, operand_role::weight>(exec, dz, w, dx.reshape({rows, in}),
+                                                                           {.transpose_b = true});
     }
+    this->products_.end_step(exec);
+  }
+
+  //! The fp8 scales, for save_training_state (nothing outside fp8).
+  template <executor Exec>
+  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
+    this->products_.append_to(out, name());
   }
 
   template <memory_space Space>

@@ -57,6 +57,7 @@ class lstm : public layer_base {
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
+    detail::require_products_without_fp8<Policy>();
     shape const out = compute_output_shape(in);
     std::int64_t const f = in[1], u = config_.units;
     kernel_.allocate(exec, {f, 4 * u});

@@ -11,6 +11,7 @@
 
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/sequential.hpp>
 
 #include <array>
@@ -101,6 +102,16 @@ class residual_block : public layer_base {
         std::size_t const first = out.size();
         l.template append_counters<Space>(out);
         for (std::size_t i = first; i < out.size(); ++i) out[i].first = name() + "/" + out[i].first;
+      }
+    });
+  }
+  template <executor Exec>
+  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
+    branch_.for_each_layer([&](auto& l) {
+      if constexpr (requires { l.template append_fp8_scales<Exec>(out); }) {
+        std::size_t const first = out.size();
+        l.template append_fp8_scales<Exec>(out);
+        for (std::size_t i = first; i < out.size(); ++i) out[i].name = name() + "/" + out[i].name;
       }
     });
   }

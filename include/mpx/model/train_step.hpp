@@ -19,6 +19,7 @@
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
+#include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/sequential.hpp>
@@ -227,7 +228,12 @@ class classifier_trainer {
     model_.template on_gradients_final<Space>(same ? replicas_.gradients_final : std::function<void(std::size_t)>{});
     // The hook may not outlive this trainer (nor the job it calls into).
     Model* const model = &model_;
-    unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) { model->template on_gradients_final<Space>({}); });
+    // fp8 layers max-reduce their amaxes over the replicas before each scale update.
+    for (auto& entry : detail::model_fp8_scales<Exec>(model_)) entry.set_amax_reduction(replicas_.max_in_place);
+    unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) {
+      model->template on_gradients_final<Space>({});
+      for (auto& entry : detail::model_fp8_scales<Exec>(*model)) entry.set_amax_reduction({});
+    });
   }
 
   //! The records of the steps since the last call (synchronises), oldest first.

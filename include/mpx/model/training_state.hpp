@@ -1,6 +1,7 @@
 // Saving and resuming a training run: the model (model_file.hpp), the optimizer with its
 // master weights, moments, step count and loss scaler, the layers' counters and seeds
-// (dropout's count of training forwards and its seed, which decide its next mask) and
+// (dropout's count of training forwards and its seed, which decide its next mask), the
+// fp8 layers' scales and amax histories (under an fp8 policy), and
 // where the run is in its data. A run resumed from it continues exactly as the uninterrupted run would have, bit
 // for bit on the host executor (tests/model/test_resume.cpp).
 //
@@ -15,12 +16,14 @@
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/optim/checkpoint_file.hpp>
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -139,7 +142,7 @@ void restore_model(Exec const& exec, Model& model, std::vector<std::vector<std::
 }  // namespace detail
 
 //! Saves a training run to `directory` (created if needed): the model, the optimizer
-//! with its loss scaler, the layers' counters and `position`. Synchronises. A crash at
+//! with its loss scaler, the layers' counters, seeds and fp8 scales, and `position`. Synchronises. A crash at
 //! any moment leaves the previous save loadable (see the top of this file); on an error
 //! (a full disk, no permission) mpx::checkpoint_error is thrown and the previous save
 //! stays.
@@ -175,6 +178,9 @@ void save_training_state(Exec const& exec, Model& model, Optimizer const& optimi
   auto const seeds = detail::model_seeds(model);
   out.add_value("seeds", static_cast<std::uint64_t>(seeds.size()));
   for (auto const& [name, value] : seeds) out.add_value("seed/" + name, *value);
+  auto const fp8_scales = detail::model_fp8_scales<Exec>(model);
+  out.add_value("fp8 scales", static_cast<std::uint64_t>(fp8_scales.size()));
+  for (auto const& entry : fp8_scales) entry.save(exec, out, "fp8/" + entry.name);
   out.commit(directory / detail::training_state_file);
   detail::remove_other_saves(directory, model_name, optimizer_name);
 }
@@ -224,16 +230,41 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
   auto const seed_values = read_layer_values("seeds", "seed/", names_of(seeds), "seed");
 
   if (in.value<std::uint64_t>("save") == 0) in.refuse("its save number is 0, which no save writes");
-  in.refuse_unread_sections();  // a section this code does not read means another format
+  auto const fp8_scales = detail::model_fp8_scales<Exec>(model);
+  // Saves from before fp8 layers existed hold no count: none.
+  std::uint64_t const saved_fp8 = in.contains("fp8 scales") ? in.value<std::uint64_t>("fp8 scales") : 0;
+  if (saved_fp8 != fp8_scales.size())
+    in.refuse("it holds " + std::to_string(saved_fp8) + " layers' fp8 scales, this model keeps " +
+              std::to_string(fp8_scales.size()) + "; nothing was loaded");
 
-  // Each file checks itself before it writes; the model's tensors go back if the
-  // optimizer's file is refused after the model's was loaded.
+  // Each fp8 state, then each file, checks itself before it writes; what was written
+  // goes back if a later part is refused.
+  std::vector<std::function<void()>> restore_fp8;
+  auto undo_fp8 = [&] {
+    for (auto& restore : restore_fp8) restore();
+  };
+  try {
+    for (auto const& entry : fp8_scales) {
+      restore_fp8.push_back(entry.snapshot(exec));
+      entry.load(exec, in, "fp8/" + entry.name);
+    }
+    in.refuse_unread_sections();  // a section this code does not read means another format
+  } catch (...) {
+    undo_fp8();
+    throw;
+  }
   auto const before = detail::snapshot_model(exec, model);
-  load_model(exec, model, directory / model_name);
+  try {
+    load_model(exec, model, directory / model_name);
+  } catch (...) {
+    undo_fp8();
+    throw;
+  }
   try {
     optimizer.load(exec, directory / optimizer_name);
   } catch (...) {
     detail::restore_model(exec, model, before);
+    undo_fp8();
     throw;
   }
   for (std::size_t i = 0; i < counters.size(); ++i)

@@ -3,6 +3,8 @@
 // so a CUDA step casts, records and updates without waiting for the host. Two recipes:
 // delayed scaling (cast with the scale of past steps, record this step's amax in the
 // same pass) and current scaling (amax of this tensor first, then the cast).
+// cast_to_fp8_transposed casts and transposes in one pass, for the K-contiguous operands
+// that mpx::fp8_gemm needs on the GPU.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -192,6 +194,83 @@ void fp8_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::
   }
 }
 
+#if MPX_HAS_CUDA
+//! The side of the square tiles cast_to_fp8_transposed moves through shared memory.
+inline constexpr int fp8_transpose_tile = 32;
+
+//! out[b][j][i] = the scaled cast of x[b][i][j] (x [batch, rows, cols]), recording |x|'s
+//! amax with one atomic max per block. A block of block_size threads takes 32 x 32
+//! tiles: it reads a tile along x's rows and writes it along out's, both coalesced,
+//! through shared memory that holds one fp8 value per 4-byte word in rows of 33 words,
+//! so that a column of the tile spans all 32 banks.
+template <class Format, class In>
+__global__ void __launch_bounds__(block_size)
+    fp8_cast_transposed_kernel(In const* x, Format* out, std::int64_t batch, std::int64_t rows, std::int64_t cols,
+                               fp8_scale_values* state) {
+  constexpr int tile = fp8_transpose_tile;
+  constexpr int tile_rows = block_size / tile;  // rows of a tile one pass of the block covers
+  __shared__ std::uint32_t cast_tile[tile][tile + 1];
+  float const scale = state->scale;
+  std::uint32_t m = 0;
+  int const tx = static_cast<int>(threadIdx.x) % tile, ty = static_cast<int>(threadIdx.x) / tile;
+  std::int64_t const row_tiles = (rows + tile - 1) / tile, col_tiles = (cols + tile - 1) / tile;
+  for (std::int64_t b = blockIdx.z; b < batch; b += gridDim.z)
+    for (std::int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y)
+      for (std::int64_t tc = blockIdx.x; tc < col_tiles; tc += gridDim.x) {
+        In const* xb = x + b * rows * cols;
+        Format* ob = out + b * rows * cols;
+        std::int64_t const i0 = tr * tile, j0 = tc * tile;
+        for (int r = ty; r < tile; r += tile_rows) {
+          std::int64_t const i = i0 + r, j = j0 + tx;
+          if (i < rows && j < cols) cast_tile[r][tx] = bits(fp8_scaled_element<Format>(xb[i * cols + j], scale, m));
+        }
+        __syncthreads();
+        for (int r = ty; r < tile; r += tile_rows) {
+          std::int64_t const j = j0 + r, i = i0 + tx;
+          if (i < rows && j < cols)
+            ob[j * rows + i] = from_bits<Format>(static_cast<bits_t<Format>>(cast_tile[tx][r]));
+        }
+        __syncthreads();  // the tile is rewritten by the next iteration
+      }
+  __shared__ std::uint32_t scratch[32];
+  m = block_all_reduce(m, max_magnitude_bits{}, scratch);
+  if (threadIdx.x == 0 && m != 0) atomicMax(&state->step_amax_bits, m);
+}
+#endif
+
+//! cast_to_fp8_transposed's pass, host or CUDA: x [batch, rows, cols] -> out [batch,
+//! cols, rows], recording the amax.
+template <class Exec, class Format, class In>
+void fp8_transposed_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::int64_t batch,
+                         std::int64_t rows, std::int64_t cols, fp8_scale_values* state) {
+  if (batch == 0 || rows == 0 || cols == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    float const scale = state->scale;
+    std::uint32_t m = 0;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      In const* xb = x + b * rows * cols;
+      Format* ob = out + b * rows * cols;
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j)
+          ob[j * rows + i] = fp8_scaled_element<Format>(xb[i * cols + j], scale, m);
+    }
+    state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
+  } else {
+#if MPX_HAS_CUDA
+    // Tiles beyond the grid's limits are reached by the kernel's loops.
+    auto const blocks = [](std::int64_t extent, std::int64_t limit) {
+      std::int64_t const tiles = (extent + fp8_transpose_tile - 1) / fp8_transpose_tile;
+      return static_cast<unsigned>(tiles < limit ? tiles : limit);
+    };
+    dim3 const grid(blocks(cols, 65535), blocks(rows, 65535), static_cast<unsigned>(batch < 65535 ? batch : 65535));
+    fp8_cast_transposed_kernel<<<grid, block_size, 0, exec.stream()>>>(x, out, batch, rows, cols, state);
+    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_transposed_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
 }  // namespace detail
 
 //! The scaling state of one tensor cast to Format (float8_e4m3 or float8_e5m2), kept in
@@ -306,9 +385,9 @@ class fp8_tensor_scale {
 };
 
 namespace detail {
-//! The checks cast_to_fp8 shares between its recipes.
+//! The compile-time checks of cast_to_fp8 and cast_to_fp8_transposed.
 template <class Exec, class X, class Out, class Format>
-void check_fp8_cast(X const& x, Out const& out) {
+constexpr void check_fp8_cast_types() {
   using In = typename X::value_type;
   static_assert(std::is_same_v<In, half> || std::is_same_v<In, bfloat16> || std::is_same_v<In, float>,
                 "mpx::cast_to_fp8 reads half, bfloat16 or float tensors");
@@ -316,6 +395,12 @@ void check_fp8_cast(X const& x, Out const& out) {
                 "mpx::cast_to_fp8 writes the fp8 format of its scale (an fp8_tensor_scale<float8_e4m3, ...> "
                 "scales a float8_e4m3 tensor)");
   require_access<Exec, typename X::space_type, typename Out::space_type>();
+}
+
+//! The checks cast_to_fp8 shares between its recipes.
+template <class Exec, class X, class Out, class Format>
+void check_fp8_cast(X const& x, Out const& out) {
+  check_fp8_cast_types<Exec, X, Out, Format>();
   if (x.shape() != out.shape())
     fail<shape_error>("mpx::cast_to_fp8",
                       "x has shape " + x.shape().to_string() + ", out has shape " + out.shape().to_string());
@@ -353,6 +438,36 @@ void cast_to_fp8(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state,
   auto const ov = mpx::view(out);
   detail::check_fp8_cast<Exec, decltype(xv), decltype(ov), Format>(xv, ov);
   detail::fp8_pass<true, true>(exec, xv.data(), ov.data(), xv.size(), state.data());
+}
+
+//! cast_to_fp8 (delayed scaling) and a transpose in one pass: x [R, C] gives out [C, R]
+//! with out[j][i] = saturate_cast<Format>(float(x[i][j]) * scale), |x|'s maximum folded
+//! into this step's amax as cast_to_fp8 does (NaN and inf alike); a batch [B, R, C] gives
+//! [B, C, R]. For mpx::fp8_gemm on the GPU, which needs both operands K-contiguous: an
+//! activation gradient dY [N, M] becomes the [M, N] operand of the weight gradient
+//! dY^T X. Another shape of out (or a rank other than 2 or 3) is an mpx::shape_error
+//! naming both; out must not overlap x; both live where the executor computes.
+//! Asynchronous on a cuda_executor (32 x 32 tiles through shared memory).
+template <executor Exec, tensor_like X, tensor_like Out, dtype8 Format>
+void cast_to_fp8_transposed(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state, Out&& out,
+                            delayed_scaling const& = {}) {
+  auto const xv = mpx::view(x);
+  auto const ov = mpx::view(out);
+  detail::check_fp8_cast_types<Exec, decltype(xv), decltype(ov), Format>();
+  mpx::shape const& xs = xv.shape();
+  mpx::shape const& os = ov.shape();
+  std::size_t const r = xs.rank();
+  std::string const shapes = "x has shape " + xs.to_string() + ", out has shape " + os.to_string();
+  if (r != 2 && r != 3)
+    detail::fail<shape_error>("cast_to_fp8_transposed",
+                              "x must be a matrix [rows, cols] or a batch of them [batch, rows, cols]; " + shapes);
+  bool const transposed =
+      os.rank() == r && os[r - 2] == xs[r - 1] && os[r - 1] == xs[r - 2] && (r == 2 || os[0] == xs[0]);
+  if (!transposed)
+    detail::fail<shape_error>("cast_to_fp8_transposed",
+                              "out must have x's shape with the last two extents swapped; " + shapes);
+  detail::require_disjoint("cast_to_fp8_transposed", "x", xv, "out", ov);
+  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], state.data());
 }
 
 //! Current scaling: the amax of x first (one pass), the scale from it

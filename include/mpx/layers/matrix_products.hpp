@@ -1,0 +1,249 @@
+// The matrix products of a layer, in its policy's compute type. For a 16- or 32-bit
+// compute type that is mpx::gemm<Policy>, which rounds the operands as it reads them.
+// For an fp8 compute type (mpx::mixed_fp8) the layer keeps three per-tensor scales, as
+// Transformer Engine's linear layers do: its activations and weights are cast to
+// e4m3, its output gradients to e5m2, each with a delayed scale (amax history), and the
+// products run in mpx::fp8_gemm with float sums. Both operands are cast into the
+// K-contiguous layout cuBLASLt's fp8 kernels need (the host takes it too, so both
+// executors run the same calls).
+#pragma once
+
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/fp8_gemm.hpp>
+#include <mpx/kernels/gemm.hpp>
+#include <mpx/layers/layer.hpp>
+#include <mpx/optim/checkpoint_file.hpp>
+#include <mpx/scaling/fp8_scaling.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace mpx {
+
+//! What an operand of a layer's product is, which decides its fp8 format and scale.
+enum class operand_role { activation, weight, gradient };
+
+//! The fp8 format of a role under the hybrid recipe: e4m3 forward, e5m2 gradients.
+template <operand_role R>
+using fp8_format_of = std::conditional_t<R == operand_role::gradient, float8_e5m2, float8_e4m3>;
+
+//! The delayed-scaling recipe of a policy's fp8 layers (Transformer Engine's default: a
+//! 1024-step amax history, no margin). Specialise it for a policy of your own.
+template <class Policy>
+inline constexpr delayed_scaling fp8_recipe_for = {};
+
+//! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
+//! prefix, and snapshot() returns what puts the current values back (a load that fails
+//! later must leave the model as it was).
+template <executor Exec>
+struct fp8_scales_entry {
+  std::string name;
+  std::function<void(Exec const&, detail::checkpoint_writer&, std::string const&)> save;
+  std::function<void(Exec const&, detail::checkpoint_reader const&, std::string const&)> load;
+  std::function<std::function<void()>(Exec const&)> snapshot;
+  //! Installs (or, given an empty function, removes) the max-reduction of each amax over
+  //! data-parallel replicas that end_step runs before the updates.
+  std::function<void(std::function<void(float*)>)> set_amax_reduction;
+};
+
+namespace detail {
+
+//! One role's scale state and cast buffer, in whichever space the layer was built for.
+template <operand_role R>
+class fp8_operand {
+ public:
+  using format = fp8_format_of<R>;
+
+  template <executor Exec>
+  void build(Exec const& exec, delayed_scaling const& recipe) {
+    auto made = std::make_unique<fp8_tensor_scale<format, Exec>>(exec, recipe);
+    on_device_ = !is_host_executor_v<Exec>;
+    state_ = std::unique_ptr<void, void (*)(void*)>(
+        made.release(), [](void* p) { delete static_cast<fp8_tensor_scale<format, Exec>*>(p); });
+  }
+  [[nodiscard]] bool built() const noexcept { return state_ != nullptr; }
+
+  template <executor Exec>
+  [[nodiscard]] fp8_tensor_scale<format, Exec>& state() const {
+    if (!state_)
+      fail<invalid_argument>("mpx layer", "its fp8 scales are used before it was built (build the layer first)");
+    if (on_device_ == is_host_executor_v<Exec>)
+      fail<invalid_argument>("mpx layer", std::string("its fp8 scales were made for the ") +
+                                              (on_device_ ? "cuda" : "host") + " executor and used with another");
+    return *static_cast<fp8_tensor_scale<format, Exec>*>(state_.get());
+  }
+
+  //! x (a matrix) cast to the role's format as [rows, K] with K contiguous: x itself
+  //! when k_contiguous, else its transpose. The amax enters this step's record.
+  template <executor Exec, class T, class Space>
+  tensor_view<format const, Space> cast(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous) {
+    auto& s = state<Exec>();
+    shape const out = k_contiguous ? x.shape() : shape{x.shape()[1], x.shape()[0]};
+    buffer_.ensure(exec, out);
+    auto const o = buffer_.template view<Space>(out);
+    if (k_contiguous) cast_to_fp8(exec, x, s, o);
+    else cast_to_fp8_transposed(exec, x, s, o);
+    return o;
+  }
+
+ private:
+  std::unique_ptr<void, void (*)(void*)> state_{nullptr, [](void*) {}};
+  layer_tensor<format> buffer_;
+  bool on_device_ = false;
+};
+
+//! Every fp8 scale a model's layers keep (dense and conv2d under an fp8 policy), by name.
+template <class Exec, class Model>
+std::vector<fp8_scales_entry<Exec>> model_fp8_scales(Model& model) {
+  std::vector<fp8_scales_entry<Exec>> out;
+  model.for_each_layer([&](auto& layer) {
+    if constexpr (requires { layer.template append_fp8_scales<Exec>(out); }) layer.template append_fp8_scales<Exec>(out);
+  });
+  return out;
+}
+
+}  // namespace detail
+
+//! A layer's matrix products under Policy (see the top of this file). Under an fp8
+//! policy, build() makes the scales, and end_step() (at the end of the layer's
+//! backward pass) moves each scale to its amax history; otherwise both do nothing.
+template <class Policy>
+class matrix_products {
+ public:
+  static constexpr bool fp8 = computes_in_fp8<Policy>;
+
+  template <executor Exec>
+  void build(Exec const& exec) {
+    if constexpr (fp8) {
+      constexpr delayed_scaling recipe = fp8_recipe_for<Policy>;
+      activation_.build(exec, recipe);
+      weight_.build(exec, recipe);
+      gradient_.build(exec, recipe);
+    }
+  }
+
+  //! c = alpha * op(a) op(b) + beta * c, a of role RA and b of role RB, matrices only.
+  template <operand_role RA, operand_role RB, executor Exec, tensor_like A, tensor_like B, tensor_like C>
+  void run(Exec const& exec, A&& a_in, B&& b_in, C&& c, gemm_options const& o = {},
+           mpx::source_location loc = mpx::source_location::current()) {
+    if constexpr (!fp8) {
+      gemm<Policy>(exec, a_in, b_in, c, o, loc);
+    } else {
+      static_assert(RA != RB, "an fp8 product reads two different roles");
+      tensor_view<value_t<A> const, space_t<A>> const a = mpx::view(a_in);
+      tensor_view<value_t<B> const, space_t<B>> const b = mpx::view(b_in);
+      if (a.shape().rank() != 2 || b.shape().rank() != 2)
+        detail::fail<shape_error>("fp8 layer product", "expects matrices, got " + a.shape().to_string() + " and " +
+                                                           b.shape().to_string(),
+                                  loc);
+      // fp8_gemm's layout: A as [M, K] and B as [N, K], both K-contiguous.
+      auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a);
+      auto const b8 = operand<RB>().cast(exec, b, o.transpose_b);
+      fp8_gemm(exec, a8, operand<RA>().template state<Exec>().inverse_scale_data(), b8,
+               operand<RB>().template state<Exec>().inverse_scale_data(), c,
+               gemm_options{.transpose_a = false, .transpose_b = true, .alpha = o.alpha, .beta = o.beta}, loc);
+    }
+  }
+
+  //! Ends the step's fp8 bookkeeping: every scale takes this step's amax into its
+  //! history and is recomputed from it (asynchronous, no host sync).
+  template <executor Exec>
+  void end_step(Exec const& exec) {
+    if constexpr (fp8) {
+      if (amax_reduction_) {  // data-parallel: every replica updates from the global amax
+        // The step amax is a float's bit pattern (see fp8_scale_values): a float max,
+        // NaN kept, is the same order.
+        amax_reduction_(reinterpret_cast<float*>(&activation_.template state<Exec>().data()->step_amax_bits));
+        amax_reduction_(reinterpret_cast<float*>(&weight_.template state<Exec>().data()->step_amax_bits));
+        amax_reduction_(reinterpret_cast<float*>(&gradient_.template state<Exec>().data()->step_amax_bits));
+      }
+      constexpr delayed_scaling recipe = fp8_recipe_for<Policy>;
+      update_fp8_scale(exec, activation_.template state<Exec>(), recipe);
+      update_fp8_scale(exec, weight_.template state<Exec>(), recipe);
+      update_fp8_scale(exec, gradient_.template state<Exec>(), recipe);
+    }
+  }
+
+  //! The scale states as checkpoint sections "<prefix>/activation", ".../weight",
+  //! ".../gradient" (nothing outside fp8). Synchronises.
+  template <executor Exec>
+  void save(Exec const& exec, detail::checkpoint_writer& out, std::string const& prefix) const {
+    if constexpr (fp8) {
+      activation_.template state<Exec>().save(exec, out, prefix + "/activation");
+      weight_.template state<Exec>().save(exec, out, prefix + "/weight");
+      gradient_.template state<Exec>().save(exec, out, prefix + "/gradient");
+    }
+  }
+  template <executor Exec>
+  void load(Exec const& exec, detail::checkpoint_reader const& in, std::string const& prefix) {
+    if constexpr (fp8) {
+      activation_.template state<Exec>().load(exec, in, prefix + "/activation");
+      weight_.template state<Exec>().load(exec, in, prefix + "/weight");
+      gradient_.template state<Exec>().load(exec, in, prefix + "/gradient");
+    }
+  }
+
+  //! Adds this layer's scales, named `name`, to what save_training_state keeps (fp8
+  //! policies only; nothing otherwise).
+  template <executor Exec>
+  void append_to(std::vector<fp8_scales_entry<Exec>>& out, std::string const& name) {
+    if constexpr (fp8) {
+      out.push_back({name, [this](Exec const& e, detail::checkpoint_writer& w, std::string const& p) { save(e, w, p); },
+                     [this](Exec const& e, detail::checkpoint_reader const& r, std::string const& p) { load(e, r, p); },
+                     [this](Exec const& e) -> std::function<void()> {
+                       auto* a = &activation_.template state<Exec>();
+                       auto* w = &weight_.template state<Exec>();
+                       auto* g = &gradient_.template state<Exec>();
+                       return [&e, a, w, g, va = a->values(e), vw = w->values(e), vg = g->values(e)] {
+                         a->set_values(e, va);
+                         w->set_values(e, vw);
+                         g->set_values(e, vg);
+                       };
+                     },
+                     [this](std::function<void(float*)> reduce) { amax_reduction_ = std::move(reduce); }});
+    }
+  }
+
+  //! The scale state of a role, for inspection and tests (fp8 policies only).
+  template <operand_role R, executor Exec>
+  [[nodiscard]] auto& scale(Exec const&) const
+    requires fp8
+  {
+    return const_cast<matrix_products*>(this)->template operand<R>().template state<Exec>();
+  }
+
+ private:
+  template <operand_role R>
+  detail::fp8_operand<R>& operand() {
+    if constexpr (R == operand_role::activation) return activation_;
+    else if constexpr (R == operand_role::weight) return weight_;
+    else return gradient_;
+  }
+
+  std::function<void(float*)> amax_reduction_;  // set while a data-parallel trainer runs
+  struct none {};
+  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::activation>, none> activation_;
+  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::weight>, none> weight_;
+  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::gradient>, none> gradient_;
+};
+
+//! What a layer with matrix products exposes: its products (their fp8 scales, for
+//! inspection and tests). dense and conv2d derive from it.
+template <class Policy>
+class with_matrix_products {
+ public:
+  [[nodiscard]] matrix_products<Policy>& products() noexcept { return products_; }
+  [[nodiscard]] matrix_products<Policy> const& products() const noexcept { return products_; }
+
+ protected:
+  matrix_products<Policy> products_;
+};
+
+}  // namespace mpx

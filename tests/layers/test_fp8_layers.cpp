@@ -1,0 +1,346 @@
+// Dense and conv2d layers under mpx::mixed_fp8, on each executor: the forward product and
+// both gradients against a float64 reference that quantises exactly as Transformer
+// Engine's recipe says (activations and weights to e4m3, output gradients to e5m2,
+// each times its tensor's scale, saturating), with float64 sums of the exact fp8
+// products times the inverse scales. The second step runs with the scales the first
+// step's amaxes set (not 1), so a scale the layer forgets to apply fails. Sizes meet the
+// GPU's fp8 rules (K a multiple of 16); the host also takes awkward ones.
+//
+// Bound per element: the float sum of exact products, (K + 4) 2^-24 S, plus the
+// bfloat16 output's rounding, 2^-8 |ref|, plus bfloat16's smallest subnormal; conv's dx
+// adds 2^-8 S for its column gradients, rounded to bfloat16 before col2im sums them.
+#include "../support/testing.hpp"
+
+#include <mpx/layers/conv2d.hpp>
+#include <mpx/layers/dense.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using fp8_storage = mpx::bfloat16;
+using mpx::operand_role;
+
+//! What one role's scale was when the layer cast with it.
+struct fp8_scales {
+  float activation = 1, weight = 1, gradient = 1;
+};
+
+template <class Layer, class Exec>
+fp8_scales scales_of(Layer const& layer, Exec const& exec) {
+  auto const& p = layer.products();
+  return {p.template scale<operand_role::activation>(exec).values(exec).scale,
+          p.template scale<operand_role::weight>(exec).values(exec).scale,
+          p.template scale<operand_role::gradient>(exec).values(exec).scale};
+}
+
+//! The dequantised fp8 value of x under `scale` (the cast's float multiply, saturating),
+//! as fp8_gemm sees it: the fp8 value times the float inverse scale.
+template <class Format>
+double dequantised(fp8_storage x, float scale) {
+  float const scaled = mpx::cast<float>(x) * scale;
+  double const q = mpx::detail::to_double(mpx::saturate_cast<Format>(scaled));
+  return q * static_cast<double>(1.0f / scale);
+}
+
+template <class Format>
+std::vector<double> dequantise(std::vector<fp8_storage> const& v, float scale) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = dequantised<Format>(v[i], scale);
+  return out;
+}
+
+//! Counts elements of got outside the bound around ref (S: sums of |terms|).
+struct fp8_bound {
+  std::string what;
+  std::size_t bad = 0, checked = 0;
+  double worst = 0;
+  //! extra: a further relative error on s (a rounding of partial sums to bfloat16).
+  void check(double got, double ref, double s, std::int64_t k, double extra = 0) {
+    double const allowed = static_cast<double>(k + 4) * std::ldexp(1.0, -24) * s + extra * s +
+                           std::ldexp(1.0, -8) * std::fabs(ref) + std::ldexp(1.0, -133);
+    double const err = std::fabs(got - ref);
+    ++checked;
+    if (!(err <= allowed)) {
+      ++bad;
+      worst = std::isnan(err) ? err : std::max(worst, err / allowed);
+    }
+  }
+  void require() const {
+    INFO(what << ": " << bad << " of " << checked << " outside the bound (worst " << worst << " x)");
+    CHECK(checked > 0);
+    CHECK(bad == 0);
+  }
+};
+
+//! check(i, j, sum over k of a(i, k) b(k, j), sum of the terms' magnitudes), in float64,
+//! for every i < m, j < n.
+template <class A, class B, class Check>
+void for_each_product(std::int64_t m, std::int64_t n, std::int64_t k, A a, B b, Check check) {
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double ref = 0, sum = 0;
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        double const t = a(i, kk) * b(kk, j);
+        ref += t;
+        sum += std::fabs(t);
+      }
+      check(i, j, ref, sum);
+    }
+}
+
+// ---- dense ----
+
+template <class Exec>
+void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::int64_t units) {
+  using Space = mpx::memory_space_t<Exec>;
+  INFO("dense rows=" << rows << " in=" << in << " units=" << units);
+  mpx::dense<mpx::mixed_fp8> layer(units);
+  layer.set_name("dense");
+  layer.build(exec, mpx::shape{in}, mpx_test::seed);
+  layer.reserve(exec, rows);
+  fp8_scales first_scales;
+  for (int step = 0; step < 2; ++step) {
+    std::uint64_t const stream = 40 + 10 * static_cast<std::uint64_t>(step);
+    auto const xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * in), -3, 3, stream);
+    auto const dys = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * units), -1e-3, 1e-3, stream + 1);
+    auto const x = mpx_test::upload(exec, xs, mpx::shape{rows, in});
+    auto const dy = mpx_test::upload(exec, dys, mpx::shape{rows, units});
+    auto y = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, units});
+    auto dx = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, in});
+    fp8_scales const s = scales_of(layer, exec);
+    if (step == 0) first_scales = s;
+    layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+    layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(dy)),
+                   mpx::view(dx));
+    if (step == 0) continue;  // the first step only sets the scales from its amaxes
+    // The scales moved from their start (1) to fp8 max / amax: the products must apply them.
+    CHECK(s.activation != first_scales.activation);
+    CHECK(s.weight != first_scales.weight);
+    CHECK(s.gradient != first_scales.gradient);
+
+    auto const w = mpx_test::download(exec, layer.template kernel<Space>());
+    auto const b = mpx_test::download(exec, layer.template bias<Space>());
+    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
+    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
+    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
+    auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
+    fp8_bound fy{"dense y"}, fdx{"dense dx"}, fdw{"dense dW"};
+    auto const at = [](std::int64_t i, std::int64_t j, std::int64_t cols) { return static_cast<std::size_t>(i * cols + j); };
+    // y = x W: the product rounded to bfloat16, then the bias added in float and rounded.
+    for_each_product(rows, units, in, [&](auto i, auto k) { return qx[at(i, k, in)]; },
+                     [&](auto k, auto j) { return qw[at(k, j, units)]; }, [&](auto i, auto j, double ref, double sum) {
+                       double const product = mpx::detail::to_double(mpx::cast<fp8_storage>(static_cast<float>(ref)));
+                       fy.check(mpx::detail::to_double(got_y[at(i, j, units)]),
+                                product + mpx::detail::to_double(b[static_cast<std::size_t>(j)]), sum + std::fabs(product),
+                                in);
+                     });
+    // dx = dy Wᵀ and dW = xᵀ dy.
+    for_each_product(rows, in, units, [&](auto i, auto j) { return qdy[at(i, j, units)]; },
+                     [&](auto j, auto k) { return qw[at(k, j, units)]; }, [&](auto i, auto k, double ref, double sum) {
+                       fdx.check(mpx::detail::to_double(got_dx[at(i, k, in)]), ref, sum, units);
+                     });
+    for_each_product(in, units, rows, [&](auto k, auto i) { return qx[at(i, k, in)]; },
+                     [&](auto i, auto j) { return qdy[at(i, j, units)]; }, [&](auto k, auto j, double ref, double sum) {
+                       fdw.check(mpx::detail::to_double(got_dw[at(k, j, units)]), ref, sum, rows);
+                     });
+    fy.require();
+    fdx.require();
+    fdw.require();
+  }
+}
+
+// ---- conv2d ('valid', stride 1) ----
+
+template <class Exec>
+void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64_t wd, std::int64_t cin,
+                    std::int64_t cout) {
+  using Space = mpx::memory_space_t<Exec>;
+  constexpr std::int64_t kh = 3, kw = 3;
+  std::int64_t const oh = h - kh + 1, ow = wd - kw + 1;
+  INFO("conv2d n=" << n << " h=" << h << " w=" << wd << " cin=" << cin << " cout=" << cout);
+  mpx::conv2d<mpx::mixed_fp8> layer(mpx::conv2d_config{.filters = cout});
+  layer.set_name("conv");
+  layer.build(exec, mpx::shape{h, wd, cin}, mpx_test::seed + 1);
+  layer.reserve(exec, n);
+  auto const xi = [&](std::int64_t b, std::int64_t r, std::int64_t c, std::int64_t ch) {
+    return static_cast<std::size_t>(((b * h + r) * wd + c) * cin + ch);
+  };
+  auto const wi = [&](std::int64_t r, std::int64_t c, std::int64_t ci, std::int64_t co) {
+    return static_cast<std::size_t>(((r * kw + c) * cin + ci) * cout + co);
+  };
+  auto const yi = [&](std::int64_t b, std::int64_t r, std::int64_t c, std::int64_t co) {
+    return static_cast<std::size_t>(((b * oh + r) * ow + c) * cout + co);
+  };
+  for (int step = 0; step < 2; ++step) {
+    std::uint64_t const stream = 60 + 10 * static_cast<std::uint64_t>(step);
+    auto const xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(n * h * wd * cin), -2, 2, stream);
+    auto const dys =
+        mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(n * oh * ow * cout), -1e-2, 1e-2, stream + 1);
+    auto const x = mpx_test::upload(exec, xs, mpx::shape{n, h, wd, cin});
+    auto const dy = mpx_test::upload(exec, dys, mpx::shape{n, oh, ow, cout});
+    auto y = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{n, oh, ow, cout});
+    auto dx = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{n, h, wd, cin});
+    fp8_scales const s = scales_of(layer, exec);
+    layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+    layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(dy)),
+                   mpx::view(dx));
+    if (step == 0) continue;
+    CHECK(s.activation != 1.0f);
+    CHECK(s.gradient != 1.0f);
+    auto const w = mpx_test::download(exec, layer.template kernel<Space>());
+    auto const b = mpx_test::download(exec, layer.template bias<Space>());
+    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
+    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
+    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
+    auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
+    std::int64_t const patch = kh * kw * cin, pixels = n * oh * ow;
+    std::vector<double> ref_dx(xs.size(), 0.0), sum_dx(xs.size(), 0.0), ref_dw(w.size(), 0.0), sum_dw(w.size(), 0.0);
+    fp8_bound fy{"conv y"}, fdx{"conv dx"}, fdw{"conv dW"};
+    for (std::int64_t bn = 0; bn < n; ++bn)
+      for (std::int64_t r = 0; r < oh; ++r)
+        for (std::int64_t c = 0; c < ow; ++c)
+          for (std::int64_t co = 0; co < cout; ++co) {
+            double ref = 0, sum = 0;
+            for (std::int64_t i = 0; i < kh; ++i)
+              for (std::int64_t j = 0; j < kw; ++j)
+                for (std::int64_t ci = 0; ci < cin; ++ci) {
+                  double const t = qx[xi(bn, r + i, c + j, ci)] * qw[wi(i, j, ci, co)];
+                  ref += t;
+                  sum += std::fabs(t);
+                  double const g = qdy[yi(bn, r, c, co)];
+                  ref_dx[xi(bn, r + i, c + j, ci)] += g * qw[wi(i, j, ci, co)];
+                  sum_dx[xi(bn, r + i, c + j, ci)] += std::fabs(g * qw[wi(i, j, ci, co)]);
+                  ref_dw[wi(i, j, ci, co)] += qx[xi(bn, r + i, c + j, ci)] * g;
+                  sum_dw[wi(i, j, ci, co)] += std::fabs(qx[xi(bn, r + i, c + j, ci)] * g);
+                }
+            double const product = mpx::detail::to_double(mpx::cast<fp8_storage>(static_cast<float>(ref)));
+            fy.check(mpx::detail::to_double(got_y[yi(bn, r, c, co)]),
+                     product + mpx::detail::to_double(b[static_cast<std::size_t>(co)]), sum + std::fabs(product), patch);
+          }
+    // dx: the column gradients are rounded to bfloat16 before col2im sums them (one more
+    // 2^-8 per term): allowed as a bfloat16 rounding of the sum of |terms|.
+    for (std::size_t i = 0; i < ref_dx.size(); ++i)
+      fdx.check(mpx::detail::to_double(got_dx[i]), ref_dx[i], sum_dx[i], cout + kh * kw, std::ldexp(1.0, -8));
+    for (std::size_t i = 0; i < ref_dw.size(); ++i) fdw.check(mpx::detail::to_double(got_dw[i]), ref_dw[i], sum_dw[i], pixels);
+    fy.require();
+    fdx.require();
+    fdw.require();
+  }
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8 matches the float64 fp8 recipe, forward and backward",
+                        "[layers][fp8]", mpx_test::executors) {
+  TestType const exec;
+  check_fp8_dense(exec, 32, 48, 32);
+  if constexpr (mpx::is_host_executor_v<TestType>) {  // the host takes any shape
+    check_fp8_dense(exec, 7, 13, 5);
+    check_fp8_dense(exec, 1, 1, 1);
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("conv2d under mixed_fp8 matches the float64 fp8 recipe, forward and backward",
+                        "[layers][fp8]", mpx_test::executors) {
+  TestType const exec;
+  check_fp8_conv(exec, 2, 6, 6, 16, 16);
+  if constexpr (mpx::is_host_executor_v<TestType>) check_fp8_conv(exec, 1, 5, 7, 3, 5);
+}
+
+#if !MPX_HAS_CUDA
+#include <mpx/model/sequential.hpp>
+#include <mpx/model/train_step.hpp>
+#include <mpx/model/training_state.hpp>
+
+#include <filesystem>
+#include <unistd.h>
+
+namespace {
+
+// A small mixed_fp8 classifier: fp8 hidden layers, the last layer kept out of fp8.
+auto make_fp8_classifier() {
+  return mpx::sequential<mpx::mixed_fp8>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
+                                         mpx::dense<>(16, mpx::activation::relu),
+                                         mpx::dense<mpx::without_fp8<mpx::mixed_fp8>>(3),
+                                         mpx::softmax_layer<mpx::float32>());
+}
+
+struct fp8_run {
+  mpx::host_executor exec;
+  decltype(make_fp8_classifier()) model = make_fp8_classifier();
+  std::vector<mpx::tensor<fp8_storage>> images;
+  std::vector<mpx::tensor<std::int32_t>> labels;
+
+  explicit fp8_run(std::uint64_t init_seed) {
+    model.build(exec, {4, 8}, init_seed);
+    for (std::uint64_t b = 0; b < 8; ++b) {
+      auto const x = mpx_test::random_values<fp8_storage>(16 * 32, -4, 4, 500 + b);
+      images.push_back(mpx_test::upload(exec, x, mpx::shape{16, 4, 8}));
+      std::vector<std::int32_t> l(16);
+      for (std::size_t i = 0; i < l.size(); ++i) l[i] = static_cast<std::int32_t>((i + b) % 3);
+      labels.push_back(mpx_test::upload(exec, l, mpx::shape{16}));
+    }
+  }
+  template <class Optimizer>
+  std::vector<float> train(Optimizer& optimizer, std::size_t from, std::size_t count) {
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    for (std::size_t s = from; s < from + count; ++s)
+      trainer.step(exec, mpx::view(std::as_const(images[s % images.size()])),
+                   mpx::view(std::as_const(labels[s % labels.size()])));
+    std::vector<float> losses;
+    for (auto const& r : trainer.history(exec)) losses.push_back(r.loss);
+    return losses;
+  }
+};
+
+auto make_fp8_optimizer(mpx::host_executor const& exec, auto& model) {
+  return mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f), mpx::static_loss_scaler(exec, 1.0f));
+}
+
+}  // namespace
+
+TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit, scales included",
+          "[layers][fp8][resume]") {
+  auto const dir = std::filesystem::temp_directory_path() / ("mpx_test_fp8_resume_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::vector<float> whole_tail;
+  {
+    fp8_run run(1);
+    auto optimizer = make_fp8_optimizer(run.exec, run.model);
+    run.train(optimizer, 0, 5);
+    mpx::save_training_state(run.exec, run.model, optimizer, dir, {.steps = 5});
+    whole_tail = run.train(optimizer, 5, 5);
+    // The two fp8 layers' scales moved off 1 and are in the save.
+    auto const& hidden = run.model.template layer<1>();
+    CHECK(hidden.products().template scale<operand_role::activation>(run.exec).values(run.exec).scale != 1.0f);
+  }
+  fp8_run resumed(2);  // another initialisation: everything must come from the save
+  auto optimizer = make_fp8_optimizer(resumed.exec, resumed.model);
+  CHECK(mpx::load_training_state(resumed.exec, resumed.model, optimizer, dir).steps == 5);
+  auto const tail = resumed.train(optimizer, 5, 5);
+  REQUIRE(tail.size() == whole_tail.size());
+  for (std::size_t i = 0; i < tail.size(); ++i) {
+    INFO("step " << 5 + i);
+    CHECK(mpx::detail::bit_cast<std::uint32_t>(tail[i]) == mpx::detail::bit_cast<std::uint32_t>(whole_tail[i]));
+  }
+
+  // A model whose fp8 layers differ (one fewer) is refused, and keeps its scales.
+  auto other = mpx::sequential<mpx::mixed_fp8>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
+                                               mpx::dense<mpx::without_fp8<mpx::mixed_fp8>>(16, mpx::activation::relu),
+                                               mpx::dense<mpx::without_fp8<mpx::mixed_fp8>>(3),
+                                               mpx::softmax_layer<mpx::float32>());
+  mpx::host_executor exec;
+  other.build(exec, {4, 8}, 3);
+  auto other_optimizer = make_fp8_optimizer(exec, other);
+  CHECK_THROWS_TYPE_WITH(mpx::load_training_state(exec, other, other_optimizer, dir), mpx::checkpoint_error,
+                         Catch::Matchers::Contains("fp8 scales"));
+  CHECK(other.template layer<1>().products().template scale<operand_role::activation>(exec).values(exec).scale ==
+        1.0f);
+  std::filesystem::remove_all(dir);
+}
+#endif
