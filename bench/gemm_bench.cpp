@@ -1,6 +1,7 @@
 // Microbenchmark of mpx::gemm: square products and the shapes a small CNN on
 // Fashion-MNIST makes (dense layers, their weight gradients, convolutions as products),
-// for half, bfloat16 and float. On the GPU each row stands beside cuBLAS
+// for half, bfloat16 and float, and mpx::fp8_gemm on e4m3 operands beside the bfloat16
+// row where the GPU's fp8 rules allow the shape. On the GPU each row stands beside cuBLAS
 // (cublasGemmEx / cublasGemmStridedBatchedEx, default algorithm, the same compute type)
 // measured in the same run; on the host it reports GFLOP/s of the host path (OpenBLAS
 // sgemm where the build found it, mpx's blocked product otherwise).
@@ -79,13 +80,16 @@ std::vector<T> random_operand(std::size_t n, std::uint64_t seed) {
   return out;
 }
 
-//! Checks 64 seeded elements of C against float64; throws mpx::error on a miss.
-template <class T>
-void spot_check(shape_case const& c, std::vector<T> const& a, std::vector<T> const& b, std::vector<T> const& got,
+//! Checks 64 seeded elements of C against float64; throws mpx::error on a miss. fp8
+//! operands allow for the GPU's fp8 tensor cores, which add the products of one
+//! instruction with about 14 bits before promoting the sum to float.
+template <class T, class TC = T>
+void spot_check(shape_case const& c, std::vector<T> const& a, std::vector<T> const& b, std::vector<TC> const& got,
                 std::string_view who) {
   std::uint64_t s = 12345;
-  double const bound = std::ldexp(1.0, -(mpx::dtype_traits<T>::mantissa_bits + 1)) +
-                       static_cast<double>(c.k + 4) * std::ldexp(1.0, std::is_same_v<T, float> ? -24 : -23);
+  double const fp8_sums = mpx::dtype8<T> ? static_cast<double>(std::min<std::int64_t>(c.k, 128)) * 0x1p-14 : 0.0;
+  double const bound = std::ldexp(1.0, -(mpx::dtype_traits<TC>::mantissa_bits + 1)) +
+                       static_cast<double>(c.k + 4) * std::ldexp(1.0, std::is_same_v<T, float> ? -24 : -23) + fp8_sums;
   for (int t = 0; t < 64; ++t) {
     s = s * 6364136223846793005ull + 1442695040888963407ull;
     auto const bi = static_cast<std::int64_t>((s >> 20) % static_cast<std::uint64_t>(c.batch));
@@ -166,6 +170,42 @@ void run_all(Exec const& exec, options const& opt) {
 #endif
   std::printf("%-6s %-28s %-9s %22s %10s %10s %10s %8s\n", std::string(Exec::name).c_str(), "shape", "dtype",
               "batch x M x N x K", "time (us)", gpu ? "TFLOP/s" : "GFLOP/s", gpu ? "cuBLAS" : "", gpu ? "of it" : "");
+  double bfloat16_rate = 0;  // this shape's bfloat16 row, which the fp8 row is compared with
+  // mpx::fp8_gemm on e4m3 operands (scale 1: the values lie in [-1, 1)) in the layout
+  // the GPU's fp8 kernels take, A [M, K] and B [N, K], into bfloat16; shapes the GPU
+  // refuses (K not a multiple of 16) are skipped on both executors.
+  auto fp8_row = [&](shape_case const& c) {
+    if (c.batch != 1 || c.k % 16 != 0 || c.n % 8 != 0) return;
+    using F = mpx::float8_e4m3;
+    shape_case const tn{c.name, 1, c.m, c.n, c.k, false, true};
+    auto to_fp8 = [](std::vector<mpx::bfloat16> const& v) {
+      std::vector<F> out(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) out[i] = mpx::saturate_cast<F>(mpx::cast<float>(v[i]));
+      return out;
+    };
+    auto const ha = to_fp8(random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.m * c.k), 1));
+    auto const hb = to_fp8(random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.n * c.k), 2));
+    auto a = mpx::make_tensor<F>(exec, {c.m, c.k});
+    auto b = mpx::make_tensor<F>(exec, {c.n, c.k});
+    auto out = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.n});
+    auto one = mpx::make_tensor<float>(exec, {1});
+    float const unit = 1.0f;
+    mpx::copy(exec, mpx::tensor_view<F const>(ha.data(), a.shape()), a);
+    mpx::copy(exec, mpx::tensor_view<F const>(hb.data(), b.shape()), b);
+    mpx::copy(exec, mpx::tensor_view<float const>(&unit, one.shape()), one);
+    double const flops = 2.0 * static_cast<double>(c.m) * static_cast<double>(c.n * c.k);
+    int const inner = gpu ? static_cast<int>(std::clamp(2e10 / flops, 1.0, 1000.0)) : 1;
+    double const s = mpx_bench::median_seconds(
+        exec, opt.repeat, [&] { mpx::fp8_gemm(exec, a, one.data(), b, one.data(), out, {.transpose_b = true}); }, inner);
+    auto host_out = mpx::to_host(exec, out);
+    spot_check(tn, ha, hb, std::vector<mpx::bfloat16>(host_out.begin(), host_out.end()), "mpx::fp8_gemm");
+    double const rate = flops / s / (gpu ? 1e12 : 1e9);
+    std::string const dims = "1x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k) + " Bt";
+    std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f %10s %7.2fx  (of the bfloat16 row)\n",
+                std::string(Exec::name).c_str(), c.name.c_str(), "e4m3", dims.c_str(), s * 1e6, rate, "",
+                bfloat16_rate > 0 ? rate / bfloat16_rate : 0.0);
+    std::fflush(stdout);
+  };
   for (shape_case const& c : cases(opt, gpu)) {
     auto for_type = [&](auto tag) {
       using T = decltype(tag);
@@ -187,6 +227,7 @@ void run_all(Exec const& exec, options const& opt) {
       auto host_out = mpx::to_host(exec, out);
       spot_check(c, ha, hb, std::vector<T>(host_out.begin(), host_out.end()), "mpx::gemm");
       double const rate = flops / s / (gpu ? 1e12 : 1e9);
+      if constexpr (std::is_same_v<T, mpx::bfloat16>) bfloat16_rate = rate;
       std::string const dims = std::to_string(c.batch) + "x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" +
                                std::to_string(c.k) + (c.ta ? " At" : "") + (c.tb ? " Bt" : "");
       std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f", std::string(Exec::name).c_str(), c.name.c_str(),
@@ -206,8 +247,10 @@ void run_all(Exec const& exec, options const& opt) {
       std::fflush(stdout);
     };
     for_type(mpx::half{});
+    bfloat16_rate = 0;
     for_type(mpx::bfloat16{});
     for_type(float{});
+    fp8_row(c);
   }
 #if MPX_HAS_CUDA
   if constexpr (gpu) check(cublasDestroy(handle), "cublasDestroy");
