@@ -247,3 +247,18 @@ TEMPLATE_LIST_TEST_CASE("without the 1/sqrt(d) scaling, float16 attention logits
     CHECK(mpx::all_finite(exec, y) == scaled);
   }
 }
+
+TEST_CASE("attention and the dropout layer refuse a dropout rate outside [0, 1), with one message",
+          "[layers][attention][dropout]") {
+  using Catch::Matchers::Contains;
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  for (float rate : {-0.1f, 1.0f, 1.5f, nan}) {
+    INFO("rate " << rate);
+    CHECK_THROWS_TYPE_WITH(mpx::causal_self_attention<mpx::mixed_bfloat16>(2, true, rate), mpx::invalid_argument,
+                           Contains("causal_self_attention (dropout)") && Contains("rate must be in [0, 1)"));
+    CHECK_THROWS_TYPE_WITH(mpx::dropout<mpx::mixed_bfloat16>(rate), mpx::invalid_argument,
+                           Contains("mpx::dropout") && Contains("rate must be in [0, 1)"));
+  }
+  CHECK_NOTHROW(mpx::causal_self_attention<mpx::mixed_bfloat16>(2, true, 0.0f));
+  CHECK_NOTHROW(mpx::dropout<mpx::mixed_bfloat16>(0.5f));
+}

@@ -149,6 +149,24 @@ TEST_CASE("residual blocks are named like Keras layers, shown with their branche
                          Catch::Contains("the branch must keep the shape"));
 }
 
+TEST_CASE("a residual block's training state is named under the block: dropout's counter and seed, fp8 scales",
+          "[model][residual]") {
+  mpx::host_executor exec;
+  auto model = mpx::sequential<mpx::mixed_fp8>(
+      mpx::dense<mpx::mixed_bfloat16>(16), mpx::residual(mpx::dense<>(16, mpx::activation::relu), mpx::dropout<>(0.1f)),
+      mpx::dense<mpx::mixed_bfloat16>(3), mpx::softmax_layer<mpx::float32>());
+  model.build(exec, {4}, 1);
+  auto const counters = mpx::detail::model_counters<mpx::host_space>(model);
+  auto const seeds = mpx::detail::model_seeds(model);
+  auto const scales = mpx::detail::model_fp8_scales<mpx::host_executor>(model);
+  REQUIRE(counters.size() == 1);
+  REQUIRE(seeds.size() == 1);
+  REQUIRE(scales.size() == 1);  // the branch's dense; the outer ones are not in fp8
+  CHECK(counters[0].first == "residual/dropout/training_forwards");
+  CHECK(seeds[0].first == "residual/dropout/seed");
+  CHECK(scales[0].name == "residual/dense");  // branch layers are named within the branch
+}
+
 TEMPLATE_LIST_TEST_CASE("a pre-norm residual classifier trains under mixed_float16", "[model][residual]",
                         mpx_test::executors) {
   TestType exec;

@@ -84,10 +84,16 @@ struct dropout_mask_source {
   MPX_HD bool keep(std::uint32_t word) const noexcept { return static_cast<std::uint64_t>(word) < threshold; }
 };
 
-inline dropout_mask_source make_mask_source(std::string_view op, dropout_options const& o) {
-  if (!(o.rate >= 0.0f && o.rate < 1.0f))
-    fail<invalid_argument>(op, "rate must be in [0, 1), got " + to_text(o.rate) +
+//! The one check of a dropout rate (the kernels', the dropout layer's, attention's):
+//! mpx::invalid_argument from `op` unless 0 <= rate < 1 (NaN fails).
+inline void require_dropout_rate(std::string_view op, float rate) {
+  if (!(rate >= 0.0f && rate < 1.0f))
+    fail<invalid_argument>(op, "rate must be in [0, 1), got " + to_text(rate) +
                                    " (rate 1 would drop everything and scale by 1 / 0)");
+}
+
+inline dropout_mask_source make_mask_source(std::string_view op, dropout_options const& o) {
+  require_dropout_rate(op, o.rate);
   auto const keep = 1.0 - static_cast<double>(o.rate);
   auto const threshold = static_cast<std::uint64_t>(std::llround(keep * 4294967296.0));
   return {philox_key{{static_cast<std::uint32_t>(o.seed), static_cast<std::uint32_t>(o.seed >> 32)}},

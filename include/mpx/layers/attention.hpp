@@ -54,8 +54,7 @@ class causal_self_attention : public layer_base {
       : causal_self_attention(causal_self_attention_config{heads, scale_logits, dropout}) {}
   explicit causal_self_attention(causal_self_attention_config c) : config_(c) {
     if (c.heads <= 0) detail::fail<invalid_argument>("causal_self_attention", "heads must be positive");
-    if (!(c.dropout >= 0.0f && c.dropout < 1.0f))
-      detail::fail<invalid_argument>("causal_self_attention", "dropout must be in [0, 1), got " + detail::to_text(c.dropout));
+    detail::require_dropout_rate("causal_self_attention (dropout)", c.dropout);
   }
   [[nodiscard]] causal_self_attention_config config() const noexcept { return config_; }
 

@@ -32,8 +32,7 @@ class dropout : public layer_base {
   static constexpr std::string_view kind = "Dropout";
 
   explicit dropout(dropout_config config) : config_(config) {
-    if (!(config_.rate >= 0.0f && config_.rate < 1.0f))
-      detail::fail<invalid_argument>("mpx::dropout", "rate must be in [0, 1), got " + detail::to_text(config_.rate));
+    detail::require_dropout_rate("mpx::dropout", config_.rate);
   }
   explicit dropout(float rate) : dropout(dropout_config{rate}) {}
   [[nodiscard]] dropout_config const& config() const noexcept { return config_; }

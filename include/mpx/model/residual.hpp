@@ -93,36 +93,22 @@ class residual_block : public layer_base {
   }
   [[nodiscard]] std::size_t parameter_count() const { return branch_.parameter_count(); }
 
-  //! The branch's layers' training state (dropout's counters and seeds), named like the
-  //! parameters, for save_training_state.
+  //! The branch's layers' training state (dropout's counters and seeds, fp8 scales), named
+  //! like the parameters ("residual_1/dropout"), for save_training_state.
   template <memory_space Space>
   void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
-    branch_.for_each_layer([&](auto& l) {
-      if constexpr (requires { l.template append_counters<Space>(out); }) {
-        std::size_t const first = out.size();
-        l.template append_counters<Space>(out);
-        for (std::size_t i = first; i < out.size(); ++i) out[i].first = name() + "/" + out[i].first;
-      }
+    append_prefixed(out, [&](auto& l) -> decltype(l.template append_counters<Space>(out)) {
+      l.template append_counters<Space>(out);
     });
   }
   template <executor Exec>
   void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
-    branch_.for_each_layer([&](auto& l) {
-      if constexpr (requires { l.template append_fp8_scales<Exec>(out); }) {
-        std::size_t const first = out.size();
-        l.template append_fp8_scales<Exec>(out);
-        for (std::size_t i = first; i < out.size(); ++i) out[i].name = name() + "/" + out[i].name;
-      }
+    append_prefixed(out, [&](auto& l) -> decltype(l.template append_fp8_scales<Exec>(out)) {
+      l.template append_fp8_scales<Exec>(out);
     });
   }
   void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
-    branch_.for_each_layer([&](auto& l) {
-      if constexpr (requires { l.append_seeds(out); }) {
-        std::size_t const first = out.size();
-        l.append_seeds(out);
-        for (std::size_t i = first; i < out.size(); ++i) out[i].first = name() + "/" + out[i].first;
-      }
-    });
+    append_prefixed(out, [&](auto& l) -> decltype(l.append_seeds(out)) { l.append_seeds(out); });
   }
 
   //! The branch's rows for the model's summary, indented under the block.
@@ -136,6 +122,25 @@ class residual_block : public layer_base {
   [[nodiscard]] branch_type const& branch() const noexcept { return branch_; }
 
  private:
+  //! Runs append(layer) for each branch layer that has it (append is SFINAE-friendly: its
+  //! return type names the call), then prefixes the new entries' names with this block's.
+  template <class Entries, class Append>
+  void append_prefixed(Entries& out, Append append) {
+    branch_.for_each_layer([&](auto& l) {
+      if constexpr (std::is_invocable_v<Append&, decltype(l)>) {
+        std::size_t const first = out.size();
+        append(l);
+        for (std::size_t i = first; i < out.size(); ++i) {
+          auto& entry_name = [&]() -> std::string& {
+            if constexpr (requires { out[i].first; }) return out[i].first;
+            else return out[i].name;
+          }();
+          entry_name = name() + "/" + entry_name;
+        }
+      }
+    });
+  }
+
   branch_type branch_;
 };
 
