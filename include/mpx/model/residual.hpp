@@ -124,19 +124,23 @@ class residual_block : public layer_base {
  private:
   //! Runs append(layer) for each branch layer that has it (append is SFINAE-friendly: its
   //! return type names the call), then prefixes the new entries' names with this block's.
+  // The name of a (name, value) pair or of an fp8_scales_entry. (Overloads rather than an
+  // if constexpr on a requires-expression, which nvcc 13's front end instantiates whole.)
+  template <class First, class Second>
+  static std::string& entry_name(std::pair<First, Second>& entry) noexcept {
+    return entry.first;
+  }
+  template <class Exec>
+  static std::string& entry_name(fp8_scales_entry<Exec>& entry) noexcept {
+    return entry.name;
+  }
   template <class Entries, class Append>
   void append_prefixed(Entries& out, Append append) {
     branch_.for_each_layer([&](auto& l) {
       if constexpr (std::is_invocable_v<Append&, decltype(l)>) {
         std::size_t const first = out.size();
         append(l);
-        for (std::size_t i = first; i < out.size(); ++i) {
-          auto& entry_name = [&]() -> std::string& {
-            if constexpr (requires { out[i].first; }) return out[i].first;
-            else return out[i].name;
-          }();
-          entry_name = name() + "/" + entry_name;
-        }
+        for (std::size_t i = first; i < out.size(); ++i) entry_name(out[i]) = name() + "/" + entry_name(out[i]);
       }
     });
   }
