@@ -71,6 +71,7 @@ mkdir -p "$stage/bin" "$stage/lib" "$stage/fallback"
 if [ "$only" != perf ]; then
   cp "$build/tests/mpx_tests_cuda" "$stage/bin/"
   [ ! -x "$build/tests/mpx_tests_nccl" ] || cp "$build/tests/mpx_tests_nccl" "$stage/bin/"  # built where MPI is found
+  [ ! -x "$build/examples/fashion_mnist" ] || cp "$build/examples/fashion_mnist" "$stage/bin/"  # one epoch in the tests phase
 fi
 if [ "$only" != tests ]; then
   for e in "$build"/examples/*; do [ -f "$e" ] && [ -x "$e" ] && cp "$e" "$stage/bin/"; done
@@ -174,11 +175,12 @@ if [ "$only" != tests ]; then
   mkdir -p "$kit/data/fortunes"
   find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} "$kit/data/fortunes/" \; 2>/dev/null ||
     echo "gpu_kit: warning: no fortunes under /usr/share/games/fortunes (scripts/setup.sh installs them)" >&2
-  data=${GPU_KIT_DATA:-/usr/share/datasets/fashion-mnist}
-  mkdir -p "$kit/data/fashion-mnist"
-  cp "$data"/*.gz "$kit/data/fashion-mnist/" 2>/dev/null ||
-    echo "gpu_kit: warning: no Fashion-MNIST under $data (scripts/setup.sh installs it); gpu_run.sh will skip the example on it" >&2
 fi
+# Both phases run the main example on Fashion-MNIST.
+data=${GPU_KIT_DATA:-/usr/share/datasets/fashion-mnist}
+mkdir -p "$kit/data/fashion-mnist"
+cp "$data"/*.gz "$kit/data/fashion-mnist/" 2>/dev/null ||
+  echo "gpu_kit: warning: no Fashion-MNIST under $data (scripts/setup.sh installs it); gpu_run.sh will skip the example on it" >&2
 
 # What the programs were built from: the build directory's source tree, which is not this
 # checkout when BUILD_DIR is another clone's.

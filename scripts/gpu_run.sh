@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, with .gpu/ (scripts/gpu_kit.sh)
-# carried: every check that needs a GPU, in one call that fits a 10-minute command.
-#   1. the device: nvidia-smi, then gpu_probe (a device, an allocation, a kernel, a copy)
-#   2. the CUDA test suite
-#   3. compute-sanitizer memcheck and racecheck on the model and kernel tests, where a
-#      short probe shows that the sanitizer accepts the device (on some machines it
-#      answers "Device not supported": then the summary says it is unavailable)
-#   4. the main example, 5 epochs under each policy, eager and with --cuda-graph
-#   5. the other examples on the GPU, every benchmark on full sizes, PyTorch's counterparts
+# carried: every check that needs a GPU, in two calls that fit one 15-minute loan with its
+# start (defaults: tests 340 s, perf 230 s; `--plan` prints each phase's steps and limits).
+#   tests: nvidia-smi, gpu_probe (a device, an allocation, a kernel, a copy), the CUDA suite
+#          one tests/ folder at a time (a fault that poisons the context costs one folder),
+#          the main example for one epoch, the NCCL test as a job of one rank, and
+#          compute-sanitizer memcheck and racecheck on the riskiest kernels' tests, where a
+#          short probe shows that the sanitizer accepts the device (on some machines it
+#          answers "Device not supported": then the summary says it is unavailable)
+#   perf:  the main example under every policy, eager and with --cuda-graph; the benchmarks
+#          docs/performance.md waits for; PyTorch's counterparts where PyTorch is there;
+#          then, on what is left, the other examples
 #
-#   bash scripts/gpu_run.sh [all|tests|perf]   # tests: 1-3; perf: 1, 4-5; all: both
+#   bash scripts/gpu_run.sh [--plan] [all|tests|perf]
 #
-# `all` can approach the device's 10-minute limit per command: on a first run, prefer
-# `tests` and `perf` as two calls. Every step's limit is cut to what is left of
-# GPU_RUN_BUDGET seconds (default 570), so the summary is written inside that limit.
+# Every step's limit is cut to what is left of GPU_RUN_BUDGET seconds, so the summary is
+# written inside it; --plan checks that the steps' limits (extras aside) fit the budget.
 #
 # What comes back: the device tool returns at most 8 files from $OUT, so a run leaves there
 # summary-PHASE.txt (what happened, step by step), logs-PHASE.tar.gz (every step's full
@@ -32,10 +34,12 @@
 # GPU_RUN_NVIDIA_SMI and GPU_RUN_SANITIZER (a program, or 'none'), GPU_RUN_WORK (the scratch
 # folder, default /tmp/mpx-gpu), GPU_RUN_STEP_LIMIT (caps every step, in seconds).
 set -uo pipefail
+planning=''
+[ "${1:-}" != --plan ] || { planning=1; shift; }
 phase=${1:-all}
 case $phase in
   all|tests|perf) ;;
-  *) echo "usage: bash scripts/gpu_run.sh [all|tests|perf]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_run.sh [--plan] [all|tests|perf]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/mpx-gpu-out}
@@ -45,7 +49,11 @@ work=${GPU_RUN_WORK:-/tmp/mpx-gpu}
 programs=$work/programs
 bin=$programs/bin
 logs=$work/logs-$phase
-budget=${GPU_RUN_BUDGET:-570}
+# A 15-minute loan holds a machine's start (a minute or two), the tests phase, the perf
+# phase and the transfers: the phases' defaults leave it four minutes to spare.
+case $phase in tests) default_budget=340 ;; perf) default_budget=230 ;; all) default_budget=570 ;; esac
+budget=${GPU_RUN_BUDGET:-$default_budget}
+overhead=20  # unpacking the kit, finding libraries, the summary and the archive at the end
 step_cap=${GPU_RUN_STEP_LIMIT:-}
 summary_file=$OUT/summary-$phase.txt
 archive=$OUT/logs-$phase.tar.gz
@@ -82,9 +90,20 @@ cap_log() {  # keeps a log to its first 2 MiB and last 6 MiB, so the archive sta
     mv -f "$1.cut" "$1"
 }
 
+# --plan: the steps a phase would run and each one's limit, none run. The limits of the
+# steps that are not extras must fit the budget, so a slow step never starves a later one.
+plan_rows=()
+planned=0
+extra=''    # set around the steps that run only on what the budget has left
+plan_add() {  # plan_add NAME SECONDS
+  if [ -n "$extra" ]; then plan_rows+=("$(printf '%-22s %4ss  extra: runs on what is left' "$1" "$2")")
+  else plan_rows+=("$(printf '%-22s %4ss' "$1" "$2")"); planned=$((planned + $2)); fi
+}
+
 step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs it, records the outcome; returns its status
   local name=$1 limit=$2
   shift 2
+  if [ -n "$planning" ]; then plan_add "$name" "$limit"; return 0; fi
   local left=$((budget - SECONDS - 15))  # 15 s kept for the summary and the archive
   if [ $left -lt 10 ]; then
     record "$name" "not run: out of time (GPU_RUN_BUDGET=${budget}s)"
@@ -122,12 +141,39 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, logs it, re
 mpx_step() {  # mpx_step NAME SECONDS PROGRAM ARGS...: a step running one of the kit's programs, with mpx's libraries
   local name=$1 limit=$2 program=$3
   shift 3
-  if [ ! -x "$bin/$program" ]; then
+  if [ -z "$planning" ] && [ ! -x "$bin/$program" ]; then
     record "$name" "not run: $program is not in the kit"
     return 125
   fi
   step "$name" "$limit" env "LD_LIBRARY_PATH=$mpx_ld" "$bin/$program" "$@"
 }
+
+# The CUDA suite's groups: a line per tests/ folder, its name and the Catch2 filter that
+# selects its files (--filenames-as-tags gives each case the tag [#file]), read from
+# tests/meson.build, the list the suite is built from.
+suite_folders() {
+  python3 - tests/meson.build <<'PY'
+import re, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+block = re.search(r"test_folders = \{(.*?)\n\}", text, re.S).group(1)
+for folder, files in re.findall(r"'(\w+)':\s*\[([^\]]*)\]", block):
+    names = re.findall(r"'(\w+)\.cpp'", files)
+    print(folder, ",".join("[#%s]" % n for n in names))
+PY
+}
+
+if [ -n "$planning" ]; then
+  # The plan: the same code path as a run (below), with step() recording instead of running.
+  probe_rc=0
+  plan_add device 10
+  plan_add probe 15
+  source <(sed -n '/^# ---- the tests phase/,/^# ---- end of the steps/p' "$0")
+  echo "gpu_run.sh --plan $phase: budget ${budget}s (GPU_RUN_BUDGET), of which ${overhead}s for the kit and the summary"
+  printf '%s\n' "${plan_rows[@]}"
+  echo "planned: $((planned + overhead))s of ${budget}s"
+  [ $((planned + overhead)) -le "$budget" ] || { echo "gpu_run.sh --plan: the steps' limits exceed the budget" >&2; exit 1; }
+  exit 0
+fi
 
 rm -rf "$work" && mkdir -p "$programs" "$logs"
 rm -f "$live"
@@ -143,7 +189,7 @@ note "kit: $(tr '\n' ';' < "$kit/info" 2> /dev/null | sed 's/;$//; s/;/; /g')"
 phase_programs=()
 for p in "$bin"/*; do
   case "$phase:$(basename "$p")" in
-    tests:gpu_probe|tests:mpx_tests_cuda|tests:mpx_tests_nccl|all:*) phase_programs+=("$p") ;;
+    tests:gpu_probe|tests:mpx_tests_cuda|tests:mpx_tests_nccl|tests:fashion_mnist|all:*) phase_programs+=("$p") ;;
     tests:*|perf:mpx_tests_cuda|perf:mpx_tests_nccl) ;;
     perf:*) phase_programs+=("$p") ;;
   esac
@@ -234,28 +280,40 @@ write_summary
 pack_logs
 
 smi=${GPU_RUN_NVIDIA_SMI:-$(command -v nvidia-smi || echo /usr/local/nvidia/bin/nvidia-smi)}
-if [ -x "$smi" ]; then step device 30 "$smi"; else record device "unavailable: no nvidia-smi"; fi
+if [ -x "$smi" ]; then step device 10 "$smi"; else record device "unavailable: no nvidia-smi"; fi
 probe_rc=none
 if [ -x "$bin/gpu_probe" ]; then
-  mpx_step probe 60 gpu_probe
+  mpx_step probe 15 gpu_probe
   probe_rc=$?
   note "device: $(grep -m 1 '^gpu_probe:' "$logs/probe.log" 2> /dev/null || echo "gpu_probe printed nothing")"
 else
   record probe "not run: no gpu_probe in the kit (gpu_kit.sh had no nvcc)"
 fi
 
+# ---- the tests phase: the verdict on the CUDA path, most valuable first -------------------
 if [ "$phase" != perf ]; then
-mpx_step tests_cuda 240 mpx_tests_cuda --reporter compact
+# The CUDA suite, one process per tests/ folder: a fault that poisons a CUDA context (an
+# illegal address) costs one folder's verdict, not the rest of the suite's. Host suite: 15 s
+# on two cores for all of it; each limit is a few times what a folder should take.
+while read -r folder tags; do
+  case $folder in kernels|model) limit=30 ;; layers) limit=20 ;; exec|numerics|losses) limit=10 ;; *) limit=15 ;; esac
+  mpx_step "suite_$folder" "$limit" mpx_tests_cuda --filenames-as-tags "$tags" --reporter compact
+done < <(suite_folders)
+# The main example on the GPU, one epoch under its default policy (mixed_float16).
+data=$kit/data/fashion-mnist
+if [ -n "$planning" ] || [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+  mpx_step fashion_mnist_epoch 30 fashion_mnist --executor cuda --epochs 1 --data "$data"
+else
+  record fashion_mnist_epoch "not run: no Fashion-MNIST in the kit (gpu_kit.sh packs it with the tests)"
+fi
 # NCCL data parallelism: one rank per GPU would be `mpirun -np <GPUs>`; alone it is a job
 # of one rank, which runs every code path of the communicator and data_parallel.
 gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
 if [ -x "$bin/mpx_tests_nccl" ] && [ "${gpus:-0}" -gt 1 ] && command -v mpirun > /dev/null 2>&1; then
-  step tests_nccl 180 env "LD_LIBRARY_PATH=$mpx_ld" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+  step tests_nccl 20 env "LD_LIBRARY_PATH=$mpx_ld" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     mpirun -np "$gpus" "$bin/mpx_tests_nccl" --reporter compact
-elif [ -x "$bin/mpx_tests_nccl" ]; then
-  mpx_step tests_nccl 120 mpx_tests_nccl --reporter compact
 else
-  record tests_nccl "not run: no mpx_tests_nccl in the kit (built where MPI is found)"
+  mpx_step tests_nccl 20 mpx_tests_nccl --reporter compact
 fi
 
 # compute-sanitizer refuses some devices ("Device not supported", then error 999): a short
@@ -268,7 +326,10 @@ if [ -z "$sanitizer" ]; then
   done
 fi
 sanitizer_ok=0
-if [ -z "$sanitizer" ] || [ "$sanitizer" = none ] || [ ! -x "$sanitizer" ]; then
+if [ -n "$planning" ]; then
+  sanitizer_ok=1  # the plan counts the longest path
+  plan_add sanitizer_probe 15
+elif [ -z "$sanitizer" ] || [ "$sanitizer" = none ] || [ ! -x "$sanitizer" ]; then
   sanitizer_state="unavailable: no compute-sanitizer on this machine"
 elif [ "$probe_rc" = 77 ]; then
   sanitizer_state="unavailable: not probed, gpu_probe found no usable GPU"
@@ -279,7 +340,7 @@ else
   [ "$probe_rc" != none ] || probe_cmd=("$bin/mpx_tests_cuda" --list-tests)
   start=$SECONDS
   { "$sanitizer" --version 2>&1 | tail -n 1; echo "\$ compute-sanitizer --tool memcheck ${probe_cmd[*]}"; } > "$logs/sanitizer_probe.log"
-  timeout -k 5 60 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 "${probe_cmd[@]}" \
+  timeout -k 5 15 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 "${probe_cmd[@]}" \
     >> "$logs/sanitizer_probe.log" 2>&1
   rc=$?
   if [ $rc -eq 0 ] && ! grep -qiE 'not supported|ERROR SUMMARY: [1-9]' "$logs/sanitizer_probe.log"; then
@@ -292,51 +353,64 @@ else
   fi
   record sanitizer_probe "$sanitizer_state" $((SECONDS - start))
 fi
-note "sanitizer: $sanitizer_state"
+[ -n "$planning" ] || note "sanitizer: $sanitizer_state"
 pack_logs
 if [ $sanitizer_ok -eq 1 ]; then
-  step memcheck 200 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 \
-    "$bin/mpx_tests_cuda" "[model],[conv],[lstm],[norm],[dropout],[histogram]" --reporter compact
-  step racecheck 150 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool racecheck --error-exitcode 1 \
-    "$bin/mpx_tests_cuda" "[numerics],[softmax],[losses],[norm]" --reporter compact
+  # The kernels a reading of the code marks riskiest: shared-memory tiles and warp
+  # reductions (fp8 transpose, softmax, norms, column sums), multi-tensor launches
+  # (unscale_and_check), scatter-adds (embedding), attention's permutes.
+  step memcheck 35 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool memcheck --error-exitcode 1 \
+    "$bin/mpx_tests_cuda" --filenames-as-tags \
+    "[#test_fp8_transpose],[#test_unscale_and_check],[#test_attention],[#test_embedding],[#test_column_reduce],[#test_losses]" \
+    --reporter compact
+  step racecheck 20 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool racecheck --error-exitcode 1 \
+    "$bin/mpx_tests_cuda" --filenames-as-tags "[#test_fp8_transpose],[#test_softmax],[#test_norm],[#test_column_reduce],[#test_numerics]" \
+    --reporter compact
 else
   record memcheck "skipped: sanitizer unavailable"
   record racecheck "skipped: sanitizer unavailable"
 fi
 fi
 
+# ---- the perf phase: the figures docs/performance.md waits for -----------------------------
 if [ "$phase" != tests ]; then
 data=$kit/data/fashion-mnist
-if [ -f "$data/train-images-idx3-ubyte.gz" ]; then
-  mpx_step fashion_mnist 150 fashion_mnist --executor cuda --policy all --epochs 5 --data "$data" --probe
-  mpx_step fashion_mnist_graph 150 fashion_mnist --executor cuda --policy all --epochs 5 --data "$data" --cuda-graph
+if [ -n "$planning" ] || [ -f "$data/train-images-idx3-ubyte.gz" ]; then
+  mpx_step fashion_mnist 40 fashion_mnist --executor cuda --policy all --epochs 2 --data "$data" --probe
+  mpx_step fashion_mnist_graph 30 fashion_mnist --executor cuda --policy all --epochs 2 --data "$data" --cuda-graph
 else
   record fashion_mnist "not run: no Fashion-MNIST in the kit"
 fi
-for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
-  mpx_step "$e" 60 "$e" --executor cuda
-done
-# The transformer: three policies, 500 steps each, on the kit's copy of the fortunes.
-if [ -d "$kit/data/fortunes" ]; then
-  mpx_step char_lm 150 char_lm --executor cuda --steps 500 --corpus "$kit/data/fortunes"
+mpx_step gemm_bench 20 gemm_bench --executor cuda --repeat 5 --shapes all
+mpx_step layer_bench 20 layer_bench --executor cuda --repeat 10
+mpx_step scaling_bench 15 scaling_bench --executor cuda --tensors 100,1000 --repeat 10
+mpx_step numerics_bench 10 numerics_bench --executor cuda --repeat 10
+mpx_step activation_bench 10 activation_bench --executor cuda --repeat 10
+# The transformer: three policies, 200 steps each, on the kit's copy of the fortunes.
+if [ -n "$planning" ] || [ -d "$kit/data/fortunes" ]; then
+  mpx_step char_lm 20 char_lm --executor cuda --steps 200 --corpus "$kit/data/fortunes"
 else
   record char_lm "not run: no fortunes corpus in the kit"
 fi
-mpx_step numerics_bench 60 numerics_bench --executor cuda --repeat 20
-mpx_step scaling_bench 90 scaling_bench --executor cuda --tensors 100,200,1000 --repeat 20
-mpx_step activation_bench 60 activation_bench --executor cuda --repeat 20
-mpx_step gemm_bench 90 gemm_bench --executor cuda --repeat 10 --shapes all
-mpx_step layer_bench 90 layer_bench --executor cuda --repeat 20
 # PyTorch's counterparts of scaling_bench's rows, where the machine has PyTorch; python3
 # runs with the machine's own LD_LIBRARY_PATH, never mpx's.
-if python3 -c "import torch" 2> /dev/null; then
-  step torch_compare 90 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,200,1000
-  step torch_attention 90 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside layer_bench's attention rows
+if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then
+  step torch_compare 20 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,1000
 else
   record torch_compare "not run: no PyTorch here"
 fi
+# Extras: run in whatever the budget has left, never counted in the plan.
+extra=1
+if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then
+  step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside layer_bench's attention rows
+fi
+for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
+  mpx_step "$e" 10 "$e" --executor cuda
+done
+extra=''
 fi
 
+# ---- end of the steps
 write_summary
 pack_logs
 echo

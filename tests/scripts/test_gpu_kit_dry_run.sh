@@ -154,8 +154,9 @@ for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte 
 done
 
 repo=$tmp/repo
-mkdir -p "$repo/scripts" "$repo/bench" "$repo/ignored"
+mkdir -p "$repo/scripts" "$repo/bench" "$repo/ignored" "$repo/tests"
 cp "$src/scripts/gpu_kit.sh" "$src/scripts/gpu_run.sh" "$repo/scripts/"
+cp "$src/tests/meson.build" "$repo/tests/"  # the suite's folders, which gpu_run.sh runs one at a time
 printf '/.gpu/\n/ignored/\n' > "$repo/.gitignore"
 cat > "$repo/bench/torch_compare.py" <<'EOF'
 import os, sys
@@ -180,8 +181,10 @@ expect "$tmp/kit-small.log" 'untracked\.bin' "gpu_kit.sh over the limit names th
 tar -tJf "$repo/.gpu/programs.tar.xz" > "$tmp/kit-tests.list"
 expect "$tmp/kit-tests.list" '^bin/mpx_tests_cuda$' "--only tests packs the suite"
 expect "$tmp/kit-tests.list" '^bin/gpu_probe$' "--only tests packs gpu_probe"
-expect_not "$tmp/kit-tests.list" 'fashion_mnist|_bench' "--only tests packs no example or benchmark"
-[ ! -e "$repo/.gpu/data" ] || fail "--only tests packed Fashion-MNIST"
+expect "$tmp/kit-tests.list" '^bin/fashion_mnist$' "--only tests packs the main example (one epoch in the tests phase)"
+expect_not "$tmp/kit-tests.list" 'binary_classifier|_bench' "--only tests packs no other example and no benchmark"
+[ -f "$repo/.gpu/data/fashion-mnist/train-images-idx3-ubyte.gz" ] || fail "--only tests did not pack Fashion-MNIST"
+[ ! -e "$repo/.gpu/data/fortunes" ] || fail "--only tests packed the fortunes"
 
 "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" > "$tmp/kit.log" 2>&1 || fail "gpu_kit.sh failed" "$tmp/kit.log"
 tar -tJf "$repo/.gpu/programs.tar.xz" > "$tmp/kit.list"
@@ -236,17 +239,24 @@ run no_sanitizer tests GPU_RUN_SANITIZER=none
 expect "$sum" '^device +ok' "the device step"
 expect "$sum" '^probe +ok' "the probe step"
 expect "$sum" '^device: gpu_probe: Stand-in GPU' "the summary names the device"
-expect "$sum" '^tests_cuda +skipped: no usable GPU \(exit 77\)' "the CUDA suite's exit 77 reads as skipped"
+expect "$sum" '^suite_kernels +skipped: no usable GPU \(exit 77\)' "the CUDA suite's exit 77 reads as skipped"
+for folder in core exec kernels losses numerics scaling optim data layers model; do
+  expect "$sum" "^suite_$folder " "the CUDA suite's folder $folder has its own row"
+done
+expect "$logdir/suite_kernels.log" 'stub mpx_tests_cuda: --filenames-as-tags \[#test_elementwise\],.*\[#test_lstm\] --reporter compact' \
+  "a folder's step runs its files' cases"
+expect "$sum" '^fashion_mnist_epoch +ok' "the main example's epoch in the tests phase"
+expect "$logdir/fashion_mnist_epoch.log" 'stub fashion_mnist: --executor cuda --epochs 1 --data' "one epoch on the kit's data"
 expect "$sum" '^sanitizer: unavailable: no compute-sanitizer' "a missing compute-sanitizer reads as unavailable"
 expect "$sum" '^memcheck +skipped: sanitizer unavailable' "memcheck without a sanitizer"
 expect "$sum" '^racecheck +skipped: sanitizer unavailable' "racecheck without a sanitizer"
 expect "$sum" "libmpxfake_site\\.so\\.1 from $site_lib" "the library in Python's nvidia/*/lib is found"
 expect "$sum" '^libraries: all found' "the tests phase's programs find every library"
-expect "$logdir/tests_cuda.log" "^LD_LIBRARY_PATH=$site_lib:/orig/marker\$" "mpx's programs get the library's folder before the machine's own"
+expect "$logdir/suite_core.log" "^LD_LIBRARY_PATH=$site_lib:/orig/marker\$" "mpx's programs get the library's folder before the machine's own"
 expect "$logdir/probe.log" 'kernel ok' "the probe's log"
 expect "$logdir/device.log" 'Stand-in nvidia-smi' "nvidia-smi's log"
 expect "$logdir/libraries.log" 'libmpxfake_site\.so\.1 found in' "the library search's log"
-expect "$tmp/no_sanitizer.stdout" '^tests_cuda +skipped' "the summary is printed last"
+expect "$tmp/no_sanitizer.stdout" '^suite_model +skipped' "the summary is printed last"
 
 # B: a compute-sanitizer that refuses the device.
 run sanitizer_refuses tests GPU_RUN_SANITIZER="$tools/sanitizer-refuses"
@@ -261,7 +271,7 @@ run sanitizer_works tests GPU_RUN_SANITIZER="$tools/sanitizer-works"
 expect "$sum" '^sanitizer: available' "a working sanitizer"
 expect "$sum" '^memcheck +skipped: no usable GPU' "memcheck ran the suite"
 expect "$logdir/memcheck.log" 'COMPUTE-SANITIZER \(stand-in\) --tool memcheck' "memcheck runs under the sanitizer"
-expect "$logdir/racecheck.log" 'stub mpx_tests_cuda: \[numerics\]' "racecheck runs the suite's tags"
+expect "$logdir/racecheck.log" 'stub mpx_tests_cuda: --filenames-as-tags \[#test_fp8_transpose\]' "racecheck runs the suite's files"
 expect "$logdir/memcheck.log" "^LD_LIBRARY_PATH=$site_lib:" "the suite under the sanitizer gets mpx's libraries"
 
 # D: the perf phase: a failing example, a hanging benchmark, one that lacks a library, PyTorch.
@@ -282,8 +292,26 @@ expect_not "$sum" '^tests_cuda' "the perf phase runs no suite"
 
 # E: a budget too small for anything still leaves a summary.
 run no_time all GPU_RUN_SANITIZER=none GPU_RUN_BUDGET=5
-expect "$sum" '^tests_cuda +not run: out of time' "steps past the budget"
+expect "$sum" '^suite_core +not run: out of time' "steps past the budget"
 expect "$sum" '^layer_bench +not run: out of time' "steps past the budget, perf"
+
+# G: the budgets. Each phase's default fits a 15-minute loan with the machine's start (tests
+# at most 6 minutes, perf at most 4), and the limits of its steps fit its budget.
+for p in tests:360 perf:240; do
+  bash "$repo/scripts/gpu_run.sh" --plan "${p%%:*}" > "$tmp/plan-${p%%:*}.log" 2>&1 ||
+    fail "the ${p%%:*} phase's steps do not fit its budget" "$tmp/plan-${p%%:*}.log"
+  default=$(sed -n 's/.*: budget \([0-9]*\)s (GPU_RUN_BUDGET).*/\1/p' "$tmp/plan-${p%%:*}.log")
+  [ -n "$default" ] && [ "$default" -le "${p##*:}" ] ||
+    fail "the ${p%%:*} phase's default budget is ${default:-unknown}s, over ${p##*:}s" "$tmp/plan-${p%%:*}.log"
+  expect "$tmp/plan-${p%%:*}.log" '^planned: [0-9]+s of [0-9]+s$' "the ${p%%:*} plan's total"
+done
+expect "$tmp/plan-tests.log" '^suite_model +[0-9]+s$' "the plan lists the suite's folders"
+expect "$tmp/plan-perf.log" '^fashion_mnist_graph +[0-9]+s$' "the plan lists the main example with graphs"
+if GPU_RUN_BUDGET=100 bash "$repo/scripts/gpu_run.sh" --plan tests > "$tmp/plan-small.log" 2>&1; then
+  fail "a plan whose steps exceed GPU_RUN_BUDGET=100 passed" "$tmp/plan-small.log"
+fi
+expect "$tmp/plan-small.log" 'exceed the budget' "a plan over its budget says so"
+[ ! -e "$tmp/work/plan" ] && [ -z "$(find "$repo" -name 'summary-*.txt')" ] || fail "--plan ran or wrote something"
 
 # F: a run cut off mid-step (the device tool's 10 minutes) still leaves its summary and logs.
 out=$tmp/out-cut
