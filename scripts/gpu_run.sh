@@ -364,7 +364,7 @@ if [ $sanitizer_ok -eq 1 ]; then
     "[#test_fp8_transpose],[#test_unscale_and_check],[#test_attention],[#test_embedding],[#test_column_reduce],[#test_losses]" \
     --reporter compact
   step racecheck 20 env "LD_LIBRARY_PATH=$mpx_ld" "$sanitizer" --tool racecheck --error-exitcode 1 \
-    "$bin/mpx_tests_cuda" --filenames-as-tags "[#test_fp8_transpose],[#test_softmax],[#test_norm],[#test_column_reduce],[#test_numerics]" \
+    "$bin/mpx_tests_cuda" --filenames-as-tags "[#test_fp8_transpose],[#test_softmax],[#test_norm],[#test_column_reduce],[#test_numerics],[#test_unscale_and_check]" \
     --reporter compact
 else
   record memcheck "skipped: sanitizer unavailable"

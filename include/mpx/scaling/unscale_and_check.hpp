@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(Threads)
         total += tensor_sum;
         if (tensor_bad && static_cast<std::int32_t>(base + j) < first_bad) first_bad = static_cast<std::int32_t>(base + j);
       }
+      __syncwarp();  // CUB: the warp's temporary storage is reused by the next Sum only after a warp barrier
     }
   }
 
