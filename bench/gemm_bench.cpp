@@ -173,9 +173,9 @@ void run_all(Exec const& exec, options const& opt) {
   double bfloat16_rate = 0;  // this shape's bfloat16 row, which the fp8 row is compared with
   // mpx::fp8_gemm on e4m3 operands (scale 1: the values lie in [-1, 1)) in the layout
   // the GPU's fp8 kernels take, A [M, K] and B [N, K], into bfloat16; shapes the GPU
-  // refuses (K not a multiple of 16) are skipped on both executors.
+  // refuses (K or N not a multiple of mpx::fp8_gemm_multiple) are skipped on both executors.
   auto fp8_row = [&](shape_case const& c) {
-    if (c.batch != 1 || c.k % 16 != 0 || c.n % 8 != 0) return;
+    if (c.batch != 1 || c.k % mpx::fp8_gemm_multiple != 0 || c.n % mpx::fp8_gemm_multiple != 0) return;
     using F = mpx::float8_e4m3;
     shape_case const tn{c.name, 1, c.m, c.n, c.k, false, true};
     auto to_fp8 = [](std::vector<mpx::bfloat16> const& v) {

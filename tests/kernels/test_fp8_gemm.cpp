@@ -92,16 +92,12 @@ std::vector<F> fp8_values(std::size_t n, std::uint64_t stream) {
 }
 
 //! The allowed error of one element of C per unit of its magnitude sum: C's rounding,
-//! and the float sum of exact products (the host); the GPU's tensor cores add the
-//! products within one fp8 instruction with about 14 bits (DeepSeek-V3's measurement on
-//! Hopper) before cuBLASLt promotes the partial sum to float.
+//! and the sum of exact products on this executor (mpx_test::fp8_sum_bound: float on
+//! the host, about 14 bits within an fp8 instruction on Hopper).
 template <class TC, class Exec>
 double sum_bound(std::int64_t k) {
   double const u_out = std::ldexp(1.0, -(mpx::dtype_traits<TC>::mantissa_bits + 1));
-  if constexpr (mpx::is_host_executor_v<Exec>) return u_out + static_cast<double>(k + 4) * std::ldexp(1.0, -24);
-  else
-    return u_out + static_cast<double>(k + 4) * std::ldexp(1.0, -23) +
-           static_cast<double>(std::min<std::int64_t>(k, 128)) * std::ldexp(1.0, -14);
+  return u_out + mpx_test::fp8_sum_bound<Exec>(k);
 }
 
 //! Runs one product on `exec` and checks every element of C against float64.
@@ -176,8 +172,8 @@ void for_each_pair(F&& f) {
   f(mpx::float8_e5m2{}, mpx::float8_e4m3{});
 }
 
-//! Products that meet the GPU's rules (B transposed, K a multiple of 16, rows of C
-//! 16-byte multiples), for both executors; M is free.
+//! Products that meet the GPU's rules (B transposed, K and N multiples of 16), for
+//! both executors; M is free.
 std::vector<product> gpu_shaped_products() {
   std::vector<product> out;
   for (auto [m, n, k] : {std::tuple{16, 16, 16}, {33, 32, 64}, {64, 48, 96}, {1, 16, 144}})
@@ -362,13 +358,20 @@ TEMPLATE_LIST_TEST_CASE("fp8_gemm refuses shapes that do not agree, null scales 
     auto const b20 = mpx::make_tensor<F>(exec, {20, 32});
     auto c20 = mpx::make_tensor<mpx::half>(exec, {16, 20});
     CHECK_THROWS_TYPE_WITH(mpx::fp8_gemm(exec, a, s.data(), b20, s.data(), c20, {.transpose_b = true}),
-                           mpx::invalid_argument, Contains("N a multiple of 8 for this C); got N = 20"));
+                           mpx::invalid_argument, Contains("N must be a multiple of 16") && Contains("got N = 20"));
+    // N = 24 with a float C: 96-byte rows of C, yet N is not a multiple of 16 (cuBLASLt's
+    // fp8 rule, as PyTorch's _scaled_mm states it): mpx's message, not cuBLASLt's status.
+    auto const b24n = mpx::make_tensor<F>(exec, {24, 32});
+    auto c24 = mpx::make_tensor<float>(exec, {16, 24});
+    CHECK_THROWS_TYPE_WITH(mpx::fp8_gemm(exec, a, s.data(), b24n, s.data(), c24, {.transpose_b = true}),
+                           mpx::invalid_argument, Contains("N must be a multiple of 16") && Contains("got N = 24"));
     auto const big = mpx::make_tensor<F>(exec, {16 * 32 + 1});
     auto const shifted = mpx::view(big).flat(1, 16 * 32).reshape({16, 32});
     CHECK_THROWS_TYPE_WITH(mpx::fp8_gemm(exec, shifted, s.data(), b2, s.data(), c, {.transpose_b = true}),
                            mpx::invalid_argument, Contains("16-byte aligned"));
   } else {
-    // The host takes every layout, K and alignment.
+    // The host takes every layout, K, N and alignment (mpx's fp8 layers apply the GPU's
+    // rules on the host themselves: tests/layers/test_fp8_layers.cpp).
     auto const at = mpx_test::upload(exec, std::vector<F>(32 * 16, mpx::cast<F>(1.0f)), {32, 16});
     auto const bk = mpx_test::upload(exec, std::vector<F>(32 * 48, mpx::cast<F>(0.5f)), {32, 48});
     CHECK_NOTHROW(mpx::fp8_gemm(exec, at, s.data(), bk, s.data(), c, {.transpose_a = true}));

@@ -3,12 +3,16 @@
 // Engine's recipe says (activations and weights to e4m3, output gradients to e5m2,
 // each times its tensor's scale, saturating), with float64 sums of the exact fp8
 // products times the inverse scales. The second step runs with the scales the first
-// step's amaxes set (not 1), so a scale the layer forgets to apply fails. Sizes meet the
-// GPU's fp8 rules (K a multiple of 16); the host also takes awkward ones.
+// step's amaxes set (not 1), so a scale the layer forgets to apply fails. Ragged sizes
+// (a batch of 13 rows, the K of the weight gradient) run on both executors: the layer
+// pads K with zeros. Shapes the GPU's fp8 kernels cannot take (N not a multiple of 16)
+// are refused on both executors alike.
 //
-// Bound per element: the float sum of exact products, (K + 4) 2^-24 S, plus the
-// bfloat16 output's rounding, 2^-8 |ref|, plus bfloat16's smallest subnormal; conv's dx
-// adds 2^-8 S for its column gradients, rounded to bfloat16 before col2im sums them.
+// Bound per element: the sum of exact products on this executor (mpx_test::fp8_sum_bound
+// of the padded K: float on the host, about 14 bits per fp8 instruction on Hopper) times
+// S, plus the bfloat16 output's rounding, 2^-8 |ref|, plus bfloat16's smallest
+// subnormal; conv's dx adds 2^-8 S for its column gradients, rounded to bfloat16 before
+// col2im sums them.
 #include "../support/testing.hpp"
 
 #include <mpx/layers/conv2d.hpp>
@@ -16,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,14 +57,17 @@ std::vector<double> dequantise(std::vector<fp8_storage> const& v, float scale) {
   return out;
 }
 
-//! Counts elements of got outside the bound around ref (S: sums of |terms|).
+//! Counts elements of got outside the bound around ref (S: sums of |terms|), for the
+//! executor whose sums `sum_bound` describes (mpx_test::fp8_sum_bound<Exec>).
 struct fp8_bound {
   std::string what;
+  double (*sum_bound)(std::int64_t);
   std::size_t bad = 0, checked = 0;
   double worst = 0;
-  //! extra: a further relative error on s (a rounding of partial sums to bfloat16).
+  //! k: the terms of the product (padded to the K the GPU multiplies); extra: a further
+  //! relative error on s (a rounding of partial sums to bfloat16).
   void check(double got, double ref, double s, std::int64_t k, double extra = 0) {
-    double const allowed = static_cast<double>(k + 4) * std::ldexp(1.0, -24) * s + extra * s +
+    double const allowed = sum_bound(mpx::fp8_gemm_padded_extent(k)) * s + extra * s +
                            std::ldexp(1.0, -8) * std::fabs(ref) + std::ldexp(1.0, -133);
     double const err = std::fabs(got - ref);
     ++checked;
@@ -128,7 +136,8 @@ void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::
     auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
     auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
-    fp8_bound fy{"dense y"}, fdx{"dense dx"}, fdw{"dense dW"};
+    auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
+    fp8_bound fy{"dense y", sum_bound}, fdx{"dense dx", sum_bound}, fdw{"dense dW", sum_bound};
     auto const at = [](std::int64_t i, std::int64_t j, std::int64_t cols) { return static_cast<std::size_t>(i * cols + j); };
     // y = x W: the product rounded to bfloat16, then the bias added in float and rounded.
     for_each_product(rows, units, in, [&](auto i, auto k) { return qx[at(i, k, in)]; },
@@ -200,7 +209,8 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
     std::int64_t const patch = kh * kw * cin, pixels = n * oh * ow;
     std::vector<double> ref_dx(xs.size(), 0.0), sum_dx(xs.size(), 0.0), ref_dw(w.size(), 0.0), sum_dw(w.size(), 0.0);
-    fp8_bound fy{"conv y"}, fdx{"conv dx"}, fdw{"conv dW"};
+    auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
+    fp8_bound fy{"conv y", sum_bound}, fdx{"conv dx", sum_bound}, fdw{"conv dW", sum_bound};
     for (std::int64_t bn = 0; bn < n; ++bn)
       for (std::int64_t r = 0; r < oh; ++r)
         for (std::int64_t c = 0; c < ow; ++c)
@@ -225,7 +235,8 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
     // dx: the column gradients are rounded to bfloat16 before col2im sums them (one more
     // 2^-8 per term): allowed as a bfloat16 rounding of the sum of |terms|.
     for (std::size_t i = 0; i < ref_dx.size(); ++i)
-      fdx.check(mpx::detail::to_double(got_dx[i]), ref_dx[i], sum_dx[i], cout + kh * kw, std::ldexp(1.0, -8));
+      fdx.check(mpx::detail::to_double(got_dx[i]), ref_dx[i], sum_dx[i], mpx::fp8_gemm_padded_extent(cout) + kh * kw,
+                std::ldexp(1.0, -8));
     for (std::size_t i = 0; i < ref_dw.size(); ++i) fdw.check(mpx::detail::to_double(got_dw[i]), ref_dw[i], sum_dw[i], pixels);
     fy.require();
     fdx.require();
@@ -239,17 +250,61 @@ TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8 matches the float64 fp8 recipe, f
                         "[layers][fp8]", mpx_test::executors) {
   TestType const exec;
   check_fp8_dense(exec, 32, 48, 32);
-  if constexpr (mpx::is_host_executor_v<TestType>) {  // the host takes any shape
-    check_fp8_dense(exec, 7, 13, 5);
-    check_fp8_dense(exec, 1, 1, 1);
-  }
+  // Ragged batches (a short last batch; 64 rows over 3 data-parallel ranks): the weight
+  // gradient's K is the rows, padded with zeros to the GPU's multiple of 16.
+  check_fp8_dense(exec, 13, 48, 32);
+  check_fp8_dense(exec, 22, 32, 16);
+  check_fp8_dense(exec, 1, 16, 16);
 }
 
 TEMPLATE_LIST_TEST_CASE("conv2d under mixed_fp8 matches the float64 fp8 recipe, forward and backward",
                         "[layers][fp8]", mpx_test::executors) {
   TestType const exec;
   check_fp8_conv(exec, 2, 6, 6, 16, 16);
-  if constexpr (mpx::is_host_executor_v<TestType>) check_fp8_conv(exec, 1, 5, 7, 3, 5);
+  check_fp8_conv(exec, 1, 5, 7, 16, 32);  // 15 output pixels: the weight gradient's K, padded
+}
+
+// What the GPU's fp8 kernels refuse, every executor refuses, with mpx's message, before
+// anything runs: N (the product's output columns: a layer's units or filters, or its
+// input width for dx) not a multiple of 16. K needs nothing (it is padded).
+TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU's fp8 products cannot take",
+                        "[layers][fp8]", mpx_test::executors) {
+  using Catch::Matchers::Contains;
+  using Space = mpx::memory_space_t<TestType>;
+  TestType const exec;
+  std::int64_t const rows = 13;
+  auto const x24 = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * 24), -1, 1, 3), {rows, 24});
+  {  // 24 units: N = 24 in the forward product (16-byte rows of a bfloat16 C, yet refused)
+    mpx::dense<mpx::mixed_fp8> layer(24);
+    layer.build(exec, mpx::shape{24}, 1);
+    layer.reserve(exec, rows);
+    auto y = mpx_test::poisoned<fp8_storage>(exec, {rows, 24});
+    CHECK_THROWS_TYPE_WITH(layer.forward(exec, mpx::view(std::as_const(x24)), mpx::view(y), true),
+                           mpx::invalid_argument, Contains("N must be a multiple of 16") && Contains("got N = 24"));
+    // Refused before the cast: no amax was recorded.
+    CHECK(layer.products().template scale<operand_role::activation>(exec).values(exec).step_amax_bits == 0u);
+  }
+  {  // 24 inputs, 16 units: the forward (K = 24, padded) and dW run; dx has N = 24.
+    mpx::dense<mpx::mixed_fp8> layer(16);
+    layer.build(exec, mpx::shape{24}, 1);
+    auto y = mpx_test::poisoned<fp8_storage>(exec, {rows, 16});
+    auto const dy = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * 16), -1, 1, 4), {rows, 16});
+    auto dx = mpx_test::poisoned<fp8_storage>(exec, {rows, 24});
+    layer.forward(exec, mpx::view(std::as_const(x24)), mpx::view(y), true);
+    CHECK_NOTHROW(layer.backward(exec, mpx::view(std::as_const(x24)), mpx::view(std::as_const(y)),
+                                 mpx::view(std::as_const(dy)), mpx::tensor_view<fp8_storage, Space>{}));
+    CHECK_THROWS_TYPE_WITH(layer.backward(exec, mpx::view(std::as_const(x24)), mpx::view(std::as_const(y)),
+                                          mpx::view(std::as_const(dy)), mpx::view(dx)),
+                           mpx::invalid_argument, Contains("got N = 24"));
+  }
+  {  // 5 filters
+    mpx::conv2d<mpx::mixed_fp8> layer(mpx::conv2d_config{.filters = 5});
+    layer.build(exec, mpx::shape{5, 5, 16}, 1);
+    auto const x = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(5 * 5 * 16, -1, 1, 5), {1, 5, 5, 16});
+    auto y = mpx_test::poisoned<fp8_storage>(exec, {1, 3, 3, 5});
+    CHECK_THROWS_TYPE_WITH(layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true),
+                           mpx::invalid_argument, Contains("got N = 5"));
+  }
 }
 
 #if !MPX_HAS_CUDA

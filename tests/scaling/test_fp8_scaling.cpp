@@ -72,7 +72,9 @@ inline void fp8s_check_finished_step(mpx::fp8_scale_values const& after, float s
   CHECK(after.steps == steps);
 }
 
-// Casts x with the state's recipe into a poisoned output; returns the output.
+// Casts x with the state's recipe into a NaN-poisoned output; returns the output, and
+// fails where it holds a NaN that x does not (an element the cast did not write, so
+// that comparing two casts cannot pass on poison alone).
 template <class Exec, class Format, class T, class Recipe>
 std::vector<Format> fp8s_cast(Exec const& exec, std::vector<T> const& x, mpx::fp8_tensor_scale<Format, Exec>& state,
                               Recipe const& recipe) {
@@ -80,7 +82,11 @@ std::vector<Format> fp8s_cast(Exec const& exec, std::vector<T> const& x, mpx::fp
   auto const dx = mpx_test::upload(exec, x, shape);
   auto out = mpx_test::poisoned<Format>(exec, shape);
   mpx::cast_to_fp8(exec, dx, state, out, recipe);
-  return mpx_test::download(exec, out);
+  auto got = mpx_test::download(exec, out);
+  std::size_t unwritten = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) unwritten += mpx::is_nan(got[i]) && !mpx::is_nan(x[i]);
+  CHECK(unwritten == 0);
+  return got;
 }
 
 // Inputs for step k: sizes cycle through the awkward ones, magnitudes through nine

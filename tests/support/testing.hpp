@@ -8,6 +8,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -77,13 +79,29 @@ auto download(Exec const& exec, X&& x) {
   return std::vector<mpx::value_t<X>>(host.begin(), host.end());
 }
 
-//! A value no correct kernel writes: NaN with a recognisable payload, so an element a
-//! kernel forgot to write fails every comparison.
+//! A value no correct kernel writes: NaN (with a recognisable payload where the format
+//! has room for one), so an element a kernel forgot to write fails every comparison
+//! with a number. fp8 formats: their NaN pattern from the dtype traits (e4m3 has only
+//! S.1111.111; e5m2's is S.11111.11).
 template <class T>
 T poison() {
   if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
   else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
+  else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
   else return T(0x5A);
+}
+
+//! The allowed error of a float-summed product per unit of the sum of its terms'
+//! magnitudes, for K terms, on the executor that sums: the host adds exact products in
+//! float ((K + 4) 2^-24); Hopper's fp8 tensor cores add the products within each K-chunk
+//! of an instruction with about 14 bits (DeepSeek-V3's measurement) before cuBLASLt
+//! promotes the partial sum to float. Shared by the fp8 kernel and layer tests.
+template <class Exec>
+double fp8_sum_bound(std::int64_t k) {
+  if constexpr (mpx::is_host_executor_v<Exec>) return static_cast<double>(k + 4) * std::ldexp(1.0, -24);
+  else
+    return static_cast<double>(k + 4) * std::ldexp(1.0, -23) +
+           static_cast<double>(std::min<std::int64_t>(k, 128)) * std::ldexp(1.0, -14);
 }
 
 //! A tensor of `shape` in the executor's space with every element poisoned.

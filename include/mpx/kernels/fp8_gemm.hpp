@@ -18,6 +18,16 @@
 
 namespace mpx {
 
+//! What cuBLASLt's fp8 kernels need K and N to be multiples of (16 fp8 values: 16-byte
+//! rows of A and B; PyTorch's _scaled_mm asks the same of both extents of its mat2).
+inline constexpr std::int64_t fp8_gemm_multiple = 16;
+
+//! n rounded up to a multiple of fp8_gemm_multiple: the K that cast_to_fp8_padded and
+//! cast_to_fp8_transposed_padded pad an operand to with zeros (exact: zeros add nothing).
+constexpr std::int64_t fp8_gemm_padded_extent(std::int64_t n) noexcept {
+  return (n + fp8_gemm_multiple - 1) / fp8_gemm_multiple * fp8_gemm_multiple;
+}
+
 namespace detail {
 
 //! The compile-time checks of mpx::fp8_gemm, each with the message a user needs.
@@ -33,15 +43,11 @@ constexpr void check_fp8_gemm_types() {
                 "mpx::fp8_gemm: C must hold half, bfloat16 or float");
 }
 
-#if MPX_HAS_CUDA
-//! What cuBLASLt's fp8 kernels need, checked before anything is launched and in this
-//! order, so that a wrong layout is reported on any GPU: both operands K-contiguous
+//! The shape rules of cuBLASLt's fp8 kernels, in this order: both operands K-contiguous
 //! (its "TN" format; row-major A [M, K] and B [N, K], that is transpose_b), K a multiple
-//! of 16, rows of C and every pointer 16-byte aligned (the batch strides follow from K
-//! and the rows of C), and last a device of compute capability 8.9 or newer.
-template <class TA, class TB, class TC>
-void check_fp8_gemm_device(gemm_dims const& d, gemm_options const& o, TA const* a, TB const* b, TC const* c,
-                           mpx::source_location loc) {
+//! of 16, N a multiple of 16. fp8_gemm checks them on the GPU; mpx's fp8 layers check
+//! them on every executor (after padding K), so that a host run refuses what a GPU would.
+inline void check_fp8_gemm_layout(gemm_dims const& d, gemm_options const& o, mpx::source_location loc) {
   if (o.transpose_a || !o.transpose_b)
     fail<invalid_argument>("fp8_gemm",
                            std::string("on the GPU both operands must be K-contiguous: A [M, K] not transposed and B "
@@ -51,16 +57,31 @@ void check_fp8_gemm_device(gemm_dims const& d, gemm_options const& o, TA const* 
                                (o.transpose_b ? "true" : "false") +
                                ". Cast the operand whose K runs down its columns with mpx::cast_to_fp8_transposed",
                            loc);
-  if (d.k % 16 != 0)
+  if (d.k % fp8_gemm_multiple != 0)
     fail<invalid_argument>("fp8_gemm",
                            "on the GPU K must be a multiple of 16 (cuBLASLt's fp8 kernels read 16-byte rows); got "
-                           "K = " + std::to_string(d.k) + ": pad K with zeros",
+                           "K = " + std::to_string(d.k) +
+                               ": pad K with zeros (mpx::cast_to_fp8_padded, mpx::cast_to_fp8_transposed_padded)",
                            loc);
-  if ((d.n * static_cast<std::int64_t>(sizeof(TC))) % 16 != 0)
+  if (d.n % fp8_gemm_multiple != 0)
     fail<invalid_argument>("fp8_gemm",
-                           "on the GPU a row of C must be a multiple of 16 bytes (N a multiple of " +
-                               std::to_string(16 / sizeof(TC)) + " for this C); got N = " + std::to_string(d.n),
+                           "on the GPU N must be a multiple of 16 (the rows of B [N, K] cuBLASLt's fp8 kernels "
+                           "tile, as PyTorch's _scaled_mm requires); got N = " + std::to_string(d.n) +
+                               ". In a layer under an fp8 policy N is its unit count (filters) or its input "
+                               "width (kernel taps x channels): make it a multiple of 16, or give the layer "
+                               "mpx::without_fp8<Policy>",
                            loc);
+}
+
+#if MPX_HAS_CUDA
+//! What cuBLASLt's fp8 kernels need, checked before anything is launched and in this
+//! order, so that a wrong layout is reported on any GPU: check_fp8_gemm_layout's rules,
+//! every pointer 16-byte aligned (the batch strides follow from K and N), and last a
+//! device of compute capability 8.9 or newer.
+template <class TA, class TB, class TC>
+void check_fp8_gemm_device(gemm_dims const& d, gemm_options const& o, TA const* a, TB const* b, TC const* c,
+                           mpx::source_location loc) {
+  check_fp8_gemm_layout(d, o, loc);
   auto const misaligned = [](void const* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   if (misaligned(a) || misaligned(b) || misaligned(c))
     fail<invalid_argument>("fp8_gemm",
@@ -113,8 +134,10 @@ void cuda_fp8_gemm(cudaStream_t stream, gemm_dims const& d, float alpha, TA cons
 //! on its stream) each of these is an mpx::invalid_argument before anything is launched,
 //! in this order: transpose_a, or B not transposed (A [M, K] and B [N, K] are the only
 //! layout: make a K-contiguous operand with cast_to_fp8_transposed); K not a multiple of
-//! 16; a row of C not a multiple of 16 bytes; A, B or C not 16-byte aligned; a device
-//! older than sm_89. Layer code that meets these runs unchanged on both executors.
+//! 16 (pad it with zeros: cast_to_fp8_padded, cast_to_fp8_transposed_padded); N not a
+//! multiple of 16; A, B or C not 16-byte aligned; a device older than sm_89. Layer code
+//! that meets these runs unchanged on both executors (mpx's fp8 layers pad K and check
+//! the rest with detail::check_fp8_gemm_layout on every executor).
 template <executor Exec, tensor_like A, tensor_like B, tensor_like C>
 void fp8_gemm([[maybe_unused]] Exec const& exec, A&& a, float const* a_inverse_scale, B&& b,
               float const* b_inverse_scale, C&& c, gemm_options const& options = {},

@@ -24,6 +24,7 @@
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/layer.hpp>
 
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -99,6 +100,10 @@ class causal_self_attention : public layer_base {
     o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});
     o_tokens_.ensure(exec, shape{d.rows(), width_});
     dp_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    // The backward pass's own buffers, made here with the others (on the caller's
+    // executor, counted by the model's buffer_generation), never inside a step.
+    d_tokens_.ensure(exec, shape{d.rows(), 3 * width_});
+    d_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
     reserved_batch_ = batch;
   }
 
@@ -143,13 +148,13 @@ class causal_self_attention : public layer_base {
     // Buffers are reused once read: d_tokens_ holds dO, then d(QKV); o_heads_ holds dO
     // per head; logits_ holds d(logits).
     auto const merged = o_tokens_.template view<Space>(tokens);
-    auto const d_merged = d_tokens_.template view<Space>(exec, shape{d.rows(), 3 * width_}).flat(0, tokens.size()).reshape(tokens);
+    auto const d_merged = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_}).flat(0, tokens.size()).reshape(tokens);
     out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens), d_merged);
     auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
     auto const [q, k, v] = split_qkv(heads, d);
     auto const d_o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
     permute_heads(exec, d_merged, d_o, d, 1, true);
-    auto const d_heads = d_heads_.template view<Space>(exec, shape{3 * bh, d.tokens, d.head_width});
+    auto const d_heads = d_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
     auto const [dq, dk, dv] = split_qkv(d_heads, d);
     auto const ps = p_store_.template view<Space>(shape{bh, d.tokens, d.tokens});
     gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
@@ -161,7 +166,7 @@ class causal_self_attention : public layer_base {
                             tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
     gemm<Policy>(exec, ds, k, dq);                         // dQ = dS K
     gemm<Policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
-    auto const d_qkv = d_tokens_.template view<Space>(exec, shape{d.rows(), 3 * width_});  // dO is spent
+    auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});  // dO is spent
     permute_heads(exec, d_qkv, d_heads, d, 3, false);
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     qkv_.backward(exec, x.reshape(tokens), tensor_view<input_type const, Space>(qkv), tensor_view<input_type const, Space>(d_qkv),
@@ -198,6 +203,11 @@ class causal_self_attention : public layer_base {
   //! The projections, for inspection and tests.
   [[nodiscard]] dense<Policy>& query_key_value() noexcept { return qkv_; }
   [[nodiscard]] dense<Policy>& output() noexcept { return out_; }
+  //! Where the backward pass's buffers are (dO / d(QKV), the per-head gradients;
+  //! nullptr before reserve), for tests that no step moves them.
+  [[nodiscard]] std::array<void const*, 2> gradient_buffers() const noexcept {
+    return {d_tokens_.address(), d_heads_.address()};
+  }
   //! The latest forward's attention probabilities [batch * heads, tokens, tokens] (float).
   template <memory_space Space>
   [[nodiscard]] tensor_view<float const, Space> probabilities(std::int64_t batch) const {
@@ -223,24 +233,13 @@ class causal_self_attention : public layer_base {
     return three{heads.flat(0, n).reshape(s), heads.flat(n, n).reshape(s), heads.flat(2 * n, n).reshape(s)};
   }
 
-  // Allocated on first use by the backward pass (inference never needs them).
-  template <class T>
-  struct lazy_tensor {
-    detail::layer_tensor<T> t;
-    template <class Space, executor Exec>
-    tensor_view<T, Space> view(Exec const& exec, shape s) {
-      t.ensure(exec, s);
-      return t.template view<Space>(s);
-    }
-  };
-
   causal_self_attention_config config_;
   std::int64_t width_ = 0;
   dense<Policy> qkv_{1};
   dense<Policy> out_{1};
   detail::layer_tensor<input_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
   detail::layer_tensor<float> p_, dp_;
-  lazy_tensor<input_type> d_tokens_, d_heads_;
+  detail::layer_tensor<input_type> d_tokens_, d_heads_;  // dO, then d(QKV); the per-head gradients
   std::uint64_t dropout_seed_ = 0;
   detail::layer_tensor<std::uint64_t> dropout_step_;  // training forwards with dropout, where the executor computes
   dropout_options dropout_options_{};

@@ -86,6 +86,11 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
     columns_.ensure(exec, conv2d_workspace_shape(batched(batch, input_shape_), kernel_.shape(), options_));
     pre_activation_.ensure(exec, batched(batch, output_shape_));
     pre_activation_grad_.ensure(exec, batched(batch, output_shape_));  // its own buffer: backward may run again
+    // The products' operands (fp8 casts): im2col columns [pixels, taps x channels], the
+    // kernel as a matrix, the output gradient [pixels, filters].
+    std::int64_t const pixels = batch * output_shape_[0] * output_shape_[1];
+    std::int64_t const patch = config_.kernel_h * config_.kernel_w * input_shape_[2];
+    this->products_.reserve(exec, {pixels, patch}, {patch, config_.filters}, {pixels, config_.filters});
     columns_hold_forward_ = false;
     reserved_batch_ = batch;
   }

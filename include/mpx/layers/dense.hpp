@@ -81,6 +81,8 @@ class dense : public layer_base, public with_matrix_products<Policy> {
     std::int64_t const rows = batch * static_cast<std::int64_t>(output_shape_.size() / config_.units);
     pre_activation_.ensure(exec, {rows, config_.units});       // x W, kept for the activation's derivative
     pre_activation_grad_.ensure(exec, {rows, config_.units});  // its own buffer: backward may run again
+    std::int64_t const in = input_shape_[input_shape_.rank() - 1];
+    this->products_.reserve(exec, {rows, in}, {in, config_.units}, {rows, config_.units});  // x, W, dz (fp8 casts)
     reserved_batch_ = batch;
   }
 

@@ -75,6 +75,9 @@ class layer_tensor {
   }
 
   [[nodiscard]] bool allocated() const noexcept { return owner_ != nullptr; }
+  //! Where the memory is (nullptr before the first allocation), in whichever space: for
+  //! tests that a buffer did not move.
+  [[nodiscard]] void const* address() const noexcept { return data_; }
   [[nodiscard]] mpx::shape const& shape() const noexcept { return shape_; }
   [[nodiscard]] std::size_t size() const noexcept { return shape_.size(); }
 

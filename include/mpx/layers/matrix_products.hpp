@@ -4,8 +4,9 @@
 // Transformer Engine's linear layers do: its activations and weights are cast to
 // e4m3, its output gradients to e5m2, each with a delayed scale (amax history), and the
 // products run in mpx::fp8_gemm with float sums. Both operands are cast into the
-// K-contiguous layout cuBLASLt's fp8 kernels need (the host takes it too, so both
-// executors run the same calls).
+// K-contiguous layout cuBLASLt's fp8 kernels need, K padded with zeros to a multiple of
+// 16, and the rest of the GPU's rules (N a multiple of 16) checked on every executor:
+// the host runs the same calls and refuses what the GPU would.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
@@ -19,6 +20,8 @@
 #include <mpx/optim/checkpoint_file.hpp>
 #include <mpx/scaling/fp8_scaling.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -55,6 +58,12 @@ struct fp8_scales_entry {
 
 namespace detail {
 
+//! The largest matrix a role's operand will be, [rows, cols] as the layer holds it
+//! (either orientation is cast from it).
+struct operand_extent {
+  std::int64_t rows = 0, cols = 0;
+};
+
 //! One role's scale state and cast buffer, in whichever space the layer was built for.
 template <operand_role R>
 class fp8_operand {
@@ -80,18 +89,35 @@ class fp8_operand {
     return *static_cast<fp8_tensor_scale<format, Exec>*>(state_.get());
   }
 
-  //! x (a matrix) cast to the role's format as [rows, K] with K contiguous: x itself
-  //! when k_contiguous, else its transpose. The amax enters this step's record.
+  //! Makes the cast buffer hold any operand up to `largest` (either orientation, K
+  //! padded). Runs where the layer's reserve runs, on the caller's executor, never
+  //! inside a step: the buffer then lives as long as the layer, and only reserve moves it
+  //! (which the model's buffer_generation counts).
+  template <executor Exec>
+  void reserve(Exec const& exec, operand_extent largest) {
+    std::int64_t const r = largest.rows, c = largest.cols;
+    std::int64_t const n = std::max(r * fp8_gemm_padded_extent(c), c * fp8_gemm_padded_extent(r));
+    buffer_.ensure(exec, shape{n > 0 ? n : 1});
+  }
+
+  //! x (a matrix) cast to the role's format as [rows, Kp] with K contiguous: x itself
+  //! when k_contiguous, else its transpose, K padded with zeros to a multiple of 16.
+  //! The amax enters this step's record. Allocates nothing: a larger operand than
+  //! reserve made room for is an mpx::shape_error.
   template <executor Exec, class T, class Space>
   tensor_view<format const, Space> cast(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous) {
     auto& s = state<Exec>();
-    shape const out = k_contiguous ? x.shape() : shape{x.shape()[1], x.shape()[0]};
-    buffer_.ensure(exec, out);
+    std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
+    shape const out =
+        k_contiguous ? shape{rows, fp8_gemm_padded_extent(cols)} : shape{cols, fp8_gemm_padded_extent(rows)};
     auto const o = buffer_.template view<Space>(out);
-    if (k_contiguous) cast_to_fp8(exec, x, s, o);
-    else cast_to_fp8_transposed(exec, x, s, o);
+    if (k_contiguous) cast_to_fp8_padded(exec, x, s, o);
+    else cast_to_fp8_transposed_padded(exec, x, s, o);
     return o;
   }
+
+  //! Where the cast buffer is (nullptr before reserve), for tests.
+  [[nodiscard]] void const* buffer_data() const noexcept { return buffer_.address(); }
 
  private:
   std::unique_ptr<void, void (*)(void*)> state_{nullptr, [](void*) {}};
@@ -112,8 +138,9 @@ std::vector<fp8_scales_entry<Exec>> model_fp8_scales(Model& model) {
 }  // namespace detail
 
 //! A layer's matrix products under Policy (see the top of this file). Under an fp8
-//! policy, build() makes the scales, and end_step() (at the end of the layer's
-//! backward pass) moves each scale to its amax history; otherwise both do nothing.
+//! policy, build() makes the scales, reserve() the cast buffers (from the layer's own
+//! reserve: run() allocates nothing), and end_step() (at the end of the layer's
+//! backward pass) moves each scale to its amax history; otherwise all do nothing.
 template <class Policy>
 class matrix_products {
  public:
@@ -129,7 +156,22 @@ class matrix_products {
     }
   }
 
+  //! Makes room for the fp8 casts of operands up to these extents (the layer's reserve
+  //! calls it with its batch's; nothing outside fp8). The casts in run() allocate
+  //! nothing, so a step that follows a reserve moves no buffer.
+  template <executor Exec>
+  void reserve([[maybe_unused]] Exec const& exec, [[maybe_unused]] detail::operand_extent activation,
+               [[maybe_unused]] detail::operand_extent weight, [[maybe_unused]] detail::operand_extent gradient) {
+    if constexpr (fp8) {
+      activation_.reserve(exec, activation);
+      weight_.reserve(exec, weight);
+      gradient_.reserve(exec, gradient);
+    }
+  }
+
   //! c = alpha * op(a) op(b) + beta * c, a of role RA and b of role RB, matrices only.
+  //! Under fp8 the GPU's rules hold on every executor: K is padded with zeros, and N (c's
+  //! columns) must be a multiple of 16, else mpx::invalid_argument before anything runs.
   template <operand_role RA, operand_role RB, executor Exec, tensor_like A, tensor_like B, tensor_like C>
   void run(Exec const& exec, A&& a_in, B&& b_in, C&& c, gemm_options const& o = {},
            mpx::source_location loc = mpx::source_location::current()) {
@@ -143,7 +185,12 @@ class matrix_products {
         detail::fail<shape_error>("fp8 layer product", "expects matrices, got " + a.shape().to_string() + " and " +
                                                            b.shape().to_string(),
                                   loc);
-      // fp8_gemm's layout: A as [M, K] and B as [N, K], both K-contiguous.
+      // fp8_gemm's layout: A as [M, K] and B as [N, K], both K-contiguous, K padded.
+      // The GPU's rules are checked here on every executor, before any cast records an
+      // amax: a host run refuses the shapes a GPU would.
+      detail::gemm_dims d = detail::gemm_shapes(a.shape(), b.shape(), mpx::view(c).shape(), o, loc);
+      d.k = fp8_gemm_padded_extent(d.k);
+      detail::check_fp8_gemm_layout(d, gemm_options{.transpose_a = false, .transpose_b = true}, loc);
       auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a);
       auto const b8 = operand<RB>().cast(exec, b, o.transpose_b);
       fp8_gemm(exec, a8, operand<RA>().template state<Exec>().inverse_scale_data(), b8,
@@ -209,6 +256,15 @@ class matrix_products {
                      },
                      [this](std::function<void(float*)> reduce) { amax_reduction_ = std::move(reduce); }});
     }
+  }
+
+  //! Where a role's cast buffer is (nullptr before reserve), for tests that no step
+  //! moves it (fp8 policies only).
+  template <operand_role R>
+  [[nodiscard]] void const* cast_buffer() const
+    requires fp8
+  {
+    return const_cast<matrix_products*>(this)->template operand<R>().buffer_data();
   }
 
   //! The scale state of a role, for inspection and tests (fp8 policies only).

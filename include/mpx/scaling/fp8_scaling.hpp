@@ -195,40 +195,90 @@ void fp8_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::
 }
 
 #if MPX_HAS_CUDA
+//! fp8_cast_kernel over x [rows, cols] into out [rows, pitch] (pitch > cols): the
+//! columns past cols become zeros, which add nothing to a product (K padded for
+//! mpx::fp8_gemm).
+template <class Format, class In>
+__global__ void __launch_bounds__(block_size)
+    fp8_cast_padded_kernel(In const* x, Format* out, std::size_t rows, std::size_t cols, std::size_t pitch,
+                           fp8_scale_values* state) {
+  float const scale = state->scale;
+  Format const zero = from_bits<Format>(bits_t<Format>{0});
+  std::uint32_t m = 0;
+  std::size_t const n = rows * pitch;
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    std::size_t const r = i / pitch, c = i - r * pitch;
+    out[i] = c < cols ? fp8_scaled_element<Format>(x[r * cols + c], scale, m) : zero;
+  }
+  __shared__ std::uint32_t scratch[32];
+  m = block_all_reduce(m, max_magnitude_bits{}, scratch);
+  if (threadIdx.x == 0 && m != 0) atomicMax(&state->step_amax_bits, m);
+}
+#endif
+
+//! cast_to_fp8_padded's pass, host or CUDA: x [rows, cols] -> out [rows, pitch], zeros
+//! past cols, recording the amax. pitch == cols is cast_to_fp8's pass.
+template <class Exec, class Format, class In>
+void fp8_padded_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::size_t rows, std::size_t cols,
+                     std::size_t pitch, fp8_scale_values* state) {
+  if (pitch == cols) return fp8_pass<true, true>(exec, x, out, rows * cols, state);
+  if (rows == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    float const scale = state->scale;
+    Format const zero = from_bits<Format>(bits_t<Format>{0});
+    std::uint32_t m = 0;
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < pitch; ++c)
+        out[r * pitch + c] = c < cols ? fp8_scaled_element<Format>(x[r * cols + c], scale, m) : zero;
+    state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
+  } else {
+#if MPX_HAS_CUDA
+    fp8_cast_padded_kernel<<<grid_for(rows * pitch), block_size, 0, exec.stream()>>>(x, out, rows, cols, pitch, state);
+    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_padded_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+#if MPX_HAS_CUDA
 //! The side of the square tiles cast_to_fp8_transposed moves through shared memory.
 inline constexpr int fp8_transpose_tile = 32;
 
-//! out[b][j][i] = the scaled cast of x[b][i][j] (x [batch, rows, cols]), recording |x|'s
-//! amax with one atomic max per block. A block of block_size threads takes 32 x 32
+//! out[b][j][i] = the scaled cast of x[b][i][j] (x [batch, rows, cols], out [batch,
+//! cols, pitch] with pitch >= rows, zeros in i >= rows), recording |x|'s amax with one
+//! atomic max per block. A block of block_size threads takes 32 x 32
 //! tiles: it reads a tile along x's rows and writes it along out's, both coalesced,
 //! through shared memory that holds one fp8 value per 4-byte word in rows of 33 words,
 //! so that a column of the tile spans all 32 banks.
 template <class Format, class In>
 __global__ void __launch_bounds__(block_size)
     fp8_cast_transposed_kernel(In const* x, Format* out, std::int64_t batch, std::int64_t rows, std::int64_t cols,
-                               fp8_scale_values* state) {
+                               std::int64_t pitch, fp8_scale_values* state) {
   constexpr int tile = fp8_transpose_tile;
   constexpr int tile_rows = block_size / tile;  // rows of a tile one pass of the block covers
   __shared__ std::uint32_t cast_tile[tile][tile + 1];
   float const scale = state->scale;
   std::uint32_t m = 0;
   int const tx = static_cast<int>(threadIdx.x) % tile, ty = static_cast<int>(threadIdx.x) / tile;
-  std::int64_t const row_tiles = (rows + tile - 1) / tile, col_tiles = (cols + tile - 1) / tile;
+  std::int64_t const row_tiles = (pitch + tile - 1) / tile, col_tiles = (cols + tile - 1) / tile;
   for (std::int64_t b = blockIdx.z; b < batch; b += gridDim.z)
     for (std::int64_t tr = blockIdx.y; tr < row_tiles; tr += gridDim.y)
       for (std::int64_t tc = blockIdx.x; tc < col_tiles; tc += gridDim.x) {
         In const* xb = x + b * rows * cols;
-        Format* ob = out + b * rows * cols;
+        Format* ob = out + b * pitch * cols;
         std::int64_t const i0 = tr * tile, j0 = tc * tile;
         for (int r = ty; r < tile; r += tile_rows) {
           std::int64_t const i = i0 + r, j = j0 + tx;
           if (i < rows && j < cols) cast_tile[r][tx] = bits(fp8_scaled_element<Format>(xb[i * cols + j], scale, m));
+          else cast_tile[r][tx] = 0u;  // the padding's zeros
         }
         __syncthreads();
         for (int r = ty; r < tile; r += tile_rows) {
           std::int64_t const j = j0 + r, i = i0 + tx;
-          if (i < rows && j < cols)
-            ob[j * rows + i] = from_bits<Format>(static_cast<bits_t<Format>>(cast_tile[tx][r]));
+          if (i < pitch && j < cols)
+            ob[j * pitch + i] = from_bits<Format>(static_cast<bits_t<Format>>(cast_tile[tx][r]));
         }
         __syncthreads();  // the tile is rewritten by the next iteration
       }
@@ -239,20 +289,23 @@ __global__ void __launch_bounds__(block_size)
 #endif
 
 //! cast_to_fp8_transposed's pass, host or CUDA: x [batch, rows, cols] -> out [batch,
-//! cols, rows], recording the amax.
+//! cols, pitch] (pitch >= rows; zeros past rows), recording the amax.
 template <class Exec, class Format, class In>
 void fp8_transposed_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::int64_t batch,
-                         std::int64_t rows, std::int64_t cols, fp8_scale_values* state) {
-  if (batch == 0 || rows == 0 || cols == 0) return;
+                         std::int64_t rows, std::int64_t cols, std::int64_t pitch, fp8_scale_values* state) {
+  if (batch == 0 || pitch == 0 || cols == 0) return;
   if constexpr (is_host_executor_v<Exec>) {
     float const scale = state->scale;
+    Format const zero = from_bits<Format>(bits_t<Format>{0});
     std::uint32_t m = 0;
     for (std::int64_t b = 0; b < batch; ++b) {
       In const* xb = x + b * rows * cols;
-      Format* ob = out + b * rows * cols;
+      Format* ob = out + b * pitch * cols;
       for (std::int64_t i = 0; i < rows; ++i)
         for (std::int64_t j = 0; j < cols; ++j)
-          ob[j * rows + i] = fp8_scaled_element<Format>(xb[i * cols + j], scale, m);
+          ob[j * pitch + i] = fp8_scaled_element<Format>(xb[i * cols + j], scale, m);
+      for (std::int64_t j = 0; j < cols; ++j)
+        for (std::int64_t i = rows; i < pitch; ++i) ob[j * pitch + i] = zero;
     }
     state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
   } else {
@@ -262,8 +315,8 @@ void fp8_transposed_pass([[maybe_unused]] Exec const& exec, In const* x, Format*
       std::int64_t const tiles = (extent + fp8_transpose_tile - 1) / fp8_transpose_tile;
       return static_cast<unsigned>(tiles < limit ? tiles : limit);
     };
-    dim3 const grid(blocks(cols, 65535), blocks(rows, 65535), static_cast<unsigned>(batch < 65535 ? batch : 65535));
-    fp8_cast_transposed_kernel<<<grid, block_size, 0, exec.stream()>>>(x, out, batch, rows, cols, state);
+    dim3 const grid(blocks(cols, 65535), blocks(pitch, 65535), static_cast<unsigned>(batch < 65535 ? batch : 65535));
+    fp8_cast_transposed_kernel<<<grid, block_size, 0, exec.stream()>>>(x, out, batch, rows, cols, pitch, state);
     MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_transposed_kernel");
 #else
     kernels_need_nvcc<Exec>();
@@ -467,7 +520,65 @@ void cast_to_fp8_transposed(Exec const& exec, X&& x, fp8_tensor_scale<Format, Ex
     detail::fail<shape_error>("cast_to_fp8_transposed",
                               "out must have x's shape with the last two extents swapped; " + shapes);
   detail::require_disjoint("cast_to_fp8_transposed", "x", xv, "out", ov);
-  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], state.data());
+  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], xs[r - 2],
+                              state.data());
+}
+
+//! cast_to_fp8 (delayed scaling) into rows padded with zeros: x [..., K] gives out
+//! [..., Kp] with Kp >= K, the first K columns of each row cast as cast_to_fp8 casts
+//! them and the others +0, which add nothing to a product. Pads K to what mpx::fp8_gemm
+//! needs on the GPU (fp8_gemm_padded_extent(K)). The amax is recorded as by cast_to_fp8.
+//! Other extents than the last must agree, and Kp >= K (else mpx::shape_error naming
+//! both shapes); out must not overlap x. Asynchronous on a cuda_executor.
+template <executor Exec, tensor_like X, tensor_like Out, dtype8 Format>
+void cast_to_fp8_padded(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state, Out&& out,
+                        delayed_scaling const& = {}) {
+  auto const xv = mpx::view(x);
+  auto const ov = mpx::view(out);
+  detail::check_fp8_cast_types<Exec, decltype(xv), decltype(ov), Format>();
+  mpx::shape const& xs = xv.shape();
+  mpx::shape const& os = ov.shape();
+  std::size_t const r = xs.rank();
+  bool ok = r >= 1 && os.rank() == r && os[r - 1] >= xs[r - 1];
+  for (std::size_t i = 0; ok && i + 1 < r; ++i) ok = os[i] == xs[i];
+  if (!ok)
+    detail::fail<shape_error>("cast_to_fp8_padded", "out must have x's shape with the last extent as long or "
+                                                    "longer; x has shape " + xs.to_string() + ", out has shape " +
+                                                        os.to_string());
+  detail::require_disjoint("cast_to_fp8_padded", "x", xv, "out", ov);
+  auto const cols = static_cast<std::size_t>(xs[r - 1]);
+  auto const pitch = static_cast<std::size_t>(os[r - 1]);
+  detail::fp8_padded_pass(exec, xv.data(), ov.data(), pitch ? ov.size() / pitch : 0, cols, pitch, state.data());
+}
+
+//! cast_to_fp8_transposed into rows padded with zeros: x [R, C] gives out [C, Rp] with
+//! Rp >= R (a batch [B, R, C] gives [B, C, Rp]), out[j][i] the cast of x[i][j] for i < R
+//! and +0 beyond: the K-contiguous operand of mpx::fp8_gemm with K = R padded
+//! (fp8_gemm_padded_extent(R)). The amax is recorded as by cast_to_fp8. Other shapes are
+//! an mpx::shape_error naming both; out must not overlap x. Asynchronous on a
+//! cuda_executor.
+template <executor Exec, tensor_like X, tensor_like Out, dtype8 Format>
+void cast_to_fp8_transposed_padded(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state, Out&& out,
+                                   delayed_scaling const& = {}) {
+  auto const xv = mpx::view(x);
+  auto const ov = mpx::view(out);
+  detail::check_fp8_cast_types<Exec, decltype(xv), decltype(ov), Format>();
+  mpx::shape const& xs = xv.shape();
+  mpx::shape const& os = ov.shape();
+  std::size_t const r = xs.rank();
+  std::string const shapes = "x has shape " + xs.to_string() + ", out has shape " + os.to_string();
+  if (r != 2 && r != 3)
+    detail::fail<shape_error>("cast_to_fp8_transposed_padded",
+                              "x must be a matrix [rows, cols] or a batch of them [batch, rows, cols]; " + shapes);
+  bool const transposed =
+      os.rank() == r && os[r - 2] == xs[r - 1] && os[r - 1] >= xs[r - 2] && (r == 2 || os[0] == xs[0]);
+  if (!transposed)
+    detail::fail<shape_error>("cast_to_fp8_transposed_padded",
+                              "out must have x's shape with the last two extents swapped, its last as long as x's "
+                              "rows or longer; " + shapes);
+  detail::require_disjoint("cast_to_fp8_transposed_padded", "x", xv, "out", ov);
+  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], os[r - 1],
+                              state.data());
 }
 
 //! Current scaling: the amax of x first (one pass), the scale from it
