@@ -11,6 +11,7 @@
 
 #include "support/testing.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -48,12 +49,14 @@ bool same_on_every_rank(std::uint64_t h) {
   return true;
 }
 
-// Labelled points in the plane, class = quadrant, as a [N, 2, 1, 1] image set.
-mpx::image_dataset quadrant_images(std::size_t n, std::uint64_t stream) {
+// Labelled points in the plane, class = quadrant, as a [N, width, 1, 1] image set (x and
+// y repeated across the width: fp8 layers take inputs a multiple of 16 wide).
+mpx::image_dataset quadrant_images(std::size_t n, std::uint64_t stream, std::size_t width = 2) {
   auto xy = mpx_test::random_values<float>(2 * n, -1.0, 1.0, stream);
   mpx::image_dataset d;
-  d.images = mpx::tensor<float>(mpx::host_executor{}, mpx::shape{static_cast<std::int64_t>(n), 2, 1, 1});
-  std::copy(xy.begin(), xy.end(), d.images.data());
+  d.images = mpx::tensor<float>(mpx::host_executor{}, mpx::shape{static_cast<std::int64_t>(n), static_cast<std::int64_t>(width), 1, 1});
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < width; ++j) d.images.data()[i * width + j] = xy[2 * i + j % 2];
   d.num_classes = 4;
   for (std::size_t i = 0; i < n; ++i) d.labels.push_back((xy[2 * i] > 0 ? 1 : 0) + (xy[2 * i + 1] > 0 ? 2 : 0));
   return d;
@@ -62,6 +65,15 @@ mpx::image_dataset quadrant_images(std::size_t n, std::uint64_t stream) {
 template <class P>
 auto small_model(std::int64_t width = 16) {
   return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(width, mpx::activation::tanh), mpx::dense<>(4),
+                            mpx::softmax_layer<mpx::float32>());
+}
+
+// Two fp8 layers on 16-wide inputs (the GPU's rules hold on every executor: an fp8
+// product's N, the units or the input width, a multiple of 16), the last out of fp8.
+auto small_fp8_model() {
+  using P = mpx::mixed_fp8;
+  return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(16, mpx::activation::tanh),
+                            mpx::dense<>(16, mpx::activation::tanh), mpx::dense<mpx::without_fp8<P>>(4),
                             mpx::softmax_layer<mpx::float32>());
 }
 
@@ -163,6 +175,129 @@ TEST_CASE("a NaN or inf on one rank reaches every rank's result", "[dist]") {
   });
 }
 
+namespace nan_keys {
+
+// The max the keys must give: the larger value, a NaN whenever either is one (-0 < +0).
+double expected_max(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::quiet_NaN();
+  if (a == b) return std::signbit(a) ? b : a;
+  return a > b ? a : b;
+}
+
+// Every value of a 16-bit format, in order of value (NaNs apart): keys strictly increase
+// along it, every NaN's key is above +inf's, and each key turns back into its value (a
+// NaN with its sign cleared, its payload kept); negated keys order -x.
+template <class T>
+void check_every_16_bit_value() {
+  INFO(mpx::dtype_name<T>);
+  using B = mpx::detail::bits_t<T>;
+  std::vector<T> numbers, nans;
+  for (std::uint32_t b = 0; b <= 0xFFFFu; ++b) {
+    T const x = mpx::detail::from_bits<T>(static_cast<B>(b));
+    (mpx::is_nan(x) ? nans : numbers).push_back(x);
+  }
+  std::sort(numbers.begin(), numbers.end(), [](T a, T b) {
+    double const x = mpx::detail::to_double(a), y = mpx::detail::to_double(b);
+    return x < y || (x == y && std::signbit(x) && !std::signbit(y));  // -0 before +0
+  });
+  REQUIRE(numbers.size() == 65536 - nans.size());
+  B const inf_key = mpx::detail::nan_keeping_max_key(mpx::cast<T>(std::numeric_limits<float>::infinity()));
+  std::size_t bad_order = 0, bad_round_trip = 0, bad_negated = 0;
+  for (std::size_t i = 0; i < numbers.size(); ++i) {
+    B const k = mpx::detail::nan_keeping_max_key(numbers[i]);
+    if (i && !(mpx::detail::nan_keeping_max_key(numbers[i - 1]) < k)) ++bad_order;
+    if (mpx::bits(mpx::detail::from_nan_keeping_max_key<T>(k)) != mpx::bits(numbers[i])) ++bad_round_trip;
+    // The negated key orders -x: the order reverses.
+    if (i && !(mpx::detail::nan_keeping_max_key(numbers[i - 1], true) > mpx::detail::nan_keeping_max_key(numbers[i], true)))
+      ++bad_negated;
+    if (mpx::bits(mpx::detail::from_nan_keeping_max_key<T>(mpx::detail::nan_keeping_max_key(numbers[i], true), true)) !=
+        mpx::bits(numbers[i]))
+      ++bad_negated;
+  }
+  CHECK(bad_order == 0);
+  CHECK(bad_round_trip == 0);
+  CHECK(bad_negated == 0);
+  std::size_t nan_not_highest = 0, nan_lost = 0;
+  for (T const x : nans) {
+    for (bool negated : {false, true}) {
+      B const k = mpx::detail::nan_keeping_max_key(x, negated);
+      if (!(k > inf_key)) ++nan_not_highest;
+      T const back = mpx::detail::from_nan_keeping_max_key<T>(k, negated);
+      if (!mpx::is_nan(back) || (mpx::bits(back) & B(~mpx::dtype_traits<T>::sign_mask)) !=
+                                     (mpx::bits(x) & B(~mpx::dtype_traits<T>::sign_mask)))
+        ++nan_lost;  // the payload survives
+    }
+  }
+  CHECK(nan_not_highest == 0);
+  CHECK(nan_lost == 0);
+}
+
+template <class T>
+T max_through_keys(T a, T b) {
+  auto const k = std::max(mpx::detail::nan_keeping_max_key(a), mpx::detail::nan_keeping_max_key(b));
+  return mpx::detail::from_nan_keeping_max_key<T>(k);
+}
+template <class T>
+T min_through_keys(T a, T b) {
+  auto const k = std::max(mpx::detail::nan_keeping_max_key(a, true), mpx::detail::nan_keeping_max_key(b, true));
+  return mpx::detail::from_nan_keeping_max_key<T>(k, true);
+}
+
+}  // namespace nan_keys
+
+// NCCL's float max keeps the non-NaN operand: nccl_communicator reduces these keys as
+// integers instead. Exhaustive for the 16-bit formats; edge cases for float and double.
+TEST_CASE("nan_keeping_max_key: integer order is value order, every NaN on top", "[dist][nccl_keys]") {
+  nan_keys::check_every_16_bit_value<mpx::half>();
+  nan_keys::check_every_16_bit_value<mpx::bfloat16>();
+
+  auto check_wide = [](auto t) {
+    using T = decltype(t);
+    using B = mpx::detail::bits_t<T>;
+    using lim = std::numeric_limits<T>;
+    INFO((sizeof(T) == 4 ? "float" : "double"));
+    B const sign = B(B(1) << (8 * sizeof(T) - 1));
+    T const nan_payload = mpx::detail::bit_cast<T>(B(mpx::detail::bit_cast<B>(lim::quiet_NaN()) | B(5)));
+    T const negative_nan = mpx::detail::bit_cast<T>(B(mpx::detail::bit_cast<B>(lim::quiet_NaN()) | sign));
+    T const signalling_nan = mpx::detail::bit_cast<T>(B(mpx::detail::bit_cast<B>(lim::infinity()) | B(1)));
+    // In order of value.
+    std::vector<T> const ordered = {-lim::infinity(), -lim::max(), T(-1e10), T(-1), -lim::min(),
+                                    -lim::denorm_min() * 3, -lim::denorm_min(), T(-0.0), T(0.0), lim::denorm_min(),
+                                    lim::denorm_min() * 3, lim::min(), T(0.5), T(1), T(3), lim::max(), lim::infinity()};
+    for (std::size_t i = 0; i < ordered.size(); ++i) {
+      INFO("value " << static_cast<double>(ordered[i]) << (std::signbit(ordered[i]) ? " (sign set)" : ""));
+      B const k = mpx::detail::nan_keeping_max_key(ordered[i]);
+      if (i) CHECK(mpx::detail::nan_keeping_max_key(ordered[i - 1]) < k);
+      if (i) CHECK(mpx::detail::nan_keeping_max_key(ordered[i - 1], true) > mpx::detail::nan_keeping_max_key(ordered[i], true));
+      CHECK(mpx::detail::bit_cast<B>(mpx::detail::from_nan_keeping_max_key<T>(k)) == mpx::detail::bit_cast<B>(ordered[i]));
+      for (T const n : {lim::quiet_NaN(), nan_payload, negative_nan, signalling_nan}) {
+        CHECK(mpx::detail::nan_keeping_max_key(n) > k);
+        CHECK(mpx::detail::nan_keeping_max_key(n, true) > mpx::detail::nan_keeping_max_key(ordered[i], true));
+        CHECK(std::isnan(nan_keys::max_through_keys(ordered[i], n)));
+        CHECK(std::isnan(nan_keys::max_through_keys(n, ordered[i])));
+        CHECK(std::isnan(nan_keys::min_through_keys(ordered[i], n)));
+        CHECK(std::isnan(nan_keys::min_through_keys(n, ordered[i])));
+      }
+      for (T const other : ordered) {
+        double const want = nan_keys::expected_max(static_cast<double>(ordered[i]), static_cast<double>(other));
+        T const got = nan_keys::max_through_keys(ordered[i], other);
+        CHECK(static_cast<double>(got) == want);
+        CHECK(std::signbit(got) == std::signbit(want));
+        double const want_min = -nan_keys::expected_max(-static_cast<double>(ordered[i]), -static_cast<double>(other));
+        T const got_min = nan_keys::min_through_keys(ordered[i], other);
+        CHECK(static_cast<double>(got_min) == want_min);
+        CHECK(std::signbit(got_min) == std::signbit(want_min));
+      }
+    }
+    // A NaN's payload comes back (its sign cleared), so a max of NaNs is one of them.
+    CHECK(mpx::detail::bit_cast<B>(nan_keys::max_through_keys(nan_payload, T(1))) == mpx::detail::bit_cast<B>(nan_payload));
+    CHECK(mpx::detail::bit_cast<B>(nan_keys::max_through_keys(negative_nan, T(1))) ==
+          B(mpx::detail::bit_cast<B>(negative_nan) & B(~sign)));
+  };
+  check_wide(float{});
+  check_wide(double{});
+}
+
 TEST_CASE("broadcast, all_gather_values, all_reduce_values and barrier", "[dist]") {
   mpx::host_executor exec;
   int const root = comm().size() - 1;
@@ -240,7 +375,7 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
     static_cast<mpx::half*>(g.data())[2] = mpx::cast<mpx::half>(std::numeric_limits<float>::quiet_NaN());
   };
   mpx::replica_hooks alone;  // one process; the hook only poisons
-  alone.after_backward = [&] {
+  alone.after_backward = [&](mpx::step_executor) {
     if (step == poisoned_step) poison(reference_opt);
   };
   one.run_as_replica(alone);
@@ -262,19 +397,19 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   auto const average = hooks.after_backward;
   auto const reduce_final = hooks.gradients_final;
   std::size_t poisoned_at = steps;
-  hooks.gradients_final = [&](std::size_t first) {
+  hooks.gradients_final = [&](mpx::step_executor at, std::size_t first) {
     // The poisoned gradient (index 1) is final once `first` reaches it: poison it before
     // its bucket's all-reduce starts, as an overflow in this rank's backward would.
     if (step == poisoned_step && comm().rank() == ranks - 1 && first <= 1 && poisoned_at != step) {
       poison(opt);
       poisoned_at = step;
     }
-    reduce_final(first);
+    reduce_final(at, first);
   };
   std::size_t started_early = 0;
-  hooks.after_backward = [&] {
+  hooks.after_backward = [&](mpx::step_executor at) {
     started_early += dp.buckets_started();  // begun during the backward pass, layer by layer
-    average();
+    average(at);
   };
   trainer.run_as_replica(hooks);
   step = 0;
@@ -318,14 +453,14 @@ TEST_CASE("fp8 scales under data parallelism follow the global amax, the same on
   mpx::host_executor exec;
   int const ranks = comm().size();
   std::size_t const local_batch = 16, steps = 4;
-  auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 21);
+  auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 21, 16);
   auto fp8_state = [&](auto& model) -> auto& {  // the first dense layer's input scale
     return model.template layer<1>().products().template scale<mpx::operand_role::activation>(exec);
   };
 
   // One process with the global batch: its first layer's input amax is the global one.
-  auto reference = small_model<mpx::mixed_fp8>();
-  reference.build(exec, {2, 1, 1}, 1);
+  auto reference = small_fp8_model();
+  reference.build(exec, {16, 1, 1}, 1);
   auto reference_opt = sgd_with_dynamic_scale(exec, reference);
   mpx::batch_loader<mpx::host_executor, mpx::bfloat16> global(exec, data, {.batch_size = local_batch * ranks, .seed = 9});
   {
@@ -334,8 +469,8 @@ TEST_CASE("fp8 scales under data parallelism follow the global amax, the same on
     while (auto b = global.next()) one.step(exec, b->images, b->labels);
   }
 
-  auto model = small_model<mpx::mixed_fp8>();
-  model.build(exec, {2, 1, 1}, 1);
+  auto model = small_fp8_model();
+  model.build(exec, {16, 1, 1}, 1);
   auto opt = sgd_with_dynamic_scale(exec, model);
   mpx::data_parallel dp(exec, comm(), opt);
   mpx::batch_loader<mpx::host_executor, mpx::bfloat16> shard(

@@ -5,6 +5,7 @@
 // records, the CSV log, and save/load round trips and refusals.
 #include "../support/testing.hpp"
 
+#include <mpx/layers/attention.hpp>
 #include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/dropout.hpp>
@@ -454,6 +455,132 @@ TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]",
   CHECK_THROWS_TYPE_WITH(mpx::dense<mpx::float32>(0), mpx::invalid_argument, Catch::Contains("units"));
 }
 
+namespace test_model_replicas {
+
+// A call of a replica hook: which ('f' gradients_final, 'b' after_backward, 's' after_step,
+// 'm' max_in_place), the executor it was given, and whether that stream was being
+// captured into a CUDA graph at the time.
+struct hook_call {
+  char hook;
+  mpx::step_executor at;
+  bool capturing;
+};
+
+inline bool stream_capturing([[maybe_unused]] mpx::step_executor at) {
+#if MPX_HAS_CUDA
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MPX_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(at.stream()), &status));
+  return status == cudaStreamCaptureStatusActive;
+#else
+  return false;
+#endif
+}
+
+using pure_bfloat16 = mpx::policy<mpx::bfloat16, mpx::bfloat16, float, mpx::bfloat16>;
+
+}  // namespace test_model_replicas
+
+// A data-parallel job's collectives must run where the step does: in graph mode that is
+// the trainer's own stream (and, at capture, they must be captured with the step), not
+// the caller's. Recording hooks see what each was given; an fp8 layer calls max_in_place.
+TEMPLATE_LIST_TEST_CASE("replica hooks are given the executor the step runs on, in graph mode too", "[model][dist]",
+                        mpx_test::executors) {
+  using test_model_replicas::hook_call;
+  TestType exec;
+  auto const points = quadrants<TestType, mpx::bfloat16>(exec, 96, 31);
+  for (bool graph : {false, true}) {
+    INFO((graph ? "graph mode" : "eager"));
+    // fp8 in the middle layer only (on the GPU, fp8 products need K and N multiples of 16).
+    auto model = mpx::sequential<mpx::mixed_bfloat16>(mpx::dense<>(16, mpx::activation::tanh),
+                                                      mpx::dense<mpx::mixed_fp8>(16, mpx::activation::tanh),
+                                                      mpx::dense<>(4), mpx::softmax_layer<mpx::float32>());
+    model.build(exec, {2}, 1);
+    auto optimizer = mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.1f),
+                                               mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.use_cuda_graph(graph);
+    std::vector<hook_call> calls;
+    auto note = [&](char hook, mpx::step_executor at) {
+      calls.push_back({hook, at, test_model_replicas::stream_capturing(at)});
+    };
+    mpx::replica_hooks hooks;
+    hooks.gradients_final = [&](mpx::step_executor at, std::size_t) { note('f', at); };
+    hooks.after_backward = [&](mpx::step_executor at) { note('b', at); };
+    hooks.after_step = [&](mpx::step_executor at) { note('s', at); };
+    hooks.max_in_place = [&](mpx::step_executor at, float*) { note('m', at); };
+    trainer.run_as_replica(hooks);
+    auto data = points.batches(32);  // three steps of one shape: eager, captured, replayed in graph mode
+    data.start_epoch(0);
+    while (auto b = data.next()) trainer.step(exec, b->images, b->labels);
+    REQUIRE(trainer.history(exec).size() == 3);
+
+    bool const replays = graph && !mpx::is_host_executor_v<TestType>;
+    std::size_t const bodies = replays ? 2 : 3;  // a replay calls no hook: its work is in the graph
+    mpx::step_executor const caller(exec);
+    auto count = [&](char hook) { return std::count_if(calls.begin(), calls.end(), [&](auto const& c) { return c.hook == hook; }); };
+    CHECK(count('s') == 3);
+    CHECK(count('b') == static_cast<std::ptrdiff_t>(bodies));
+    CHECK(count('f') >= static_cast<std::ptrdiff_t>(bodies));
+    CHECK(count('m') == static_cast<std::ptrdiff_t>(3 * bodies));  // three fp8 roles per step
+    std::size_t body = 0;
+    for (auto const& c : calls) {
+      INFO("hook " << c.hook << " of step body " << body);
+      if (c.hook == 's') {
+        CHECK(c.at == caller);  // after the step, on the caller's executor
+        CHECK_FALSE(c.capturing);
+        continue;
+      }
+      if (replays) {
+        CHECK(c.at != caller);  // the trainer's own stream...
+        CHECK(c.at == calls.front().at);  // ... the same for every hook of every step
+        CHECK(c.capturing == (body == 1));  // the second step is captured, hooks included
+      } else {
+        CHECK(c.at == caller);
+        CHECK_FALSE(c.capturing);
+      }
+      if (c.hook == 'b') ++body;
+    }
+  }
+}
+
+// What a captured graph bakes in besides the buffers: the optimizer's rounding seed
+// (restored by load) and the replica hooks (run_as_replica) must be seen as changes.
+TEMPLATE_LIST_TEST_CASE("a trainer's graph state follows the rounding seed a load restores and run_as_replica",
+                        "[model][dist]", mpx_test::executors) {
+  using P = test_model_replicas::pure_bfloat16;
+  TestType exec;
+  fs::path const dir = scratch_dir("graph_state");
+  auto make_optimizer = [&](auto& model, std::uint64_t seed) {
+    return mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.1f, {}, mpx::master_weights_for<P>(true, seed)),
+                                     mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  };
+  auto other = quadrant_model<P>();
+  other.build(exec, {2}, 2);
+  auto other_optimizer = make_optimizer(other, 99);
+  other_optimizer.optimizer().save(exec, dir / "seed_99.mpx");
+
+  auto model = quadrant_model<P>();
+  model.build(exec, {2}, 1);
+  auto optimizer = make_optimizer(model, 5);
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  auto const initial = trainer.graph_state_now();
+  CHECK(initial.stochastic_rounding);
+  CHECK(trainer.graph_state_now() == initial);
+  optimizer.optimizer().load(exec, dir / "seed_99.mpx");
+  REQUIRE(optimizer.optimizer().master_options().seed == 99);
+  auto const loaded = trainer.graph_state_now();
+  CHECK_FALSE(loaded == initial);
+  trainer.run_as_replica(mpx::replica_hooks{});
+  auto const replica = trainer.graph_state_now();
+  CHECK_FALSE(replica == loaded);
+  trainer.run_as_replica(mpx::replica_hooks{});  // hooks installed again: what a graph captured is stale
+  auto const again = trainer.graph_state_now();
+  CHECK_FALSE(again == replica);
+  optimizer.optimizer().rule().learning_rate.rate = 0.05f;  // as before the fix: the rule's values
+  CHECK_FALSE(trainer.graph_state_now() == again);
+  fs::remove_all(dir);
+}
+
 #if MPX_HAS_CUDA
 // On the legacy default stream (a default cuda_executor), through a dropout layer, with
 // the model's buffers moved by a larger evaluate batch, and the learning rate changed and
@@ -510,6 +637,52 @@ TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit fo
   };
   compare(mpx::half{});
   compare(float{});
+}
+
+// Pure bfloat16 with stochastic rounding: the rounding's seed is a kernel argument of the
+// captured optimizer step. A load between epochs restores another seed: the replays
+// after it must draw with that seed, as eager steps do.
+TEST_CASE("a graph-mode step rounds with the seed a load restored, as eager steps do", "[model][cuda]") {
+  using P = test_model_replicas::pure_bfloat16;
+  mpx::cuda_executor exec;
+  using space = mpx::device_space;
+  fs::path const dir = scratch_dir("graph_seed");
+  auto make_optimizer = [&](auto& model, std::uint64_t seed) {
+    return mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.1f, {}, mpx::master_weights_for<P>(true, seed)),
+                                     mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  };
+  {
+    auto other = quadrant_model<P>();
+    other.build(exec, {2}, 2);
+    auto other_optimizer = make_optimizer(other, 99);
+    other_optimizer.optimizer().save(exec, dir / "seed_99.mpx");
+  }
+  auto const points = quadrants<mpx::cuda_executor, mpx::bfloat16>(exec, 256, 25);
+  auto train = [&](bool graph) {
+    auto data = points.batches(64);
+    auto model = quadrant_model<P>();
+    model.build(exec, {2}, 1);
+    auto optimizer = make_optimizer(model, 5);
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.use_cuda_graph(graph);
+    for (std::size_t epoch = 0; epoch < 2; ++epoch) {
+      data.start_epoch(epoch);
+      while (auto b = data.next()) trainer.step(exec, b->images, b->labels);
+      if (epoch == 0) optimizer.optimizer().load(exec, dir / "seed_99.mpx");
+    }
+    return std::pair(trainer.history(exec), mpx_test::download(exec, model.template layer<0>().template kernel<space>()));
+  };
+  auto const [eager_records, eager_weights] = train(false);
+  auto const [graph_records, graph_weights] = train(true);
+  REQUIRE(eager_records.size() == 8);
+  REQUIRE(graph_records.size() == 8);
+  for (std::size_t i = 0; i < 8; ++i) {
+    INFO("step " << i);
+    CHECK(graph_records[i].loss == eager_records[i].loss);
+    CHECK(graph_records[i].correct == eager_records[i].correct);
+  }
+  CHECK(mpx_test::first_mismatch(graph_weights, eager_weights).empty());
+  fs::remove_all(dir);
 }
 #endif
 
@@ -674,3 +847,121 @@ TEMPLATE_LIST_TEST_CASE("the step record kernel writes every field from its sour
   CHECK(r.samples == 1);
   CHECK(r.gradient_norm == 3.75f);
 }
+
+// A CUDA graph holds the addresses of every buffer a step uses, and is captured again
+// only when the model's buffer_generation changes. So no buffer a step uses may move
+// without it: the fp8 layers' cast buffers and attention's gradient buffers are made in
+// reserve (on the caller's executor), never inside a step. The sequence that moved them
+// unseen: a step at a small batch, an evaluate at a large one (reserves, forward only),
+// then a step at a middle batch (its backward grew the gradients' buffers).
+namespace fp8_buffers {
+
+//! An fp8 dense layer and an attention layer (samples [4 tokens, 16]), then a classifier.
+inline auto make_model() {
+  using P = mpx::mixed_fp8;
+  return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu), mpx::causal_self_attention<mpx::without_fp8<P>>(2),
+                            mpx::flatten<>(), mpx::dense<mpx::without_fp8<P>>(3), mpx::softmax_layer<mpx::float32>());
+}
+
+//! n samples for it and their labels, in the executor's memory.
+template <class Exec>
+auto batch(Exec const& exec, std::int64_t n) {
+  auto const x = mpx_test::random_values<mpx::bfloat16>(static_cast<std::size_t>(n * 64), -1, 1, 70 + static_cast<std::uint64_t>(n));
+  std::vector<std::int32_t> labels(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
+  return std::pair(mpx_test::upload(exec, x, {n, 4, 16}), mpx_test::upload(exec, labels, {n}));
+}
+
+}  // namespace fp8_buffers
+
+TEMPLATE_LIST_TEST_CASE("no step moves an fp8 or attention buffer without the model's buffer generation changing",
+                        "[model][fp8]", mpx_test::executors) {
+  using space = mpx::memory_space_t<TestType>;
+  TestType exec;
+  auto model = fp8_buffers::make_model();
+  model.build(exec, {4, 16}, 1);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.01f),
+                                             mpx::static_loss_scaler(exec, 1.0f));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  auto batch = [&](std::int64_t n) { return fp8_buffers::batch(exec, n); };
+  auto buffers = [&] {
+    auto const& products = model.template layer<0>().products();
+    auto const attention = model.template layer<1>().gradient_buffers();
+    return std::vector<void const*>{products.template cast_buffer<mpx::operand_role::activation>(),
+                                    products.template cast_buffer<mpx::operand_role::weight>(),
+                                    products.template cast_buffer<mpx::operand_role::gradient>(), attention[0],
+                                    attention[1]};
+  };
+  auto step = [&](std::int64_t n) {
+    auto const [x, y] = batch(n);
+    trainer.step(exec, mpx::tensor_view<mpx::bfloat16 const, space>(mpx::view(x)),
+                 mpx::tensor_view<std::int32_t const, space>(mpx::view(y)));
+  };
+  step(2);
+  for (void const* b : buffers()) CHECK(b != nullptr);  // all made by the first step's reserve
+  auto generation = model.buffer_generation();
+  auto seen = buffers();
+  auto check_unmoved_or_counted = [&](char const* what) {
+    INFO(what);
+    auto const now = buffers();
+    if (now != seen) CHECK(model.buffer_generation() != generation);
+    generation = model.buffer_generation();
+    seen = now;
+  };
+  {
+    auto const [x, y] = batch(8);
+    static_cast<void>(model.forward(exec, mpx::tensor_view<mpx::bfloat16 const, space>(mpx::view(x)), false));
+  }
+  check_unmoved_or_counted("evaluate at batch 8");
+  step(5);
+  check_unmoved_or_counted("a step at batch 5, after the evaluate");
+  CHECK(model.buffer_generation() == generation);  // a step below the reserved batch reserves nothing
+  step(8);
+  check_unmoved_or_counted("a step at batch 8");
+  auto const records = trainer.history(exec);
+  REQUIRE(records.size() == 3);
+  for (auto const& r : records) CHECK(std::isfinite(r.loss));
+}
+
+#if MPX_HAS_CUDA
+// Graph mode runs each step on the trainer's own stream, which goes with the trainer; the
+// model lives on. A buffer first made inside such a step (an fp8 cast buffer, attention's
+// gradients) would be freed later, when a larger batch reserves again, on that destroyed
+// stream. They are made in reserve, on the caller's stream. (Run under compute-sanitizer
+// by the GPU kit: a free on a destroyed stream is an error there.)
+TEST_CASE("an fp8 and attention model outlives its graph-mode trainer and grows its buffers after it",
+          "[model][cuda][fp8]") {
+  mpx::cuda_executor exec;
+  int device = 0, major = 0, minor = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major * 10 + minor < 89) {
+    WARN("this GPU has no fp8 tensor cores: skipped");
+    return;
+  }
+  using space = mpx::device_space;
+  auto model = fp8_buffers::make_model();
+  model.build(exec, {4, 16}, 1);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.01f),
+                                             mpx::static_loss_scaler(exec, 1.0f));
+  {
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.use_cuda_graph(true);
+    auto const [x, y] = fp8_buffers::batch(exec, 13);  // ragged: the weight gradient's K (52 rows) is padded
+    for (int i = 0; i < 4; ++i)  // eager, capture, replays
+      trainer.step(exec, mpx::tensor_view<mpx::bfloat16 const, space>(mpx::view(x)),
+                   mpx::tensor_view<std::int32_t const, space>(mpx::view(y)));
+    auto const records = trainer.history(exec);
+    REQUIRE(records.size() == 4);
+    for (auto const& r : records) CHECK(std::isfinite(r.loss));
+  }
+  // The trainer and its stream are gone: a larger batch reserves again and frees the old
+  // buffers, on the stream they were made on.
+  auto const [x, y] = fp8_buffers::batch(exec, 40);
+  auto const out = mpx_test::download(
+      exec, model.forward(exec, mpx::tensor_view<mpx::bfloat16 const, space>(mpx::view(x)), false));
+  for (float p : out) CHECK(std::isfinite(p));
+  MPX_CUDA_CHECK(cudaDeviceSynchronize());
+}
+#endif

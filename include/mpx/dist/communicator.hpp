@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace mpx {
@@ -84,6 +85,38 @@ inline std::string rank_list(std::vector<int> const& ranks) {
     out += std::to_string(ranks[i]);
   }
   return out;
+}
+
+//! A floating value's bits as an unsigned key whose integer order is the value's order,
+//! -inf < ... < -0 < +0 < ... < +inf, with every NaN above +inf: a NaN's sign bit is
+//! cleared first (a "-NaN" would otherwise rank lowest), its payload orders NaNs among
+//! themselves. The integer max of keys is then a float max that keeps NaN, which a
+//! transport's own float max need not be (NCCL's ncclMax keeps the other operand).
+//! Positive values get the sign bit set, negative ones all bits flipped (larger
+//! magnitudes, smaller keys). `negated` makes the key of -x: min(x) = -max(-x), NaN
+//! still kept. For half, bfloat16, float and double (16-, 32- and 64-bit keys).
+template <class T>
+MPX_HD constexpr bits_t<T> nan_keeping_max_key(T x, bool negated = false) noexcept {
+  using B = bits_t<T>;
+  constexpr B sign = B(B(1) << (8 * sizeof(T) - 1));
+  B b = bit_cast<B>(x);
+  if (negated) b = B(b ^ sign);
+  bool nan = false;
+  if constexpr (std::is_same_v<T, double>) nan = x != x;
+  else nan = is_nan(x);
+  if (nan) b = B(b & B(~sign));
+  return (b & sign) ? B(~b) : B(b | sign);
+}
+
+//! The value of a nan_keeping_max_key (a NaN comes back with its sign bit cleared, or
+//! set when `negated`).
+template <class T>
+MPX_HD constexpr T from_nan_keeping_max_key(bits_t<T> key, bool negated = false) noexcept {
+  using B = bits_t<T>;
+  constexpr B sign = B(B(1) << (8 * sizeof(T) - 1));
+  B b = (key & sign) ? B(key ^ sign) : B(~key);
+  if (negated) b = B(b ^ sign);
+  return bit_cast<T>(b);
 }
 
 //! The dtypes a gradient all-reduce carries.

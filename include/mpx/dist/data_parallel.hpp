@@ -84,7 +84,7 @@ std::string describe(parameter<Space> const& p) {
 //!   mpx::mpi_communicator comm;
 //!   auto model = ...; auto opt = mpx::loss_scale_optimizer(...);
 //!   mpx::data_parallel dp(exec, comm, opt);          // checks the models, copies rank 0's weights
-//!   mpx::fit(exec, model, opt, train, {.replicas = dp.hooks(exec)});
+//!   mpx::fit(exec, model, opt, train, {.replicas = dp.hooks()});
 template <communicator Comm>
 class data_parallel {
  public:
@@ -208,20 +208,30 @@ class data_parallel {
                           comm_->rank() == 0 ? "failed on rank 0: " + why : "failed on rank 0 (its message is in rank 0's output)");
   }
 
-  //! What classifier_trainer and fit call when they run as this replica.
-  [[nodiscard]] replica_hooks hooks(executor_type const& exec) {
+  //! What classifier_trainer and fit call when they run as this replica. Each hook acts
+  //! on the executor of the step that calls it (replica_hooks passes it): a graph-mode
+  //! step runs on the trainer's own stream, and its collectives must be ordered after its
+  //! backward pass and before its optimizer step there (and be captured with it).
+  [[nodiscard]] replica_hooks hooks() {
     replica_hooks h;
     h.rank = comm_->rank();
     h.count = static_cast<std::size_t>(comm_->size());
-    h.gradients_final = [this, exec](std::size_t first) { gradients_final_from(exec, first); };
-    h.after_backward = [this, exec] { all_reduce_gradients(exec); };
-    if (options_.check_replicas_agree) h.after_step = [this, exec] { check_replicas_agree(exec); };
+    h.gradients_final = [this](step_executor at, std::size_t first) {
+      gradients_final_from(at.as<executor_type>(), first);
+    };
+    h.after_backward = [this](step_executor at) { all_reduce_gradients(at.as<executor_type>()); };
+    if (options_.check_replicas_agree)
+      h.after_step = [this](step_executor at) { check_replicas_agree(at.as<executor_type>()); };
     h.sum_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::sum); };
-    h.max_in_place = [this, exec](float* x) {
-      comm_->all_reduce(exec, tensor_view<float, memory_space_t<executor_type>>(x, shape{1}), reduce_op::max);
+    h.max_in_place = [this](step_executor at, float* x) {
+      comm_->all_reduce(at.as<executor_type>(), tensor_view<float, memory_space_t<executor_type>>(x, shape{1}),
+                        reduce_op::max);
     };
     return h;
   }
+  //! The same hooks: `exec` is not kept (each hook runs on its step's executor). For the
+  //! callers that name the executor, as `dp.hooks(exec)` reads.
+  [[nodiscard]] replica_hooks hooks(executor_type const& /*exec*/) { return hooks(); }
 
  private:
   struct member {

@@ -4,20 +4,25 @@
 // 0 through any bootstrap communicator (mpx::mpi_communicator: `nccl_communicator(exec,
 // mpi)`), or through a file on a shared filesystem for launchers without MPI.
 // A collective that has not completed `timeout` after it was enqueued is found by
-// poll() (data_parallel calls it every step): the communicator is aborted and
-// mpx::collective_error names the collective. Needs the CUDA runtime and NCCL (-lnccl);
-// not included by <mpx/mpx.hpp>.
+// poll() (every collective enqueued outside a graph capture calls it first; so may you):
+// the communicator is aborted and mpx::collective_error names the collective. A max or
+// min keeps NaN, unlike NCCL's own on floats (through kernels: all_reduce is called from
+// files nvcc compiles). Needs the CUDA runtime and NCCL (-lnccl); not included by
+// <mpx/mpx.hpp>.
 #pragma once
 
 #include <mpx/core/error.hpp>
 #include <mpx/dist/communicator.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
 
 #if MPX_HAS_CUDA_RUNTIME
 #include <nccl.h>
 
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdio>
 #include <deque>
@@ -27,6 +32,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace mpx {
@@ -50,9 +56,20 @@ inline ncclDataType_t nccl_type(dtype_id d) {
   fail<invalid_argument>("nccl_communicator", "no NCCL type for " + std::string(to_string(d)));
 }
 
-inline ncclRedOp_t nccl_op(reduce_op op) {
-  return op == reduce_op::sum ? ncclSum : op == reduce_op::max ? ncclMax : ncclMin;
-}
+//! One element of a max or min over NCCL: its nan_keeping_max_key, widened to the 32
+//! bits NCCL reduces (it has no 16-bit integers), and back.
+template <class T>
+struct to_max_key {
+  bool negated;
+  MPX_HD std::uint32_t operator()(T x) const noexcept { return nan_keeping_max_key(x, negated); }
+};
+template <class T>
+struct from_max_key {
+  bool negated;
+  MPX_HD T operator()(std::uint32_t key) const noexcept {
+    return from_nan_keeping_max_key<T>(static_cast<bits_t<T>>(key), negated);
+  }
+};
 
 }  // namespace detail
 
@@ -96,7 +113,8 @@ class nccl_communicator {
       : options_(options), rank_(rank), size_(size) {
     detail::check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank", "bootstrap");
     MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    values_ = tensor<double, device_space>(exec, shape{64});
+    // Made, used and freed on the stream of the collectives: ordered without events.
+    values_ = tensor<double, device_space>(exec.on(stream_), shape{64});
   }
   //! The id handed out by rank 0 through `bootstrap` (an mpx::mpi_communicator, or any
   //! communicator with a host broadcast_bytes): the usual way under mpirun.
@@ -106,6 +124,7 @@ class nccl_communicator {
       : nccl_communicator(exec, id_from(bootstrap), bootstrap.rank(), bootstrap.size(), options) {}
 
   ~nccl_communicator() {
+    values_ = {};  // freed on stream_, after the work enqueued there: before it goes
     if (comm_) {
       if (broken_) ncclCommAbort(comm_);
       else ncclCommDestroy(comm_);
@@ -119,21 +138,31 @@ class nccl_communicator {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
 
-  void all_reduce(cuda_executor const& exec, tensor_ref<device_space> data, reduce_op op) {
+  //! A max or min keeps a NaN (NCCL's own float max and min would drop it): the values
+  //! are reduced as detail::nan_keeping_max_key integers, converted by kernels on the
+  //! communicator's stream. Launches kernels, so compiled by nvcc (a template: a file
+  //! the plain C++ compiler builds is told so at compile time, as for any algorithm).
+  template <std::same_as<cuda_executor> Exec>
+  void all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
     detail::require_reducible("nccl_communicator::all_reduce", data.dtype());
     run(exec, "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) + " " +
                   std::string(to_string(data.dtype())) + ")",
         [&](std::string const& what) {
-          detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
-                                           detail::nccl_op(op), comm_, stream_),
-                             "ncclAllReduce", what);
+          if (op == reduce_op::sum) {
+            detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
+                                             ncclSum, comm_, stream_),
+                               "ncclAllReduce", what);
+          } else {
+            extreme_keeping_nan(exec.on(stream_), data, op == reduce_op::min, what);
+          }
         });
   }
 
   //! all_reduce, started on the communicator's stream without making the executor's
   //! stream wait: the executor's later work (the backward pass of earlier layers) runs
   //! concurrently. `data` must stay untouched until finish_all_reduces(exec).
-  void start_all_reduce(cuda_executor const& exec, tensor_ref<device_space> data, reduce_op op) {
+  template <std::same_as<cuda_executor> Exec>
+  void start_all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
     deferred_ = true;
     all_reduce(exec, data, op);
     deferred_ = false;
@@ -168,16 +197,24 @@ class nccl_communicator {
     return all;
   }
 
+  //! A max or min keeps a NaN, as all_reduce's (the keys are made on the host).
   void all_reduce_values(std::span<double> values, reduce_op op) {
     require_room(values.size());
     std::string const what = "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) +
                              " values) #" + std::to_string(++sequence_);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), values.data(), values.size_bytes(), cudaMemcpyHostToDevice, stream_));
-    detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(), ncclFloat64, detail::nccl_op(op),
-                                     comm_, stream_),
+    bool const keys = op != reduce_op::sum, negated = op == reduce_op::min;
+    std::vector<std::uint64_t> staged(values.size());
+    for (std::size_t i = 0; keys && i < values.size(); ++i) staged[i] = detail::nan_keeping_max_key(values[i], negated);
+    void const* from = keys ? static_cast<void const*>(staged.data()) : static_cast<void const*>(values.data());
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), from, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(), keys ? ncclUint64 : ncclFloat64,
+                                     keys ? ncclMax : ncclSum, comm_, stream_),
                        "ncclAllReduce", what);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values.data(), values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+    void* to = keys ? static_cast<void*>(staged.data()) : static_cast<void*>(values.data());
+    MPX_CUDA_CHECK(cudaMemcpyAsync(to, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
     wait_for_stream(what);
+    for (std::size_t i = 0; keys && i < values.size(); ++i)
+      values[i] = detail::from_nan_keeping_max_key<double>(staged[i], negated);
   }
 
   void barrier() {
@@ -221,6 +258,26 @@ class nccl_communicator {
     return id;
   }
 
+  // The max (or, negated, the min) of `data` over the ranks, NaN kept: each value becomes
+  // its nan_keeping_max_key in 32 bits, the keys' integer max is taken, and turned back.
+  // The keys live on stream_ (`here`) for the collective alone (allocated and freed there:
+  // in a capture, the graph's own memory).
+  template <class Exec>
+  void extreme_keeping_nan(Exec const& here, tensor_ref<device_space> data, bool negated, std::string const& what) {
+    auto const n = static_cast<std::int64_t>(data.size());
+    visit_dtype(data.dtype(), [&](auto t) {
+      using T = decltype(t);
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
+        auto const values = data.template as<T>().reshape(shape{n});
+        tensor<std::uint32_t, device_space> keys(here, shape{n});
+        transform(here, keys, detail::to_max_key<T>{negated}, tensor_view<T const, device_space>(values));
+        detail::check_nccl(ncclAllReduce(keys.data(), keys.data(), data.size(), ncclUint32, ncclMax, comm_, stream_),
+                           "ncclAllReduce", what);
+        transform(here, values, detail::from_max_key<T>{negated}, tensor_view<std::uint32_t const, device_space>(keys));
+      }
+    });
+  }
+
   // The collective on the side stream: after the executor's work so far, before its later work.
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
@@ -233,10 +290,13 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
     enqueue(what);
-    in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), std::make_shared<detail::ordering_event>()});
-    MPX_CUDA_CHECK(cudaEventRecord(in_flight_.back().done->get(), stream_));
-    if (deferred_) unfinished_.push_back(in_flight_.back().done);
-    else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), in_flight_.back().done->get(), 0));
+    auto done = std::make_shared<detail::ordering_event>();
+    MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
+    // A collective captured into a CUDA graph is not in flight: it runs with each replay,
+    // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
+    if (capturing == cudaStreamCaptureStatusNone) in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), done});
+    if (deferred_) unfinished_.push_back(std::move(done));
+    else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), done->get(), 0));
   }
 
   void wait_for_stream(std::string const& what) {

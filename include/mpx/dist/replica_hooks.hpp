@@ -2,13 +2,44 @@
 // as one replica of a data-parallel job. mpx::data_parallel::hooks() makes them; an empty
 // set (the default) is a single process. Type-erased, so the loop stays independent of
 // the transport (MPI, NCCL) and of its headers.
+//
+// Every hook that enqueues work is given the executor of the step that calls it (a
+// mpx::step_executor): a step does not always run where the caller's executor does (a
+// graph-mode step runs on the trainer's own stream, and is captured there), and the
+// gradients' packing, all-reduce and averaging must be ordered inside that step.
 #pragma once
+
+#include <mpx/exec/executor.hpp>
 
 #include <cstddef>
 #include <functional>
 #include <span>
+#include <utility>
 
 namespace mpx {
+
+//! The executor a training step runs on, as the type-erased hooks carry it: the stream
+//! of a cuda_executor (null: the legacy default stream), nothing for the host executor.
+//! `as<Exec>()` gives the executor back to code that knows its type (data_parallel).
+class step_executor {
+ public:
+  constexpr step_executor() noexcept = default;  //!< the host executor, or the legacy default stream
+  template <executor Exec>
+  explicit step_executor(Exec const& exec) noexcept {
+    if constexpr (!is_host_executor_v<Exec>) stream_ = exec.stream();
+  }
+  template <executor Exec>
+  [[nodiscard]] Exec as() const noexcept {
+    if constexpr (is_host_executor_v<Exec>) return Exec{};
+    else return Exec(static_cast<decltype(std::declval<Exec const&>().stream())>(stream_));
+  }
+  //! The stream (a cudaStream_t), type-erased; null on the host.
+  [[nodiscard]] void* stream() const noexcept { return stream_; }
+  friend bool operator==(step_executor const&, step_executor const&) = default;
+
+ private:
+  void* stream_ = nullptr;
+};
 
 struct replica_hooks {
   int rank = 0;            //!< this replica's rank; rank 0 prints and writes files
@@ -16,18 +47,18 @@ struct replica_hooks {
   //! During the backward pass, after each layer's: the gradients of parameters `first`
   //! and later (in the model's parameters() order) are final; their buckets may start
   //! their all-reduce while the earlier layers run backward (on a GPU, concurrently).
-  std::function<void(std::size_t first)> gradients_final;
+  std::function<void(step_executor, std::size_t first)> gradients_final;
   //! After the backward pass, before the optimizer step: finish averaging the gradients.
-  std::function<void()> after_backward;
-  //! After the optimizer step: in debug builds, check that every replica skipped alike
-  //! and holds the same loss scale.
-  std::function<void()> after_step;
+  std::function<void(step_executor)> after_backward;
+  //! After the optimizer step, on the caller's executor: in debug builds, check that
+  //! every replica skipped alike and holds the same loss scale.
+  std::function<void(step_executor)> after_step;
   //! Sums a few host values over the replicas, in place (metrics for the progress line).
   std::function<void(std::span<double>)> sum_values;
   //! Replaces one float in the executor's memory by its maximum over the replicas (NaN
-  //! kept), in stream order: each fp8 scale's amax before its update, so that every
-  //! replica keeps the scales one process with the global batch would.
-  std::function<void(float*)> max_in_place;
+  //! kept), in the step's stream order: each fp8 scale's amax before its update, so that
+  //! every replica keeps the scales one process with the global batch would.
+  std::function<void(step_executor, float*)> max_in_place;
 
   [[nodiscard]] bool active() const noexcept { return count > 1 || static_cast<bool>(after_backward); }
   [[nodiscard]] bool prints() const noexcept { return rank == 0; }

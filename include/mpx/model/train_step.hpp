@@ -101,8 +101,10 @@ MPX_HD void write_step_record(step_record* out, float const* loss, float const* 
 template <class T>
 __global__ void count_correct_kernel(T const* logits, std::int32_t const* labels, std::int64_t rows, std::int64_t cols,
                                      step_record* out) {
-  std::int64_t const r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r < rows && predicts(logits + r * cols, cols, labels[r])) atomicAdd(&out->correct, 1u);
+  // Grid-stride: any number of rows fits a grid sized to the device.
+  std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += stride)
+    if (predicts(logits + r * cols, cols, labels[r])) atomicAdd(&out->correct, 1u);
 }
 template <class T>
 __global__ void step_record_kernel(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
@@ -150,8 +152,10 @@ void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space
       record->correct += detail::predicts(logits.data() + r * cols, cols, labels.data()[r]);
   } else {
 #if MPX_HAS_CUDA
-    auto const blocks = static_cast<unsigned>((rows + 255) / 256);
-    detail::count_correct_kernel<<<blocks, 256, 0, exec.stream()>>>(logits.data(), labels.data(), rows, cols, record);
+    // One thread per row would need more than 2^31 - 1 blocks past 2^39 rows.
+    unsigned const blocks = detail::grid_for(static_cast<std::size_t>(rows));
+    detail::count_correct_kernel<<<blocks, detail::block_size, 0, exec.stream()>>>(logits.data(), labels.data(), rows,
+                                                                                   cols, record);
     MPX_CUDA_CHECK_LAUNCH("mpx::count_correct_kernel");
 #else
     detail::kernels_need_nvcc<Exec>();
@@ -188,14 +192,14 @@ class classifier_trainer {
 #if MPX_HAS_CUDA
       if (use_graph_) {
         graph_mode_step(exec, images, labels);
-        if (replicas_.after_step) replicas_.after_step();
+        if (replicas_.after_step) replicas_.after_step(step_executor(exec));
         return;
       }
 #endif
     }
     step_body(exec, images, labels, record(pending_));
     ++pending_;
-    if (replicas_.after_step) replicas_.after_step();
+    if (replicas_.after_step) replicas_.after_step(step_executor(exec));
   }
   template <class T>
   void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
@@ -208,7 +212,9 @@ class classifier_trainer {
   //! trainer's own stream (capture is illegal on the legacy default stream), ordered
   //! after the executor's stream and before its later work by events. The graph is
   //! captured again when the model's buffers moved (a larger batch reserved them again,
-  //! by a step or an evaluate) or the optimizer's rule changed (a new learning rate).
+  //! by a step or an evaluate), the optimizer's rule changed (a new learning rate) or its
+  //! stochastic-rounding seed did (a load), or run_as_replica was called again (see
+  //! graph_state). As a replica, the collectives are captured with the step.
   //! Dropout layers keep their step count on the GPU, so each replay draws fresh masks.
   //! Ignored on the host executor.
   void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
@@ -216,8 +222,14 @@ class classifier_trainer {
   //! Runs each step as one replica of a data-parallel job (mpx::data_parallel::hooks):
   //! the gradients are averaged over the replicas between the backward pass and the
   //! optimizer step, where every replica then reaches the same verdict.
+  //! Every hook is given the executor the step runs on (in graph mode the trainer's own
+  //! stream, not the caller's), so what it enqueues is ordered, and captured, in the step.
   void run_as_replica(replica_hooks hooks) {
     replicas_ = std::move(hooks);
+    ++replica_generation_;  // a graph captured with the previous hooks is stale
+    // The model and its fp8 layers call back without an executor: they reach the step's
+    // through step_at_, which each step sets before it runs.
+    auto const at = step_at_;
     // Early reductions index the optimizer's parameters by the model's order: only when
     // the optimizer holds exactly the model's parameters, in order (else all at the end).
     auto const ours = model_.template parameters<Space>();
@@ -225,15 +237,46 @@ class classifier_trainer {
     bool const same = ours.size() == theirs.size() &&
                       std::equal(ours.begin(), ours.end(), theirs.begin(),
                                  [](auto const& a, auto const& b) { return a.gradient.data() == b.gradient.data(); });
-    model_.template on_gradients_final<Space>(same ? replicas_.gradients_final : std::function<void(std::size_t)>{});
+    std::function<void(std::size_t)> final_from;
+    if (same && replicas_.gradients_final)
+      final_from = [at, f = replicas_.gradients_final](std::size_t first) { f(*at, first); };
+    model_.template on_gradients_final<Space>(std::move(final_from));
     // The hook may not outlive this trainer (nor the job it calls into).
     Model* const model = &model_;
     // fp8 layers max-reduce their amaxes over the replicas before each scale update.
-    for (auto& entry : detail::model_fp8_scales<Exec>(model_)) entry.set_amax_reduction(replicas_.max_in_place);
+    std::function<void(float*)> amax_reduction;
+    if (replicas_.max_in_place) amax_reduction = [at, f = replicas_.max_in_place](float* x) { f(*at, x); };
+    for (auto& entry : detail::model_fp8_scales<Exec>(model_)) entry.set_amax_reduction(amax_reduction);
     unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) {
       model->template on_gradients_final<Space>({});
       for (auto& entry : detail::model_fp8_scales<Exec>(*model)) entry.set_amax_reduction({});
     });
+  }
+
+  using rule_type = std::remove_cvref_t<decltype(std::declval<LossScaleOptimizer&>().optimizer().rule())>;
+  static_assert(std::is_trivially_copyable_v<rule_type>, "an optimizer's rule is passed to kernels by value");
+
+  //! What a step captured in a CUDA graph holds as it was at capture, besides the batch
+  //! and cuBLASLt's workspaces: a replay first compares it with graph_state_now() and
+  //! captures the step again on any difference. The host sees all of it (tests do).
+  struct graph_state {
+    std::uint64_t buffer_generation = 0;  //!< the model's buffers (a larger batch reserves them again)
+    void const* d_logits = nullptr;       //!< the trainer's gradient of the logits
+    std::array<std::byte, sizeof(rule_type)> rule{};  //!< the rule's values, kernel arguments (learning rate...)
+    bool stochastic_rounding = false;     //!< the optimizer's rounding: a kernel argument, with
+    std::uint64_t rounding_seed = 0;      //!< its seed (load() restores a saved one)
+    std::uint64_t replica_generation = 0;  //!< run_as_replica's hooks: the collectives and amax reductions captured
+    friend bool operator==(graph_state const&, graph_state const&) = default;
+  };
+  [[nodiscard]] graph_state graph_state_now() const {
+    graph_state s;
+    s.buffer_generation = model_.buffer_generation();
+    s.d_logits = d_logits_.allocated() ? d_logits_.template view<Space>().data() : nullptr;
+    std::memcpy(s.rule.data(), &optimizer_.optimizer().rule(), sizeof(rule_type));
+    s.stochastic_rounding = optimizer_.optimizer().master_options().stochastic_rounding;
+    s.rounding_seed = optimizer_.optimizer().master_options().seed;
+    s.replica_generation = replica_generation_;
+    return s;
   }
 
   //! The records of the steps since the last call (synchronises), oldest first.
@@ -255,6 +298,7 @@ class classifier_trainer {
   template <class T>
   void step_body(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
                  step_record* rec) {
+    *step_at_ = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
     model_.forward(exec, images, true);
     auto const logits = model_.template logits<Space>();
     d_logits_.ensure(exec, logits.shape());  // grows only: a captured graph keeps its address
@@ -267,7 +311,7 @@ class classifier_trainer {
          tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
     sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits, loss_, scale);
     model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits));
-    if (replicas_.after_backward) replicas_.after_backward();
+    if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
   }
@@ -354,11 +398,9 @@ class classifier_trainer {
       cudaGraphDestroy(graph);
       MPX_CUDA_CHECK(made);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
-      captured_generation_ = model_.buffer_generation();
+      captured_state_ = graph_state_now();
       captured_gemm_generation_ = detail::lt_context::instance().generation();
       captured_in_flight_ = model_.in_flight_state();
-      captured_d_logits_ = d_logits_.template view<Space>().data();
-      std::memcpy(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type));
     }
     MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
     model_.restore_in_flight_state(captured_in_flight_);  // logits() and trace() see the replayed batch
@@ -367,19 +409,14 @@ class classifier_trainer {
     ++pending_;
   }
 
-  // The graph holds the buffers' and cuBLASLt workspaces' addresses and the rule's values
-  // (learning rate, decay...) as they were at capture.
+  // The graph holds what graph_state lists, and the cuBLASLt workspaces' addresses, as
+  // they were at capture.
   bool graph_still_valid() const {
-    return captured_generation_ == model_.buffer_generation() &&
-           captured_gemm_generation_ == detail::lt_context::instance().generation() &&
-           captured_d_logits_ == d_logits_.template view<Space>().data() &&
-           std::memcmp(captured_rule_.data(), &optimizer_.optimizer().rule(), sizeof(rule_type)) == 0;
+    return captured_state_ == graph_state_now() &&
+           captured_gemm_generation_ == detail::lt_context::instance().generation();
   }
 
 #endif
-
-  using rule_type = std::remove_cvref_t<decltype(std::declval<LossScaleOptimizer&>().optimizer().rule())>;
-  static_assert(std::is_trivially_copyable_v<rule_type>, "an optimizer's rule is passed to kernels by value");
 
 #if MPX_HAS_CUDA_RUNTIME
   // The graph mode's state. Declared wherever the CUDA runtime's header is found, under
@@ -393,11 +430,9 @@ class classifier_trainer {
   shape eager_shape_{0};
   void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
   void const* eager_dtype_ = nullptr;
-  std::uint64_t captured_generation_ = 0;
+  graph_state captured_state_{};
   std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};
-  void const* captured_d_logits_ = nullptr;
-  std::array<std::byte, sizeof(rule_type)> captured_rule_{};
 #endif
 
   void write_record(Exec const& exec, step_record* rec, std::uint32_t samples) {
@@ -415,6 +450,8 @@ class classifier_trainer {
   std::size_t pending_ = 0;
   bool use_graph_ = false;
   replica_hooks replicas_;
+  std::uint64_t replica_generation_ = 0;  // run_as_replica calls, for graph_state
+  std::shared_ptr<step_executor> step_at_ = std::make_shared<step_executor>();  // the running step's executor
   std::shared_ptr<void> unhook_model_;  // removes the model's gradients_final hook when the trainer goes
 };
 
