@@ -11,11 +11,14 @@
 #include <mpx/data/tensor_batches.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/resource.h>
@@ -429,30 +432,94 @@ TEMPLATE_LIST_TEST_CASE("batches: sizes, shuffle, contents in every storage dtyp
                          Contains("batch_size must be positive"));
 }
 
+namespace test_data {
+
+// Holds back everything enqueued on the executor's stream until released (or destroyed):
+// a host function at the head of the stream waits for a flag (as in the loss scaler's
+// tests). The host executor runs each call at once, so there the hold does nothing.
+// While held, nothing may wait for the stream.
+template <class Exec>
+class stream_hold {
+ public:
+  explicit stream_hold([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+    if constexpr (!mpx::is_host_executor_v<Exec>) {
+      MPX_CUDA_CHECK(cudaLaunchHostFunc(exec.stream(), &stream_hold::wait, &open_));
+      stream_ = exec.stream();
+      held_ = true;
+    }
+#endif
+  }
+  ~stream_hold() {
+    release();
+#if MPX_HAS_CUDA
+    // The waiting function reads open_: let it return before the flag goes.
+    if (held_) static_cast<void>(cudaStreamSynchronize(stream_));
+#endif
+  }
+  stream_hold(stream_hold const&) = delete;
+  stream_hold& operator=(stream_hold const&) = delete;
+  void release() { open_.store(true); }
+  [[nodiscard]] bool held() const { return held_; }
+
+ private:
+  static void wait(void* flag) {
+    auto const* open = static_cast<std::atomic<bool> const*>(flag);
+    while (!open->load()) std::this_thread::yield();
+  }
+  std::atomic<bool> open_{false};
+  bool held_ = false;
+#if MPX_HAS_CUDA
+  cudaStream_t stream_ = nullptr;
+#endif
+};
+
+}  // namespace test_data
+
+// The double buffer's two orderings, each able to fail on a GPU. The consumer's stream
+// is held while it is given two batches and enqueues copies of them, then released:
+// - an upload must wait for the consumer's earlier work on its slot (`released`): the
+//   second next() of a hold stages batch k + 2 into the slot of batch k, whose copy is
+//   held; without the wait the upload runs during the hold (the host sleeps long enough
+//   for it) and the held copy reads batch k + 2;
+// - the consumer must wait for a batch's upload (`copied`): batch k + 1's upload was
+//   staged behind the hold, so it starts only at the release, and 8 MiB take the copy
+//   engine far longer than the consumer needs to reach its copy of batch k + 1, which
+//   without the wait reads the slot's previous batch.
+// Images 63 x 63 make every sample's pixels differ from its neighbours' (the pattern of
+// write_small_dataset repeats only every 256 samples), and the labels are checked too.
+// Two next() calls per hold at most: a third would wait on the host for an upload that
+// waits for the held stream.
 TEMPLATE_LIST_TEST_CASE("batches: epochs through the double buffer without waiting keep every batch intact",
                         "[data][batches]", mpx_test::executors) {
   TestType exec;
   temp_dir dir(std::string("epochs_") + std::string(TestType::name));
-  constexpr std::int64_t n = 203, pixels = 8 * 8;
-  write_small_dataset(dir, n, 8, 8);
+  constexpr std::int64_t batch = 1024, n = 4 * batch + 200, side = 63, pixels = side * side;
+  write_small_dataset(dir, n, side, side);
   auto const data = mpx::load_idx_dataset(dir / "images", dir / "labels");
-  mpx::batch_loader<TestType, mpx::half> loader(exec, data, {.batch_size = 16, .seed = 11});
+  mpx::batch_loader<TestType, mpx::half> loader(exec, data, {.batch_size = batch, .seed = 11});
   // As a training step would, each batch is only used by work enqueued on the executor
   // (a copy into one tensor per epoch); the host waits once, at the end of the epoch.
-  // On the GPU, a batch overwritten by a later upload before its copy ran shows here.
   auto images = mpx::make_tensor<mpx::half>(exec, {n * pixels});
   auto labels = mpx::make_tensor<std::int32_t>(exec, {n});
-  for (std::uint64_t epoch = 0; epoch < 3; ++epoch) {
+  for (std::uint64_t epoch = 0; epoch < 2; ++epoch) {
     mpx::fill(exec, images, mpx_test::poison<mpx::half>());
     mpx::fill(exec, labels, std::int32_t{-1});
     loader.start_epoch(epoch);
     std::size_t at = 0;
-    while (auto b = loader.next()) {
-      auto const size = static_cast<std::int64_t>(b->size);
-      mpx::copy(exec, b->images.reshape({size * pixels}), images.view().flat(at * pixels, b->size * pixels));
-      mpx::copy(exec, b->labels, labels.view().flat(at, b->size));
-      at += b->size;
-    }
+    for (bool more = true; more;) {
+      test_data::stream_hold<TestType> hold(exec);
+      for (int k = 0; k < 2 && more; ++k) {
+        auto b = loader.next();
+        more = b.has_value();
+        if (!more) break;
+        auto const size = static_cast<std::int64_t>(b->size);
+        mpx::copy(exec, b->images.reshape({size * pixels}), images.view().flat(at * pixels, b->size * pixels));
+        mpx::copy(exec, b->labels, labels.view().flat(at, b->size));
+        at += b->size;
+      }
+      if (hold.held()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }  // released here
     REQUIRE(at == static_cast<std::size_t>(n));
     std::vector<mpx::half> expected_images;
     std::vector<std::int32_t> expected_labels;

@@ -1,10 +1,12 @@
 // The host kernels' per-thread scratch (detail::host_scratch_floats): each (tag, slot)
 // owns its buffer, a buffer grows on demand, and each thread has its own; and
-// detail::host_floats_of, which widens through it (or hands float data back as is).
+// detail::host_floats_of, which widens through it (or hands float data back as is); and
+// detail::stream_registry, the bookkeeping of the GPU's per-stream workspaces.
 #include "../support/testing.hpp"
 
 #include <mpx/core/cast.hpp>
 #include <mpx/exec/host_scratch.hpp>
+#include <mpx/exec/stream_registry.hpp>
 
 #include <cmath>
 #include <limits>
@@ -78,4 +80,87 @@ TEST_CASE("host scratch: float data as floats, 16-bit data widened exactly", "[h
   float const* bw = host_floats_of<second_kernel, 1>(bf.data(), bf.size());
   CHECK(bw[0] == -1.5f);
   CHECK(bw[1] == 0x1p-130f);
+}
+
+// The bookkeeping behind cuBLASLt's per-stream workspaces (detail::stream_registry),
+// with ints for workspaces: a capture finds a stream's resource by its handle; a handle
+// that comes back for a new stream (the old one destroyed) hands the old resource over
+// instead of keeping it forever; forget() returns what a stream held.
+TEST_CASE("stream registry: resources by stream id, found by handle during a capture", "[host_scratch][streams]") {
+  using key = mpx::detail::stream_handle_key;
+  mpx::detail::stream_registry<int> registry;
+  key const a{0, 0x1000, {}}, b{0, 0x2000, {}};
+  auto first = registry.use(a, 11);
+  CHECK(first.resource == nullptr);  // cold: the caller makes one
+  CHECK(registry.captured(b) == nullptr);
+  registry.put(0, 11, 110);
+  REQUIRE(registry.captured(a) != nullptr);
+  CHECK(*registry.captured(a) == 110);
+  auto again = registry.use(a, 11);
+  REQUIRE(again.resource != nullptr);
+  CHECK(*again.resource == 110);
+  CHECK_FALSE(again.inherited);
+  CHECK(again.retired.empty());
+  registry.use(b, 12);
+  registry.put(0, 12, 120);
+  CHECK(registry.size() == 2);
+  // The same handle on another device is another stream.
+  CHECK(registry.captured(key{1, 0x1000, {}}) == nullptr);
+
+  // Forgotten before its destruction: gone, and a capture on the handle is cold again.
+  auto const freed = registry.forget(11);
+  REQUIRE(freed.size() == 1);
+  CHECK(freed[0] == std::pair{0, 110});
+  CHECK(registry.captured(a) == nullptr);
+  CHECK(registry.size() == 1);
+  CHECK(registry.clear() == std::vector<std::pair<int, int>>{{0, 120}});
+  CHECK(registry.size() == 0);
+  CHECK(registry.captured(b) == nullptr);
+}
+
+TEST_CASE("stream registry: a destroyed stream's handle, back for a new stream, hands its resource over",
+          "[host_scratch][streams]") {
+  using key = mpx::detail::stream_handle_key;
+  mpx::detail::stream_registry<int> registry;
+  key const h{0, 0x1000, {}};
+  registry.use(h, 1);
+  registry.put(0, 1, 100);
+  // Stream 1 is destroyed without forget(); stream 2 gets the same handle. Eager use
+  // sees the new id: the old resource passes to stream 2 (wait first), nothing leaks.
+  auto const taken = registry.use(h, 2);
+  REQUIRE(taken.resource != nullptr);
+  CHECK(*taken.resource == 100);
+  CHECK(taken.inherited);
+  CHECK(registry.size() == 1);
+  CHECK(*registry.captured(h) == 100);
+  CHECK(registry.forget(1).empty());  // the dead id holds nothing any more
+  CHECK(registry.forget(2) == std::vector<std::pair<int, int>>{{0, 100}});
+
+  // The new stream already has a resource (it ran under another handle key, as the
+  // per-thread stream does under two handles): the dead one's is retired, to be freed.
+  key const per_thread_null{0, 0, std::this_thread::get_id()};
+  registry.use(h, 3);
+  registry.put(0, 3, 300);
+  registry.use(per_thread_null, 4);
+  registry.put(0, 4, 400);
+  auto const retired = registry.use(h, 4);  // stream 3 destroyed; its handle now names stream 4
+  REQUIRE(retired.resource != nullptr);
+  CHECK(*retired.resource == 400);
+  CHECK_FALSE(retired.inherited);
+  CHECK(retired.retired == std::vector<int>{300});
+  CHECK(registry.size() == 1);
+
+  // An id that another key still names (the legacy stream, one id under every thread's
+  // null handle) is alive: a key moving on does not take its resource.
+  mpx::detail::stream_registry<int> shared;
+  key const thread_a{0, 0, std::thread::id{}}, thread_b{0, 0, std::this_thread::get_id()};
+  shared.use(thread_a, 7);
+  shared.use(thread_b, 7);
+  shared.put(0, 7, 700);
+  auto const moved = shared.use(thread_b, 8);
+  CHECK(moved.resource == nullptr);
+  CHECK_FALSE(moved.inherited);
+  CHECK(moved.retired.empty());
+  CHECK(*shared.captured(thread_a) == 700);
+  CHECK(shared.captured(thread_b) == nullptr);
 }

@@ -90,6 +90,70 @@ TEMPLATE_LIST_TEST_CASE("copy and elementwise ops name both shapes on a mismatch
   CHECK(mpx::shape{4, 5} == a.shape());
 }
 
+// cudaMemcpyAsync leaves overlapping ranges undefined, so mpx::copy refuses a partial
+// overlap on every executor (the host used to memmove it); the same elements are a no-op.
+TEMPLATE_LIST_TEST_CASE("copy refuses overlapping source and destination on every executor", "[tensor][errors]",
+                        mpx_test::executors) {
+  TestType exec;
+  std::vector<float> values(16);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+  auto t = mpx_test::upload(exec, values);
+  auto const v = t.view();
+  CHECK_THROWS_TYPE_WITH(mpx::copy(exec, v.flat(0, 8), v.flat(4, 8)), mpx::invalid_argument,
+                         Catch::Matchers::Contains("mpx::copy") && Catch::Matchers::Contains("overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::copy(exec, v.flat(4, 8), v.flat(0, 8)), mpx::invalid_argument,
+                         Catch::Matchers::Contains("overlap"));
+  CHECK_THROWS_AS(mpx::copy(exec, v.flat(0, 8), v.flat(7, 8)), mpx::invalid_argument);  // one element shared
+  mpx::copy(exec, v.flat(2, 5), v.flat(2, 5));  // the same elements: nothing to do
+  mpx::copy(exec, v.flat(0, 8), v.flat(8, 8));  // adjacent, not overlapping
+  std::vector<float> expected = values;
+  for (std::size_t i = 0; i < 8; ++i) expected[8 + i] = values[i];
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, t), expected).empty());
+}
+
+#if MPX_HAS_CUDA
+// The device's pool keeps what stream-ordered frees return (release threshold raised
+// by mpx's first allocation): with the default threshold 0, every synchronisation (the
+// batch loader's cudaEventSynchronize, a step's read of its record) would hand the
+// memory back to the driver, and the next step would map it again.
+TEST_CASE("device memory freed on a stream stays in the pool across synchronisations", "[tensor][cuda]") {
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  cudaEvent_t event = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&event, cudaEventDisableTiming) == cudaSuccess);
+  int device = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  cudaMemPool_t pool = nullptr;
+  REQUIRE(cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess);
+  auto reserved = [&] {
+    std::uint64_t bytes = 0;
+    REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &bytes) == cudaSuccess);
+    return bytes;
+  };
+  constexpr std::int64_t bytes = std::int64_t{256} << 20;
+  {
+    mpx::cuda_executor const exec(stream);
+    {
+      auto big = mpx::make_tensor<std::uint8_t>(exec, {bytes});
+      mpx::fill(exec, big, std::uint8_t{1});
+    }  // freed on the stream (cudaFreeAsync)
+    REQUIRE(cudaEventRecord(event, stream) == cudaSuccess);
+    REQUIRE(cudaEventSynchronize(event) == cudaSuccess);  // as the batch loader waits
+    INFO("reserved after an event synchronisation: " << reserved());
+    CHECK(reserved() >= static_cast<std::uint64_t>(bytes));
+    exec.synchronize();
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    INFO("reserved after a device synchronisation: " << reserved());
+    CHECK(reserved() >= static_cast<std::uint64_t>(bytes));
+    std::uint64_t threshold = 0;
+    REQUIRE(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold) == cudaSuccess);
+    CHECK(threshold == UINT64_MAX);
+  }
+  cudaEventDestroy(event);
+  cudaStreamDestroy(stream);
+}
+#endif
+
 #if MPX_HAS_CUDA
 TEST_CASE("a failing CUDA call becomes an mpx::cuda_error naming the call", "[errors]") {
   mpx::cuda_executor exec;

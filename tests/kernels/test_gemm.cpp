@@ -4,10 +4,12 @@
 // documented error bound; NaN propagation; shape errors and their messages.
 #include "../support/testing.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -550,7 +552,9 @@ TEMPLATE_LIST_TEST_CASE("gemm with a long inner extent (split-K on the GPU, K sl
 #if MPX_HAS_CUDA
 // The first gemm on a stream allocates that stream's cuBLASLt workspace with cudaMalloc,
 // which a graph capture cannot record: mpx says so instead of invalidating the capture
-// with cudaErrorStreamCaptureUnsupported. Once warmed up, the same gemm captures.
+// with cudaErrorStreamCaptureUnsupported. Once warmed up, the same gemm captures; the
+// graph is launched over a poisoned C and new operands, so only the captured product
+// (not the eager warm-up) can write the expected values.
 TEST_CASE("gemm inside a CUDA graph capture: refused on a cold stream, captured on a warm one", "[gemm][cuda]") {
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
@@ -560,17 +564,26 @@ TEST_CASE("gemm inside a CUDA graph capture: refused on a cold stream, captured 
     cudaStream_t stream;
     ~stream_owner() {
       static_cast<void>(cudaStreamSynchronize(stream));
+      mpx::release_gemm_workspace(stream);
       static_cast<void>(cudaStreamDestroy(stream));
     }
   } const owner{stream};
+  struct graph_owner {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ~graph_owner() {
+      if (exec) cudaGraphExecDestroy(exec);
+      if (graph) cudaGraphDestroy(graph);
+    }
+  };
   {
     mpx::cuda_executor exec(stream);
     auto a = mpx_test::upload(exec, std::vector<float>(6, 1.0f), {2, 3});
     auto b = mpx_test::upload(exec, std::vector<float>(12, 2.0f), {3, 4});
     auto c = mpx::make_tensor<float>(exec, {2, 4});
     exec.synchronize();
-    auto capture = [&] {
-      cudaGraph_t graph = nullptr;
+    // Captures one gemm into `into`; returns the message of what was thrown, if anything.
+    auto capture = [&](graph_owner& into) {
       REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
       std::string error;
       try {
@@ -578,19 +591,74 @@ TEST_CASE("gemm inside a CUDA graph capture: refused on a cold stream, captured 
       } catch (mpx::invalid_argument const& e) {
         error = e.what();
       }
-      cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      CHECK(ended == cudaSuccess);
+      cudaError_t const ended = cudaStreamEndCapture(stream, &into.graph);
+      CHECK(ended == cudaSuccess);  // refused before anything invalidated the capture
       return error;
     };
-    CHECK_THAT(capture(), Catch::Contains("before capturing"));
+    {
+      graph_owner cold;
+      CHECK_THAT(capture(cold), Catch::Contains("before capturing"));
+    }
     mpx::gemm<mpx::float32>(exec, a, b, c);  // warms the stream up
-    exec.synchronize();
-    CHECK(capture().empty());
     CHECK(mpx_test::download(exec, c) == std::vector<float>(8, 6.0f));
+    graph_owner warm;
+    REQUIRE(capture(warm).empty());
+    REQUIRE(warm.graph != nullptr);
+    REQUIRE(cudaGraphInstantiate(&warm.exec, warm.graph, 0) == cudaSuccess);
+    // Different operands and a poisoned C, written eagerly before the launch: the graph
+    // reads and writes the same addresses, so only its product can give 3 * 2 * 3 = 18.
+    mpx::fill(exec, a, 3.0f);
+    mpx::fill(exec, c, mpx_test::poison<float>());
+    REQUIRE(cudaGraphLaunch(warm.exec, stream) == cudaSuccess);
+    CHECK(mpx_test::first_mismatch(mpx_test::download(exec, c), std::vector<float>(8, 18.0f)).empty());
+    REQUIRE(cudaGraphLaunch(warm.exec, stream) == cudaSuccess);  // replays alike
+    CHECK(mpx_test::first_mismatch(mpx_test::download(exec, c), std::vector<float>(8, 18.0f)).empty());
   }  // a, b and c are freed on the stream, which is still alive
   REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
   mpx::release_gemm_resources();
+}
+
+// A stream's workspace (32 MiB on Hopper) goes with release_gemm_workspace; a stream
+// destroyed without it leaves its workspace to the next stream that gets its handle
+// (the driver recycles handles), not to pile up one per destroyed stream; and a capture
+// on such a recycled handle before any eager gemm is refused or served, never broken.
+TEST_CASE("gemm workspaces: released with their stream, taken over by a recycled handle", "[gemm][cuda]") {
+  mpx::release_gemm_resources();
+  REQUIRE(mpx::gemm_workspace_bytes() == 0);
+  auto run_gemm = [](cudaStream_t stream) {
+    mpx::cuda_executor exec(stream);
+    auto a = mpx_test::upload(exec, std::vector<float>(6, 1.0f), {2, 3});
+    auto b = mpx_test::upload(exec, std::vector<float>(12, 2.0f), {3, 4});
+    auto c = mpx_test::poisoned<float>(exec, {2, 4});
+    mpx::gemm<mpx::float32>(exec, a, b, c);
+    CHECK(mpx_test::download(exec, c) == std::vector<float>(8, 6.0f));
+  };
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  run_gemm(s);
+  std::size_t const one = mpx::gemm_workspace_bytes();
+  CHECK(one > 0);
+  mpx::release_gemm_workspace(s);
+  CHECK(mpx::gemm_workspace_bytes() == 0);
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+
+  // Streams made, used and destroyed without telling mpx: whenever the driver hands a
+  // destroyed stream's handle to the next one, the workspace passes on.
+  std::vector<cudaStream_t> seen;
+  int recycled = 0;
+  for (int i = 0; i < 8; ++i) {
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    if (std::find(seen.begin(), seen.end(), s) != seen.end()) ++recycled;
+    seen.push_back(s);
+    run_gemm(s);
+    REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+  }
+  INFO(recycled << " of 8 streams got a destroyed stream's handle");
+  if (recycled == 0) WARN("the driver gave no stream a destroyed stream's handle: the take-over went untested");
+  CHECK(mpx::gemm_workspace_bytes() <= static_cast<std::size_t>(8 - recycled) * one);
+  mpx::release_gemm_resources();
+  CHECK(mpx::gemm_workspace_bytes() == 0);
 }
 #endif
 

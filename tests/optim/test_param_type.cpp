@@ -253,6 +253,64 @@ TEMPLATE_LIST_TEST_CASE("param_type: stochastic rounding is reproducible, the sa
   body(mpx::half{});
 }
 
+#if MPX_HAS_CUDA
+namespace {
+// Five steps of `make`'s optimizer from w0 with the given gradients; the values after them.
+template <class T, class Exec, class Make>
+std::vector<T> param_type_steps(Exec const& exec, std::vector<T> const& w0, std::vector<std::vector<T>> const& grads,
+                                Make const& make) {
+  auto w = upload(exec, w0);
+  auto g = mpx::make_tensor<T>(exec, w.shape());
+  auto opt = make(exec, param_list<Exec>{{"w", mpx::view(w), mpx::view(g)}});
+  for (auto const& step : grads) {
+    mpx::copy(exec, mpx::tensor_view<T const, mpx::host_space>(step.data(), w.shape()), g);
+    opt.step(exec);
+  }
+  return download(exec, w);
+}
+}  // namespace
+
+// The update's products are rounded on their own on both executors (detail::mul_rn):
+// nvcc would fuse `w - lr * g`, the momentum and the moments into FMAs, which round
+// once where the host rounds twice. Random values make nearly every product and sum
+// inexact, so a fused update differs from the host's in the last bit of many elements.
+// Adam's betas make its bias corrections exact (powers of 1/2 and 3/4).
+TEST_CASE("param_type: the GPU's updates equal the host's bit for bit (no fused multiply-add)",
+          "[optim][param_type][cuda]") {
+  mpx::host_executor const host;
+  mpx::cuda_executor const gpu;
+  constexpr std::size_t n = 4099;
+  auto compare = [&](auto t, auto const& make, char const* what) {
+    using T = decltype(t);
+    auto const w0 = mpx_test::random_values<T>(n, -1.0, 1.0, 91);
+    std::vector<std::vector<T>> grads;
+    for (std::uint64_t s = 0; s < 5; ++s) grads.push_back(mpx_test::random_values<T>(n, -0.5, 0.5, 92 + s));
+    auto const on_host = param_type_steps(host, w0, grads, make);
+    auto const on_gpu = param_type_steps(gpu, w0, grads, make);
+    INFO(what << " over " << mpx::dtype_traits<T>::name);
+    CHECK_FALSE(mpx_test::first_mismatch(on_host, w0).empty());  // the steps moved the weights
+    CHECK(mpx_test::first_mismatch(on_gpu, on_host).empty());
+  };
+  mpx::sgd_options const momentum{.momentum = 0.9f, .weight_decay = 0.01f};
+  mpx::sgd_options const nesterov{.momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true};
+  mpx::adam_options const adam{.beta1 = 0.5f, .beta2 = 0.75f, .epsilon = 1e-3f, .weight_decay = 0.01f};
+  mpx::adamw_options const adamw{.beta1 = 0.5f, .beta2 = 0.75f, .epsilon = 1e-3f, .weight_decay = 0.03f};
+  float const lr = 0.01f;
+  compare(float{}, [&](auto const& e, auto p) { return mpx::sgd(e, std::move(p), lr, momentum); }, "sgd, momentum");
+  compare(float{}, [&](auto const& e, auto p) { return mpx::sgd(e, std::move(p), lr, nesterov); }, "sgd, nesterov");
+  compare(float{}, [&](auto const& e, auto p) { return mpx::adam(e, std::move(p), lr, adam); }, "adam");
+  compare(float{}, [&](auto const& e, auto p) { return mpx::adamw(e, std::move(p), lr, adamw); }, "adamw");
+  // Float master weights, and none with stochastic rounding (the draws alike by design).
+  compare(mpx::half{}, [&](auto const& e, auto p) { return mpx::adam(e, std::move(p), lr, adam); }, "adam, masters");
+  compare(mpx::bfloat16{},
+          [&](auto const& e, auto p) { return mpx::sgd(e, std::move(p), lr, momentum, param_type_stochastic(5)); },
+          "sgd, stochastic rounding");
+  compare(mpx::bfloat16{},
+          [&](auto const& e, auto p) { return mpx::adamw(e, std::move(p), lr, adamw, param_type_stochastic(5)); },
+          "adamw, stochastic rounding");
+}
+#endif
+
 // (d) ----------------------------------------------------------------------------------
 
 TEMPLATE_LIST_TEST_CASE("param_type: checkpoints without masters resume bit-identically; a master mismatch is refused",

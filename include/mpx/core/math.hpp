@@ -17,4 +17,24 @@ MPX_HD inline float fma(float a, float b, float c) noexcept {
 #endif
 }
 
+//! a * b rounded on its own, never fused with a neighbouring addition into an FMA, on
+//! host and device alike. Update rules write their products with it: nvcc contracts a
+//! plain `a * b + c` into one FMA (one rounding instead of two), and so does g++ where
+//! FMA instructions are enabled (-mfma, -march=native, aarch64; its default is
+//! -ffp-contract=fast even under -std=c++20), so the host and the GPU would otherwise
+//! compute updates that differ in the last bit. (mpx::fma is the fused alternative.)
+MPX_HD inline float mul_rn(float a, float b) noexcept {
+#if MPX_DEVICE_PASS
+  return __fmul_rn(a, b);  // documented never to be merged into a multiply-add
+#else
+  float product = a * b;
+#if defined(__FP_FAST_FMAF) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(product));  // an opaque value: nothing left to fuse with
+#elif defined(__FP_FAST_FMAF) && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(product));
+#endif
+  return product;
+#endif
+}
+
 }  // namespace mpx

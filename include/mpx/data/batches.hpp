@@ -198,7 +198,9 @@ class batch_staging<cuda_executor, T> {
   //! before) runs before the upload overwrites the slot.
   void stage(std::span<std::size_t const> samples) {
     slot& s = *slots_[next_];
-    MPX_CUDA_CHECK(cudaEventSynchronize(s.copied.get()));  // the pinned memory is free again
+    // The pinned memory is free again. (The wait does not empty the device's pool of the
+    // step's freed temporaries: keep_pool_memory raised its release threshold.)
+    MPX_CUDA_CHECK(cudaEventSynchronize(s.copied.get()));
     gather_batch(*data_, samples, s.host_images.data(), s.host_labels.data());
     MPX_CUDA_CHECK(cudaEventRecord(s.released.get(), exec_.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, s.released.get(), 0));

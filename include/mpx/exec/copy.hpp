@@ -10,13 +10,31 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 namespace mpx {
 
+namespace detail {
+//! The copy rule of both executors: src and dst are the same memory (nothing to do) or
+//! disjoint. cudaMemcpyAsync leaves overlapping ranges undefined, so a partial overlap
+//! is refused everywhere rather than moved like memmove on the host only. Addresses are
+//! compared as numbers: under unified addressing a host and a device range never meet.
+inline bool copy_needed(void const* src, void* dst, std::size_t bytes) {
+  auto const s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
+  if (s == d) return false;
+  if (s < d + bytes && d < s + bytes)
+    fail<invalid_argument>("copy", "the source and the destination overlap in memory (" + std::to_string(bytes) +
+                                       " bytes, " + std::to_string(s < d ? d - s : s - d) +
+                                       " bytes apart); copy through a separate buffer");
+  return true;
+}
+}  // namespace detail
+
 //! Copies src into dst (same shape, same element type). On a cuda_executor the copy is
 //! enqueued on its stream; a copy from pageable host memory returns once the data is
-//! staged, so src may be reused at once.
+//! staged, so src may be reused at once. src and dst are the same elements (a no-op) or
+//! do not overlap: mpx::invalid_argument otherwise, on every executor.
 template <executor Exec, tensor_like Src, tensor_like Dst>
 void copy([[maybe_unused]] Exec const& exec, Src&& src, Dst&& dst) {
   auto s = mpx::view(src);
@@ -26,9 +44,10 @@ void copy([[maybe_unused]] Exec const& exec, Src&& src, Dst&& dst) {
   static_assert(!std::is_const_v<typename decltype(d)::element_type>, "mpx::copy: the destination is const");
   detail::require_same_shape("copy", s.shape(), d.shape());
   if (s.empty()) return;
+  if (!detail::copy_needed(s.data(), d.data(), s.size_bytes())) return;
   if constexpr (is_host_executor_v<Exec>) {
     detail::require_access<Exec, space_t<Src>, space_t<Dst>>();
-    std::memmove(d.data(), s.data(), s.size_bytes());
+    std::memcpy(d.data(), s.data(), s.size_bytes());
   } else {
 #if MPX_HAS_CUDA_RUNTIME
     MPX_CUDA_CHECK(cudaMemcpyAsync(d.data(), s.data(), s.size_bytes(), cudaMemcpyDefault, exec.stream()));

@@ -5,10 +5,14 @@
 
 #include <mpx/core/error.hpp>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <set>
 #include <string_view>
 #include <type_traits>
 
@@ -53,6 +57,33 @@ class buffer<T, host_space> {
 };
 
 #if MPX_HAS_CUDA_RUNTIME
+//! Keeps the memory that stream-ordered frees return to `device`'s default pool in the
+//! pool, once per device (thread-safe). The pool's release threshold is 0 by default:
+//! every stream, event or device synchronisation (the batch loader's, a step's read of
+//! its record) would hand the freed temporaries back to the driver and the next step
+//! would map them again. A threshold a program set itself (non-zero) is left alone, and
+//! so is a pool installed with cudaDeviceSetMemPool; cudaMemPoolTrimTo gives the memory
+//! back on request.
+inline void keep_pool_memory(int device) {
+  static std::atomic<std::uint64_t> kept{0};  // bit d: device d is done (devices below 64)
+  static std::mutex mutex;
+  static std::set<int> kept_beyond_64;
+  std::uint64_t const bit = device >= 0 && device < 64 ? std::uint64_t{1} << device : 0;
+  if (bit && (kept.load(std::memory_order_acquire) & bit)) return;
+  std::lock_guard lock(mutex);
+  if (bit ? (kept.load(std::memory_order_relaxed) & bit) != 0 : kept_beyond_64.contains(device)) return;
+  cudaMemPool_t pool = nullptr;
+  MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t threshold = 0;
+  MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  if (threshold == 0) {
+    threshold = UINT64_MAX;
+    MPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  }
+  if (bit) kept.fetch_or(bit, std::memory_order_release);
+  else kept_beyond_64.insert(device);
+}
+
 //! Frees device memory in the order of the stream it was allocated on.
 struct device_release {
   cudaStream_t stream = nullptr;
@@ -73,6 +104,9 @@ class buffer<T, device_space> {
   buffer() = default;
   buffer(std::size_t size, cudaStream_t stream) : data_(nullptr, device_release{stream}) {
     if (size) {
+      int device = 0;
+      MPX_CUDA_CHECK(cudaGetDevice(&device));
+      keep_pool_memory(device);
       void* p = nullptr;
       MPX_CUDA_CHECK(cudaMallocAsync(&p, size * sizeof(T), stream));
       data_.reset(static_cast<T*>(p));

@@ -8,6 +8,8 @@
 #include <mpx/core/error.hpp>
 
 #if MPX_HAS_CUDA
+#include <mpx/exec/stream_registry.hpp>
+
 #include <cublasLt.h>
 
 #include <cstddef>
@@ -91,6 +93,12 @@ struct lt_plan {
 
 //! Per device: one cuBLASLt handle. Per (device, stream): one workspace, since two
 //! streams running at once cannot share one. Per problem: one plan.
+//!
+//! Workspaces are keyed by the stream's driver id, never reused by another stream; a
+//! capture, which cannot ask for the id, finds the workspace by the handle through
+//! stream_registry. A destroyed stream's workspace is freed by release_gemm_workspace
+//! (mpx's own streams call it), taken over by the next stream that gets its handle, or
+//! freed by release_gemm_resources.
 class lt_context {
  public:
   //! The process-wide cache. Deliberately never destroyed (see lt_plan).
@@ -107,10 +115,22 @@ class lt_context {
     return major >= 9 ? std::size_t{32} << 20 : std::size_t{4} << 20;
   }
 
-  cublasLtHandle_t handle(int device) {
+  //! Whether `stream` is capturing a graph: then nothing may be created or allocated.
+  static bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  //! The handle of `device`, created on first use (never during a capture).
+  cublasLtHandle_t handle(int device, bool capturing) {
     std::lock_guard lock(mutex_);
-    auto& h = handles_[device];
-    if (!h) check_cublas(cublasLtCreate(&h), "cublasLtCreate");
+    auto const known = handles_.find(device);
+    if (known != handles_.end()) return known->second;
+    if (capturing) fail_cold_capture();
+    cublasLtHandle_t h = nullptr;
+    check_cublas(cublasLtCreate(&h), "cublasLtCreate");
+    handles_.emplace(device, h);
     return h;
   }
 
@@ -119,46 +139,36 @@ class lt_context {
     std::size_t bytes = 0;
   };
 
-  //! The workspace of (device, stream), allocated on first use. Keyed by the stream's
-  //! id, not its handle: the per-thread default stream (and the null handle under
-  //! --default-stream per-thread) is one handle for a different stream in each thread,
-  //! and two products running at once must not share a workspace. A stream's id cannot
-  //! be asked for while it captures a graph, so a capture uses the id that the stream's
-  //! last eager product saw (one must have run: it also made the workspace).
-  workspace workspace_for(int device, cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    bool const capturing = capture != cudaStreamCaptureStatusNone;
-    unsigned long long stream_id = 0;
-    if (!capturing) MPX_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
+  //! The workspace of (device, stream), allocated on first eager use. Keyed by the
+  //! stream's id, not its handle: the per-thread default stream (and the null handle
+  //! under --default-stream per-thread) is one handle for a different stream in each
+  //! thread, two products running at once must not share a workspace, and a destroyed
+  //! stream's handle may come back for a new stream. A capture finds the workspace that
+  //! the same handle's last eager product used (one must have run: it made it).
+  workspace workspace_for(int device, cudaStream_t stream, bool capturing) {
     bool const per_thread = stream == nullptr || stream == cudaStreamPerThread;
-    handle_key const key{device, reinterpret_cast<std::uintptr_t>(stream),
-                         per_thread ? std::this_thread::get_id() : std::thread::id{}};
-    std::lock_guard lock(mutex_);
+    stream_handle_key const key{device, reinterpret_cast<std::uintptr_t>(stream),
+                                per_thread ? std::this_thread::get_id() : std::thread::id{}};
     if (capturing) {
-      auto const known = stream_ids_.find(key);
-      if (known != stream_ids_.end()) {
-        auto const it = workspaces_.find({device, known->second});
-        if (it != workspaces_.end()) return it->second;
-      }
-      // cudaMalloc would invalidate the capture with an unhelpful error: say what to do.
-      fail<invalid_argument>("mpx::gemm",
-                             "the first gemm on a stream allocates its cuBLASLt workspace, which a CUDA graph "
-                             "capture cannot record: run one gemm (or one eager step) on this stream before "
-                             "capturing");
+      std::lock_guard lock(mutex_);
+      if (workspace const* ws = workspaces_.captured(key)) return *ws;
+      fail_cold_capture();
     }
-    stream_ids_[key] = stream_id;
-    auto [it, inserted] = workspaces_.try_emplace({device, stream_id});
-    if (inserted) {
-      try {
-        it->second.bytes = workspace_size_for(device);
-        MPX_CUDA_CHECK(cudaMalloc(&it->second.data, it->second.bytes));
-      } catch (...) {
-        workspaces_.erase(it);
-        throw;
-      }
+    unsigned long long stream_id = 0;
+    MPX_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
+    std::lock_guard lock(mutex_);
+    auto found = workspaces_.use(key, stream_id);
+    if (found.inherited || !found.retired.empty()) {
+      // The handle's former stream is destroyed, and its last products may still be
+      // running in the workspace: let them finish before it is reused or freed.
+      MPX_CUDA_CHECK(cudaDeviceSynchronize());
+      for (workspace const& old : found.retired) MPX_CUDA_CHECK(cudaFree(old.data));
     }
-    return it->second;
+    if (found.resource) return *found.resource;
+    workspace made;
+    made.bytes = workspace_size_for(device);
+    MPX_CUDA_CHECK(cudaMalloc(&made.data, made.bytes));
+    return workspaces_.put(device, stream_id, made);
   }
 
   //! The plan of `p`, made (descriptors, heuristic) on first use.
@@ -176,13 +186,11 @@ class lt_context {
     std::lock_guard lock(mutex_);
     int current = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&current));
-    for (auto const& [key, ws] : workspaces_) {
-      MPX_CUDA_CHECK(cudaSetDevice(key.first));
+    for (auto const& [device, ws] : workspaces_.clear()) {
+      MPX_CUDA_CHECK(cudaSetDevice(device));
       MPX_CUDA_CHECK(cudaDeviceSynchronize());
       MPX_CUDA_CHECK(cudaFree(ws.data));
     }
-    workspaces_.clear();
-    stream_ids_.clear();
     plans_.clear();
     for (auto const& [device, h] : handles_) check_cublas(cublasLtDestroy(h), "cublasLtDestroy");
     handles_.clear();
@@ -190,28 +198,24 @@ class lt_context {
     MPX_CUDA_CHECK(cudaSetDevice(current));
   }
 
-  //! Waits for `stream` and frees the workspace it was given, for a stream about to be
-  //! destroyed (its id is never reused, so its workspace would never be used again).
+  //! Waits for `stream` and frees the workspace it was given, for a live stream about to
+  //! be destroyed (its id is never reused, so its workspace would never be used again).
   //! Never throws: it runs in destructors, and prints what failed.
   void forget_stream(cudaStream_t stream) noexcept {
     unsigned long long stream_id = 0;
     if (cudaStreamGetId(stream, &stream_id) != cudaSuccess) return;
     std::lock_guard lock(mutex_);
+    auto const freed = workspaces_.forget(stream_id);
+    if (freed.empty()) return;
     int current = 0;
     if (cudaGetDevice(&current) != cudaSuccess) return;
-    for (auto it = workspaces_.begin(); it != workspaces_.end();) {
-      if (it->first.second != stream_id) {
-        ++it;
-        continue;
-      }
-      cudaError_t status = cudaStreamSynchronize(stream);
-      if (status == cudaSuccess) status = cudaSetDevice(it->first.first);
-      if (status == cudaSuccess) status = cudaFree(it->second.data);
-      if (status != cudaSuccess)
-        std::fprintf(stderr, "mpx: freeing a stream's cuBLASLt workspace failed: %s\n", cudaGetErrorString(status));
-      it = workspaces_.erase(it);
+    cudaError_t status = cudaStreamSynchronize(stream);
+    for (auto const& [device, ws] : freed) {
+      if (status == cudaSuccess) status = cudaSetDevice(device);
+      if (status == cudaSuccess) status = cudaFree(ws.data);
     }
-    std::erase_if(stream_ids_, [&](auto const& entry) { return entry.second == stream_id; });
+    if (status != cudaSuccess)
+      std::fprintf(stderr, "mpx: freeing a stream's cuBLASLt workspace failed: %s\n", cudaGetErrorString(status));
     static_cast<void>(cudaSetDevice(current));
   }
 
@@ -219,7 +223,7 @@ class lt_context {
   std::size_t workspace_bytes() {
     std::lock_guard lock(mutex_);
     std::size_t total = 0;
-    for (auto const& [key, ws] : workspaces_) total += ws.bytes;
+    workspaces_.for_each([&](workspace const& ws) { total += ws.bytes; });
     return total;
   }
 
@@ -232,6 +236,15 @@ class lt_context {
 
  private:
   lt_context() = default;
+
+  // cudaMalloc or cublasLtCreate would invalidate the capture with an unhelpful error:
+  // say what to do instead.
+  [[noreturn]] static void fail_cold_capture() {
+    fail<invalid_argument>("mpx::gemm",
+                           "the first gemm on a stream creates its cuBLASLt handle and workspace, which a CUDA "
+                           "graph capture cannot record: run one gemm (or one eager step) on this stream before "
+                           "capturing");
+  }
 
   static void set_layout(cublasLtMatrixLayout_t layout, std::int32_t batch, std::int64_t stride) {
     if (batch == 1) return;
@@ -314,10 +327,7 @@ class lt_context {
 
   std::mutex mutex_;
   std::map<int, cublasLtHandle_t> handles_;
-  std::map<std::pair<int, unsigned long long>, workspace> workspaces_;  // (device, stream id)
-  // (device, stream handle, thread for the per-thread handles) -> the stream id last seen.
-  using handle_key = std::tuple<int, std::uintptr_t, std::thread::id>;
-  std::map<handle_key, unsigned long long> stream_ids_;
+  stream_registry<workspace> workspaces_;  // by (device, stream id), and by handle for captures
   std::map<lt_problem, std::unique_ptr<lt_plan>> plans_;
   std::uint64_t generation_ = 0;
 };
@@ -335,8 +345,11 @@ struct lt_operand_scales {
 inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alpha, void const* a, void const* b,
                       void const* beta, void* c, lt_operand_scales const& scales = {}) {
   lt_context& context = lt_context::instance();
-  cublasLtHandle_t const handle = context.handle(p.device);
-  lt_context::workspace const ws = context.workspace_for(p.device, stream);
+  // Asked first: during a capture nothing may be created, so a cold stream is refused
+  // before a handle or workspace would be.
+  bool const capturing = lt_context::capturing(stream);
+  lt_context::workspace const ws = context.workspace_for(p.device, stream, capturing);
+  cublasLtHandle_t const handle = context.handle(p.device, capturing);
   lt_plan const& plan = context.plan(p, handle, ws.bytes);
   auto const run = [&] {
     check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c,
@@ -366,6 +379,16 @@ inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alph
 //! classifier_trainer does so by itself) or destroy it first. A captured gemm uses its capture stream's workspace, so launch a graph on
 //! the stream it was captured on.
 inline void release_gemm_resources() { detail::lt_context::instance().release(); }
+
+//! Waits for `stream` and frees the cuBLASLt workspace (32 MiB on Hopper) that mpx::gemm
+//! made for it. Call it before destroying a stream of your own that ran a gemm; mpx's
+//! own streams do. Without it the workspace stays until a new stream gets the destroyed
+//! one's handle (that stream takes it over, after waiting for the device once) or until
+//! release_gemm_resources(). A graph captured on the stream uses that workspace: do not
+//! launch it afterwards. Never throws.
+inline void release_gemm_workspace(cudaStream_t stream) noexcept {
+  detail::lt_context::instance().forget_stream(stream);
+}
 
 //! The device memory mpx::gemm holds now in cuBLASLt workspaces (one per stream that ran
 //! a product), for memory accounting: they are plain cudaMalloc allocations, outside

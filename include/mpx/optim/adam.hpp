@@ -54,15 +54,16 @@ struct adam_rule {
     return {lr, static_cast<float>(lr / bias1), static_cast<float>(1 / sqrt(bias2))};
   }
   MPX_HD void operator()(constants const& c, float& w, float g, float* slot) const noexcept {
+    // Products through mul_rn: no FMA, so the host and the GPU agree bit for bit.
     if (options.weight_decay != 0) {
-      if constexpr (Decoupled) w -= c.lr * options.weight_decay * w;
-      else g += options.weight_decay * w;
+      if constexpr (Decoupled) w -= mul_rn(mul_rn(c.lr, options.weight_decay), w);
+      else g += mul_rn(options.weight_decay, w);
     }
     float& m = slot[0];
     float& v = slot[1];
-    m += (1 - options.beta1) * (g - m);
-    v = options.beta2 * v + (1 - options.beta2) * g * g;
-    w -= c.step_size * m / (sqrtf(v) * c.inverse_sqrt_bias2 + options.epsilon);
+    m += mul_rn(1 - options.beta1, g - m);
+    v = mul_rn(options.beta2, v) + mul_rn(mul_rn(1 - options.beta2, g), g);
+    w -= mul_rn(c.step_size, m) / (mul_rn(sqrtf(v), c.inverse_sqrt_bias2) + options.epsilon);
   }
 };
 

@@ -9,6 +9,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/math.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
@@ -49,7 +50,9 @@ struct master_weight_options {
   //! so an update below half an ulp still moves the weight on average. False: to nearest even.
   bool stochastic_rounding = false;
   //! Philox key of the rounding; the draws depend on (seed, step, parameter, element)
-  //! alone, so the host and the GPU round alike and a resumed run repeats them.
+  //! alone, so the host and the GPU round alike and a resumed run repeats them (the
+  //! value rounded is alike too where the rule writes its products with
+  //! mpx::mul_rn, so that nvcc cannot fuse them into FMAs).
   std::uint64_t seed = 0;
 };
 
@@ -154,7 +157,7 @@ MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants co
   for (int k = 0; k < N; ++k) {
     float sk[slots > 0 ? slots : 1] = {};
     for (int j = 0; j < slots; ++j) sk[j] = s[j].v[k];
-    rule(c, w.v[k], cast<float>(g.v[k]) * factor, sk);
+    rule(c, w.v[k], mul_rn(cast<float>(g.v[k]), factor), sk);
     for (int j = 0; j < slots; ++j) s[j].v[k] = sk[j];
     if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) {
       if (rounding.stochastic) {

@@ -37,13 +37,14 @@ struct sgd_rule {
     return {static_cast<float>(learning_rate(step - 1)), step == 1};
   }
   MPX_HD void operator()(constants const& c, float& w, float g, float* slot) const noexcept {
-    if (options.weight_decay != 0) g += options.weight_decay * w;
+    // Products through mul_rn: no FMA, so the host and the GPU agree bit for bit.
+    if (options.weight_decay != 0) g += mul_rn(options.weight_decay, w);
     if (options.momentum != 0) {
       float& buffer = slot[0];
-      buffer = c.first ? g : options.momentum * buffer + (1 - options.dampening) * g;
-      g = options.nesterov ? g + options.momentum * buffer : buffer;
+      buffer = c.first ? g : mul_rn(options.momentum, buffer) + mul_rn(1 - options.dampening, g);
+      g = options.nesterov ? g + mul_rn(options.momentum, buffer) : buffer;
     }
-    w -= c.lr * g;
+    w -= mul_rn(c.lr, g);
   }
 };
 
