@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   mpx::fit_options options;
   options.epochs = 5;
   options.progress = 0;                  // plain lines, printed by rank 0 only
-  options.replicas = dp.hooks(exec);     // average the gradients; sum the metrics
+  options.replicas = dp.hooks();         // average the gradients; sum the metrics
   auto const history = mpx::fit(exec, model, optimizer, train, options, &test);
 
   dp.check_parameters_agree(exec);       // throws unless every rank holds the same bits

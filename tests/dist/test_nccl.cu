@@ -11,34 +11,159 @@
 
 #include "support/testing.hpp"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace {
+
 mpx::nccl_communicator* gpus = nullptr;
+
+// Holds back the work enqueued on a stream after it until released: a host function at
+// the head of the stream waits for a flag (as tests/scaling/test_loss_scaler.cpp holds a
+// stream). It lets go by itself after 5 s and says so, so that a collective that waits on
+// the host for the held stream fails the test instead of hanging it.
+class stream_hold {
+ public:
+  explicit stream_hold(cudaStream_t stream) : stream_(stream) {
+    MPX_CUDA_CHECK(cudaLaunchHostFunc(stream, &stream_hold::wait, this));
+  }
+  ~stream_hold() {
+    release();
+    static_cast<void>(cudaStreamSynchronize(stream_));  // the waiting function reads *this
+  }
+  stream_hold(stream_hold const&) = delete;
+  stream_hold& operator=(stream_hold const&) = delete;
+  void release() { open_.store(true); }
+  [[nodiscard]] bool expired() const { return expired_.load(); }
+
+ private:
+  static void wait(void* self) {
+    auto* hold = static_cast<stream_hold*>(self);
+    auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!hold->open_.load())
+      if (std::chrono::steady_clock::now() > deadline) {
+        hold->expired_.store(true);
+        return;
+      }
+  }
+  std::atomic<bool> open_{false}, expired_{false};
+  cudaStream_t stream_;
+};
+
+// Runs `collective` on a tensor that a copy on the executor's stream fills with `values`
+// just before it, after the tensor held `stale`, with the executor's stream held until
+// the collective is enqueued. A collective not ordered after the executor's work would
+// run during the hold and read `stale`; while the hold lasts the communicator's stream
+// must not finish (it waits for the copy). With one rank an in-place sum changes nothing,
+// and that unfinished stream is the only sign of the order. The result is read on the
+// executor's stream, which must wait for the collective. `collective` is called with a
+// tensor on the stream of `exec`, a non-blocking stream of the test's own (holding the
+// legacy default stream would hold every blocking stream too).
+template <class T, class Collective>
+std::vector<T> collective_after_held_write(mpx::cuda_executor const& exec, std::vector<T> const& values, T stale,
+                                           Collective&& collective) {
+  auto const n = static_cast<std::int64_t>(values.size());
+  {  // once unheld first: kernels load on first use, and loading may synchronise the
+     // context (CUDA's lazy loading), which the hold would block
+    auto warm = mpx_test::upload(exec, values, {n});
+    collective(warm);
+    exec.synchronize();
+  }
+  auto data = mpx_test::upload(exec, std::vector<T>(values.size(), stale), {n});
+  auto const source = mpx_test::upload(exec, values, {n});
+  exec.synchronize();  // nothing from pageable memory is copied while the stream is held
+  {
+    stream_hold hold(exec.stream());
+    mpx::copy(exec, source, data);
+    collective(data);
+    bool finished_during_hold = false;
+    for (auto const until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+         !finished_during_hold && std::chrono::steady_clock::now() < until;
+         std::this_thread::sleep_for(std::chrono::milliseconds(1))) {
+      cudaError_t const status = cudaStreamQuery(gpus->stream());
+      if (status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
+      finished_during_hold = status == cudaSuccess;
+    }
+    if (finished_during_hold) FAIL_CHECK("the collective ran while the write before it was held back");
+    hold.release();
+    if (hold.expired()) FAIL_CHECK("the collective waited on the host for the held stream");
+  }
+  return mpx_test::download(exec, data);
 }
 
+// The first element of `got` that differs from `expected` by more than `tolerance`
+// (relative; NaN matches NaN only); empty if none does.
+template <class T>
+std::string first_difference(std::vector<T> const& got, std::vector<T> const& expected, double tolerance) {
+  if (tolerance == 0) return mpx_test::first_mismatch(got, expected);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    double const g = mpx::detail::to_double(got[i]), e = mpx::detail::to_double(expected[i]);
+    if (std::isnan(e) ? !std::isnan(g) : !(std::abs(g - e) <= tolerance * std::abs(e)))
+      return "index " + std::to_string(i) + ": got " + mpx_test::describe(got[i]) + ", expected " +
+             mpx_test::describe(expected[i]);
+  }
+  return {};
+}
+
+template <class T>
+bool sign_bit(T x) {
+  return (mpx::bits(x) & mpx::dtype_traits<T>::sign_mask) != 0;
+}
+
+}  // namespace
+
+// Every element is checked, each rank's input depends on its rank and the index: a
+// reduction of a prefix, or one that adds the wrong elements, shows with two ranks or
+// more. With one rank the sum is the input, and what can still fail is its order after
+// the executor's work and before its later work (collective_after_held_write).
 TEST_CASE("nccl_communicator all-reduces on its own stream, ordered by events", "[dist][nccl]") {
-  mpx::cuda_executor exec;
-  int const ranks = gpus->size();
+  mpx::detail::side_stream stream;
+  mpx::cuda_executor const exec(stream.stream);
+  int const ranks = gpus->size(), rank = gpus->rank();
   mpx_test::for_each_dtype([&](auto t) {
     using T = decltype(t);
+    // Partial sums are integers up to 7 * 36: exact in every dtype up to 8 ranks; past
+    // that bfloat16's 8 bits round them, in an order only NCCL knows.
+    double const tolerance = ranks <= 8 ? 0.0 : ranks * std::ldexp(1.0, -8);
     for (std::size_t n : {std::size_t{1}, std::size_t{1021}, std::size_t{65537}}) {
-      INFO(mpx::dtype_name<T> << " n=" << n);
-      std::vector<T> mine(n, mpx::cast<T>(static_cast<float>(gpus->rank() + 1)));
-      mine[n / 2] = gpus->rank() == ranks - 1 ? mpx::cast<T>(std::numeric_limits<float>::quiet_NaN()) : mine[n / 2];
-      auto data = mpx_test::upload(exec, mine, {static_cast<std::int64_t>(n)});
-      gpus->all_reduce(exec, data, mpx::reduce_op::sum);
-      auto const got = mpx_test::download(exec, data);  // on the executor's stream: after the collective
-      CHECK(mpx::is_nan(got[n / 2]));
-      CHECK(mpx::cast<float>(got[0]) == static_cast<float>(ranks * (ranks + 1) / 2));
+      INFO(mpx::dtype_name<T> << " n=" << n << " ranks=" << ranks);
+      std::vector<T> mine(n), expected(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        auto const k = static_cast<float>(i % 7 + 1);
+        mine[i] = mpx::cast<T>(static_cast<float>(rank + 1) * k);
+        expected[i] = mpx::cast<T>(k * static_cast<float>(ranks * (ranks + 1) / 2));
+      }
+      if (rank == ranks - 1) mine[n / 2] = mpx::cast<T>(std::numeric_limits<float>::quiet_NaN());
+      expected[n / 2] = mpx::cast<T>(std::numeric_limits<float>::quiet_NaN());
+      auto const got = collective_after_held_write(exec, mine, mpx::cast<T>(-3.0f), [&](auto& data) {
+        gpus->all_reduce(exec, data, mpx::reduce_op::sum);
+      });
+      auto const mismatch = first_difference(got, expected, tolerance);
+      INFO(mismatch);
+      CHECK(mismatch.empty());
     }
   });
-  auto values = gpus->all_gather_values(std::vector<double>{static_cast<double>(gpus->rank()), 2.5});
+  // The host values (metrics, barrier, agreement checks), every element.
+  std::vector<double> sums(5);
+  for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<double>(rank + 1) * static_cast<double>(i + 1);
+  gpus->all_reduce_values(sums, mpx::reduce_op::sum);
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    INFO("host sum " << i);
+    CHECK(sums[i] == static_cast<double>(i + 1) * ranks * (ranks + 1) / 2);
+  }
+  auto values = gpus->all_gather_values(std::vector<double>{static_cast<double>(rank), 2.5 + rank});
   REQUIRE(values.size() == 2 * static_cast<std::size_t>(ranks));
-  CHECK(values[2 * static_cast<std::size_t>(ranks - 1)] == ranks - 1);
+  for (int r = 0; r < ranks; ++r) {
+    INFO("gathered from rank " << r);
+    CHECK(values[2 * static_cast<std::size_t>(r)] == r);
+    CHECK(values[2 * static_cast<std::size_t>(r) + 1] == 2.5 + r);
+  }
   gpus->barrier();
   gpus->poll();
 }
@@ -66,10 +191,14 @@ TEST_CASE("data-parallel training on GPUs keeps every replica identical", "[dist
 
 // NCCL's own max and min on floats keep the operand that is not NaN; the communicator's
 // keep the NaN (an fp8 amax that went NaN on one rank must reach every rank's scale).
-// With one rank only the keys' round trip is seen; with more, the NaN's crossing too.
+// With one rank only the keys' round trip is seen, and its one visible change: a NaN
+// leaves a max with its sign bit cleared and a min with it set (from_nan_keeping_max_key),
+// so a NaN written just before the collective that comes back with its sign unchanged
+// was not read by it. With more ranks, the NaN's crossing too.
 TEST_CASE("nccl_communicator's max and min keep a NaN; negative values and signed zeros order right",
           "[dist][nccl]") {
-  mpx::cuda_executor exec;
+  mpx::detail::side_stream stream;
+  mpx::cuda_executor const exec(stream.stream);
   int const ranks = gpus->size(), rank = gpus->rank(), last = ranks - 1;
   float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   mpx_test::for_each_dtype([&](auto t) {
@@ -82,9 +211,15 @@ TEST_CASE("nccl_communicator's max and min keep a NaN; negative values and signe
                                  rank == last ? -nan : -1.0f};
       std::vector<T> values(mine.size());
       for (std::size_t i = 0; i < mine.size(); ++i) values[i] = mpx::cast<T>(mine[i]);
-      auto data = mpx_test::upload(exec, values, {static_cast<std::int64_t>(values.size())});
-      gpus->all_reduce(exec, data, op);
-      auto const got = mpx_test::download(exec, data);
+      if (rank == last) {  // the NaNs' signs set by bits: a cast need not keep them
+        using word = mpx::detail::bits_t<T>;
+        constexpr word sign = mpx::dtype_traits<T>::sign_mask;
+        auto const positive = static_cast<word>(mpx::bits(mpx::cast<T>(nan)) & static_cast<word>(~sign));
+        values[3] = mpx::detail::from_bits<T>(positive);
+        values[5] = mpx::detail::from_bits<T>(static_cast<word>(positive | sign));
+      }
+      auto const got = collective_after_held_write(exec, values, mpx::cast<T>(2.0f),
+                                                   [&](auto& data) { gpus->all_reduce(exec, data, op); });
       CHECK(mpx::cast<float>(got[0]) == (max ? -1.0f : -static_cast<float>(ranks)));
       CHECK(mpx::cast<float>(got[1]) == (max ? 0.5f * static_cast<float>(ranks) : 0.5f));
       CHECK(mpx::cast<float>(got[2]) == 0.0f);
@@ -92,6 +227,8 @@ TEST_CASE("nccl_communicator's max and min keep a NaN; negative values and signe
       CHECK(mpx::is_nan(got[3]));
       CHECK(mpx::cast<float>(got[4]) == (max ? (ranks == 1 ? -inf : static_cast<float>(last)) : -inf));
       CHECK(mpx::is_nan(got[5]));  // a NaN with its sign bit set is a NaN too
+      CHECK(sign_bit(got[3]) == !max);
+      CHECK(sign_bit(got[5]) == !max);
     }
   });
   // The host values' max and min (on_rank_zero's failure flag, metrics) keep NaN too.
@@ -186,6 +323,11 @@ int main(int argc, char** argv) {
     mpx::detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
     mpx::nccl_communicator communicator(mpx::cuda_executor{}, id, 0, 1, patience);
     gpus = &communicator;
+    std::printf(
+        "mpx nccl tests: one rank: every collective is an identity here; checked are the order of each collective "
+        "after the executor's work and before its later work, every element, the NaN marks of max and min and "
+        "the host-value round trips. Sums across ranks, the NaN's crossing, the max/min of different values and "
+        "replicas that agree after starting apart need mpirun -np 2 or more (scripts/gpu_run.sh on >= 2 GPUs)\n");
     return Catch::Session().run(argc, argv);
   }
   mpx::mpi_environment mpi(argc, argv);

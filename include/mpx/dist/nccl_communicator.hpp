@@ -4,11 +4,12 @@
 // 0 through any bootstrap communicator (mpx::mpi_communicator: `nccl_communicator(exec,
 // mpi)`), or through a file on a shared filesystem for launchers without MPI.
 // A collective that has not completed `timeout` after it was enqueued is found by
-// poll() (every collective enqueued outside a graph capture calls it first; so may you):
-// the communicator is aborted and mpx::collective_error names the collective. A max or
-// min keeps NaN, unlike NCCL's own on floats (through kernels: all_reduce is called from
-// files nvcc compiles). Needs the CUDA runtime and NCCL (-lnccl); not included by
-// <mpx/mpx.hpp>.
+// poll() (every collective enqueued outside a graph capture calls it first; so may you),
+// and the host-value collectives (barrier, all_reduce_values, all_gather_values) wait for
+// their result at most `timeout`: the communicator is aborted and mpx::collective_error
+// names the collective. A max or min keeps NaN, unlike NCCL's own on floats (through
+// kernels: all_reduce is called from files nvcc compiles). Needs the CUDA runtime and
+// NCCL (-lnccl); not included by <mpx/mpx.hpp>.
 #pragma once
 
 #include <mpx/core/error.hpp>
@@ -24,6 +25,7 @@
 #include <chrono>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -112,9 +114,20 @@ class nccl_communicator {
                     communicator_options options = {})
       : options_(options), rank_(rank), size_(size) {
     detail::check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank", "bootstrap");
-    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    // Made, used and freed on the stream of the collectives: ordered without events.
-    values_ = tensor<double, device_space>(exec.on(stream_), shape{64});
+    // A constructor that throws runs no destructor: without this the communicator would
+    // leak, never aborted, while the other ranks go on with theirs.
+    try {
+      MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      // Made, used and freed on the stream of the collectives: ordered without events.
+      values_ = tensor<double, device_space>(exec.on(stream_), shape{host_value_capacity});
+      void* pinned = nullptr;
+      MPX_CUDA_CHECK(cudaMallocHost(&pinned, host_value_capacity * sizeof(std::uint64_t)));
+      host_values_ = static_cast<std::uint64_t*>(pinned);
+    } catch (...) {
+      broken_ = true;  // aborted, not destroyed: aborting waits for no other rank
+      release();
+      throw;
+    }
   }
   //! The id handed out by rank 0 through `bootstrap` (an mpx::mpi_communicator, or any
   //! communicator with a host broadcast_bytes): the usual way under mpirun.
@@ -123,20 +136,16 @@ class nccl_communicator {
   nccl_communicator(cuda_executor const& exec, Bootstrap& bootstrap, communicator_options options = {})
       : nccl_communicator(exec, id_from(bootstrap), bootstrap.rank(), bootstrap.size(), options) {}
 
-  ~nccl_communicator() {
-    values_ = {};  // freed on stream_, after the work enqueued there: before it goes
-    if (comm_) {
-      if (broken_) ncclCommAbort(comm_);
-      else ncclCommDestroy(comm_);
-    }
-    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
-  }
+  ~nccl_communicator() { release(); }
   nccl_communicator(nccl_communicator const&) = delete;
   nccl_communicator& operator=(nccl_communicator const&) = delete;
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
+  //! The stream the collectives run on (for profilers and tests); the executors' streams
+  //! are ordered with it by events.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
 
   //! A max or min keeps a NaN (NCCL's own float max and min would drop it): the values
   //! are reduced as detail::nan_keeping_max_key integers, converted by kernels on the
@@ -181,40 +190,46 @@ class nccl_communicator {
         });
   }
 
-  //! Host values through a small device buffer; waits for the result.
+  //! Host values through a small device buffer; waits for the result (at most the
+  //! timeout: the copies go through pinned memory, so none blocks behind a hung collective).
   [[nodiscard]] std::vector<double> all_gather_values(std::span<double const> mine) {
-    std::size_t const n = mine.size(), total = n * static_cast<std::size_t>(size_);
+    std::size_t const n = mine.size(), total = n * static_cast<std::size_t>(size_),
+                      at = n * static_cast<std::size_t>(rank_);
+    require_usable();
     require_room(total);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + n * static_cast<std::size_t>(rank_), mine.data(),
-                                   n * sizeof(double), cudaMemcpyHostToDevice, stream_));
+    for (std::size_t i = 0; i < n; ++i) host_values_[at + i] = detail::bit_cast<std::uint64_t>(mine[i]);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + at, host_values_ + at, n * sizeof(double), cudaMemcpyHostToDevice,
+                                   stream_));
     std::string const what = "all_gather (" + std::to_string(n) + " values) #" + std::to_string(++sequence_);
-    detail::check_nccl(ncclAllGather(values_.data() + n * static_cast<std::size_t>(rank_), values_.data(), n,
-                                     ncclFloat64, comm_, stream_),
+    detail::check_nccl(ncclAllGather(values_.data() + at, values_.data(), n, ncclFloat64, comm_, stream_),
                        "ncclAllGather", what);
-    std::vector<double> all(total);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(all.data(), values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    MPX_CUDA_CHECK(
+        cudaMemcpyAsync(host_values_, values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
     wait_for_stream(what);
+    std::vector<double> all(total);
+    for (std::size_t i = 0; i < total; ++i) all[i] = detail::bit_cast<double>(host_values_[i]);
     return all;
   }
 
   //! A max or min keeps a NaN, as all_reduce's (the keys are made on the host).
   void all_reduce_values(std::span<double> values, reduce_op op) {
+    require_usable();
     require_room(values.size());
     std::string const what = "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) +
                              " values) #" + std::to_string(++sequence_);
     bool const keys = op != reduce_op::sum, negated = op == reduce_op::min;
-    std::vector<std::uint64_t> staged(values.size());
-    for (std::size_t i = 0; keys && i < values.size(); ++i) staged[i] = detail::nan_keeping_max_key(values[i], negated);
-    void const* from = keys ? static_cast<void const*>(staged.data()) : static_cast<void const*>(values.data());
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), from, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      host_values_[i] =
+          keys ? detail::nan_keeping_max_key(values[i], negated) : detail::bit_cast<std::uint64_t>(values[i]);
+    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), host_values_, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
     detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(), keys ? ncclUint64 : ncclFloat64,
                                      keys ? ncclMax : ncclSum, comm_, stream_),
                        "ncclAllReduce", what);
-    void* to = keys ? static_cast<void*>(staged.data()) : static_cast<void*>(values.data());
-    MPX_CUDA_CHECK(cudaMemcpyAsync(to, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+    MPX_CUDA_CHECK(cudaMemcpyAsync(host_values_, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
     wait_for_stream(what);
-    for (std::size_t i = 0; keys && i < values.size(); ++i)
-      values[i] = detail::from_nan_keeping_max_key<double>(staged[i], negated);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      values[i] = keys ? detail::from_nan_keeping_max_key<double>(host_values_[i], negated)
+                       : detail::bit_cast<double>(host_values_[i]);
   }
 
   void barrier() {
@@ -225,6 +240,7 @@ class nccl_communicator {
   //! Looks at the collectives still in flight: one older than the timeout aborts the
   //! communicator and throws collective_error naming it. Never waits.
   void poll() {
+    require_usable();
     while (!in_flight_.empty()) {
       auto& oldest = in_flight_.front();
       cudaError_t const done = cudaEventQuery(oldest.done->get());
@@ -234,7 +250,8 @@ class nccl_communicator {
       }
       if (done != cudaErrorNotReady) MPX_CUDA_CHECK(done);
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async);
+      if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
+        fail_with(oldest.what, std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(query));
       if (async != ncclSuccess && async != ncclInProgress) fail_with(oldest.what, ncclGetErrorString(async));
       if (std::chrono::steady_clock::now() - oldest.enqueued > options_.timeout)
         fail_with(oldest.what, "not complete " + std::to_string(options_.timeout.count()) +
@@ -281,7 +298,7 @@ class nccl_communicator {
   // The collective on the side stream: after the executor's work so far, before its later work.
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
-    if (broken_) throw collective_error("mpx::nccl_communicator: an earlier collective failed; end the job", {});
+    require_usable();
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
     if (capturing == cudaStreamCaptureStatusNone) poll();  // a CUDA graph being captured: no queries
@@ -311,10 +328,34 @@ class nccl_communicator {
     }
   }
 
+  void require_usable() const {
+    if (broken_) throw collective_error("mpx::nccl_communicator: an earlier collective failed; end the job", {});
+  }
+
   void require_room(std::size_t n) const {
     if (n > values_.size())
       detail::fail<invalid_argument>("nccl_communicator", std::to_string(n) + " host values in one collective (at most " +
                                                               std::to_string(values_.size()) + ")");
+  }
+
+  // What the constructor made, freed in order (also when it made only part of it): the
+  // device buffer on the stream, after the work there; the communicator, aborted when
+  // broken (an abort waits for no other rank and stops a hung kernel); then the pinned
+  // buffer (freeing it waits for the device, which the abort has released) and the stream.
+  void release() noexcept {
+    values_ = {};
+    if (comm_) {
+      if (broken_) ncclCommAbort(comm_);
+      else ncclCommDestroy(comm_);
+      comm_ = nullptr;
+    }
+    if (host_values_) {
+      if (cudaError_t status = cudaFreeHost(host_values_); status != cudaSuccess)
+        std::fprintf(stderr, "mpx: cudaFreeHost failed: %s\n", cudaGetErrorString(status));
+      host_values_ = nullptr;
+    }
+    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+    stream_ = nullptr;
   }
 
   [[noreturn]] void fail_with(std::string const& what, std::string const& why) {
@@ -324,12 +365,15 @@ class nccl_communicator {
     throw collective_error("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what + ": " + why, {});
   }
 
+  static constexpr std::size_t host_value_capacity = 64;  // doubles (or their 64-bit keys) in one host collective
+
   communicator_options options_;
   int rank_ = 0;
   int size_ = 1;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   tensor<double, device_space> values_;
+  std::uint64_t* host_values_ = nullptr;  // pinned: a copy into pageable memory would wait for the stream
   std::deque<pending> in_flight_;
   std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
   bool deferred_ = false;
