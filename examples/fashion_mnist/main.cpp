@@ -97,14 +97,14 @@ void as_replica(Exec const& exec, cluster const& c, Optimizer& optimizer, Train&
   if constexpr (mpx::is_host_executor_v<Exec>) {
     if (c.mpi) {
       mpx::data_parallel dp(exec, *c.mpi, optimizer);
-      train(dp.hooks(exec));
+      train(dp.hooks());
       return;
     }
   } else {
 #if MPX_HAS_CUDA
     if (c.nccl) {
       mpx::data_parallel dp(exec, *c.nccl, optimizer);
-      train(dp.hooks(exec));
+      train(dp.hooks());
       return;
     }
 #endif
