@@ -109,21 +109,21 @@ void run_all(Exec const& exec, options const& opt) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg == "--rows" && i + 1 < argc) opt.rows = std::max(1LL, std::atoll(argv[++i]));
-    else if (arg == "--cols" && i + 1 < argc) opt.cols = std::max(1000LL, std::atoll(argv[++i]));
-    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
-    else if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--rows R] [--cols C>=1000] [--repeat N] [--executor host|cuda|all]\n", argv[0]);
-      return 2;
-    }
+  mpx_programs::command_line args(argc, argv, "[--rows R] [--cols C>=1000] [--repeat N] [--executor host|cuda|all]");
+  while (args.next()) {
+    if (args.is("--rows")) opt.rows = args.whole<std::int64_t>(1, std::int64_t{1} << 20);
+    else if (args.is("--cols"))
+      opt.cols = args.whole<std::int64_t>(1000, std::int64_t{1} << 24, " (the softmax rows of 1000 are cut from them)");
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else args.unknown();
   }
   std::printf("[%lld, %lld] elements, median of %d runs\n", static_cast<long long>(opt.rows),
               static_cast<long long>(opt.cols), opt.repeat);
   std::printf("%-6s %-30s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("activation_bench");
 }

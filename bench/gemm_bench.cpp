@@ -105,7 +105,7 @@ void spot_check(shape_case const& c, std::vector<T> const& a, std::vector<T> con
     }
     double const g = mpx::detail::to_double(got[static_cast<std::size_t>((bi * c.m + i) * c.n + j)]);
     if (!(std::abs(g - exact) <= bound * scale + 1e-30))
-      throw mpx::error("gemm_bench: " + std::string(who) + " " + c.name + " " + std::string(mpx::dtype_name<T>) +
+      throw mpx::error(std::string(who) + " " + c.name + " " + std::string(mpx::dtype_name<T>) +
                        ": C[" + std::to_string(bi) + "][" + std::to_string(i) + "][" + std::to_string(j) + "] = " +
                        std::to_string(g) + ", float64 says " + std::to_string(exact));
   }
@@ -133,7 +133,7 @@ mpx::shape operand_shape(std::int64_t batch, std::int64_t rows, std::int64_t col
 #if MPX_HAS_CUDA
 void check(cublasStatus_t status, char const* call) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    throw mpx::cublas_error(std::string("gemm_bench: ") + call + " returned " + cublasGetStatusName(status),
+    throw mpx::cublas_error(std::string(call) + " returned " + cublasGetStatusName(status),
                             static_cast<int>(status));
 }
 
@@ -259,22 +259,20 @@ void run_all(Exec const& exec, options const& opt) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
-    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
-    else if (arg == "--max-square" && i + 1 < argc) opt.max_square = std::atoll(argv[++i]);
-    else if (arg == "--shapes" && i + 1 < argc) opt.shapes = argv[++i];
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--executor host|cuda|all] [--repeat R] [--max-square N] [--shapes squares|layers|all]\n",
-                   argv[0]);
-      return 2;
-    }
+  mpx_programs::command_line args(argc, argv,
+                                  "[--executor host|cuda|all] [--repeat R] [--max-square N] [--shapes squares|layers|all]");
+  while (args.next()) {
+    if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--max-square")) opt.max_square = args.whole<std::int64_t>(1, 65536);
+    else if (args.is("--shapes")) opt.shapes = args.choice({"squares", "layers", "all"});
+    else args.unknown();
   }
   std::printf("median of %d runs; host path: %s\n", opt.repeat,
               mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("gemm_bench");
 }

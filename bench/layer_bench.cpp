@@ -126,10 +126,10 @@ void check_output(Exec const& exec, X const& x, std::string_view what) {
   for (std::size_t i = 0; i < n; i += step) {
     float const v = mpx::cast<float>(host.data()[i]);
     if (!std::isfinite(v))
-      throw mpx::error("layer_bench: " + std::string(what) + " holds " + std::to_string(v) + " at " + std::to_string(i));
+      throw mpx::error(std::string(what) + " holds " + std::to_string(v) + " at " + std::to_string(i));
     nonzero |= v != 0.0f;
   }
-  if (!nonzero && n > 0) throw mpx::error("layer_bench: " + std::string(what) + " is all zero");
+  if (!nonzero && n > 0) throw mpx::error(std::string(what) + " is all zero");
 }
 
 std::string shape_text(std::initializer_list<std::int64_t> extents) {
@@ -540,39 +540,38 @@ void run_all(Exec const& exec, options const& opt) {
   if (opt.wants("attention")) bench_attention(exec, opt);
 }
 
-std::vector<std::int64_t> parse_list(char const* text) {
-  std::vector<std::int64_t> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (long long v = std::atoll(item.c_str()); v > 0) out.push_back(v);
-  return out;
-}
-
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
-    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
-    else if (arg == "--small") opt.small = true;
-    else if (arg == "--rows" && i + 1 < argc) opt.rows = std::max(1LL, std::atoll(argv[++i]));
-    else if (arg == "--cols" && i + 1 < argc) opt.cols = std::max(1LL, std::atoll(argv[++i]));
-    else if (arg == "--lstm-steps" && i + 1 < argc) opt.lstm_steps = parse_list(argv[++i]);
-    else if (arg == "--lstm-units" && i + 1 < argc) opt.lstm_units = parse_list(argv[++i]);
-    else if (arg == "--only" && i + 1 < argc) opt.only = argv[++i];
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]\n"
-                   "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]\n",
-                   argv[0]);
-      return 2;
-    }
+  mpx_programs::command_line args(
+      argc, argv,
+      "[--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]\n"
+      "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]");
+  while (args.next()) {
+    if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--small")) opt.small = true;
+    else if (args.is("--rows")) opt.rows = args.whole<std::int64_t>(1, std::int64_t{1} << 24);
+    else if (args.is("--cols")) opt.cols = args.whole<std::int64_t>(1, std::int64_t{1} << 24);
+    else if (args.is("--lstm-steps")) opt.lstm_steps = args.wholes<std::int64_t>(1, 100'000);
+    else if (args.is("--lstm-units")) opt.lstm_units = args.wholes<std::int64_t>(1, 65'536);
+    else if (args.is("--only")) {
+      opt.only = args.text();
+      std::stringstream in(opt.only);
+      bool known = !opt.only.empty() && opt.only.back() != ',';
+      for (std::string part; std::getline(in, part, ',');)
+        known = known && (part == "norm" || part == "dropout" || part == "pool" || part == "conv" || part == "lstm" ||
+                          part == "attention");
+      if (!known)
+        throw mpx_programs::usage_error("--only expects parts among norm, dropout, pool, conv, lstm, attention, got '" +
+                                        opt.only + "'");
+    } else args.unknown();
   }
   std::printf("median of %d runs%s; GB/s counts every byte read and written once; host gemm: %s\n", opt.repeat,
               opt.small ? ", --small sizes" : "",
               mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("layer_bench");
 }

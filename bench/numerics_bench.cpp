@@ -87,19 +87,18 @@ void run_all(Exec const& exec, options const& opt) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg == "--elements" && i + 1 < argc) opt.elements = std::strtoull(argv[++i], nullptr, 10);
-    else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
-    else if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--elements N] [--repeat R] [--executor host|cuda|all]\n", argv[0]);
-      return 2;
-    }
+  mpx_programs::command_line args(argc, argv, "[--elements N] [--repeat R] [--executor host|cuda|all]");
+  while (args.next()) {
+    if (args.is("--elements")) opt.elements = args.whole<std::size_t>(1, std::size_t{1} << 32);
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else args.unknown();
   }
   std::printf("%zu elements, median of %d runs\n", opt.elements, opt.repeat);
   std::printf("%-6s %-22s %-9s %10s %9s %9s\n", "exec", "op", "dtype", "time (us)", "GB/s", "of copy");
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("numerics_bench");
 }

@@ -294,82 +294,37 @@ void run_all(Exec const& exec, options const& opt) {
   exec.synchronize();
 }
 
-std::vector<std::size_t> parse_list(char const* text) {
-  std::vector<std::size_t> out;
-  std::string_view s = text;
-  while (!s.empty()) {
-    auto const comma = s.find(',');
-    std::string const item(s.substr(0, comma));
-    char* end = nullptr;
-    auto const value = std::strtoull(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || value == 0) throw bench_failure("--tensors: not a positive count: '" + item + "'");
-    out.push_back(value);
-    if (comma == std::string_view::npos) break;
-    s.remove_prefix(comma + 1);
-  }
-  if (out.empty()) throw bench_failure("--tensors: no count given");
-  return out;
-}
-
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   options opt;
-  try {
-    for (int i = 1; i < argc; ++i) {
-      std::string_view const arg = argv[i];
-      if (arg == "--elements" && i + 1 < argc) opt.elements = std::strtoull(argv[++i], nullptr, 10);
-      else if (arg == "--tensors" && i + 1 < argc) opt.tensors = parse_list(argv[++i]);
-      else if (arg == "--repeat" && i + 1 < argc) opt.repeat = std::max(1, std::atoi(argv[++i]));
-      else if (arg == "--executor" && i + 1 < argc) opt.executor = argv[++i];
-      else if (arg == "--packed") opt.packed = true;
-      else {
-        std::fprintf(stderr,
-                     "usage: %s [--elements N] [--tensors K[,K...]] [--repeat R] [--executor host|cuda|all] "
-                     "[--packed]\n",
-                     argv[0]);
-        return 2;
-      }
-    }
-    if (opt.executor != "host" && opt.executor != "cuda" && opt.executor != "all") {
-      std::fprintf(stderr, "--executor must be host, cuda or all, not '%s'\n", opt.executor.c_str());
-      return 2;
-    }
-    if (opt.elements == 0) {
-      std::fprintf(stderr, "--elements must be positive\n");
-      return 2;
-    }
-    for (std::size_t k : opt.tensors)
-      if (k > opt.elements) {
-        std::fprintf(stderr, "--tensors %zu exceeds --elements %zu: every tensor holds at least one element\n", k,
-                     opt.elements);
-        return 2;
-      }
-#if !MPX_HAS_CUDA
-    if (opt.executor == "cuda") {
-      std::fprintf(stderr, "built without nvcc: no CUDA rows\n");
-      return 1;
-    }
-#endif
-
-    std::printf("scaling_bench: %zu gradient elements in all, in lists of uneven sizes (%s); median of %d runs "
-                "after a warm-up\n",
-                opt.elements, opt.packed ? "packed into one buffer" : "one allocation each", opt.repeat);
-    std::printf("GB/s = (bytes read + bytes written) / time, each byte once; the copy counts its read and its "
-                "write (8 B per float element), as numerics_bench does.\n"
-                "B/elem: unscale in_place 2*sizeof(T) (read, write); deferred sizeof(T) (read only); adam (float "
-                "master, m, v): 16-bit T reads g, master, m, v and writes master, m, v, value = 28; float reads "
-                "value, g, m, v and writes value, m, v = 28.\n");
-    print_header();
-  } catch (bench_failure const& e) {
-    std::fprintf(stderr, "scaling_bench: %s\n", e.what());
-    return 1;
-  } catch (mpx::error const& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  } catch (std::exception const& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+  mpx_programs::command_line args(argc, argv,
+                                  "[--elements N] [--tensors K[,K...]] [--repeat R] [--executor host|cuda|all] [--packed]");
+  while (args.next()) {
+    if (args.is("--elements")) opt.elements = args.whole<std::size_t>(1, std::size_t{1} << 32);
+    else if (args.is("--tensors")) opt.tensors = args.wholes<std::size_t>(1, std::size_t{1} << 20);
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else if (args.is("--packed")) opt.packed = true;
+    else args.unknown();
   }
+  for (std::size_t k : opt.tensors)
+    if (k > opt.elements)
+      throw mpx_programs::usage_error("--tensors " + std::to_string(k) + " exceeds --elements " +
+                                      std::to_string(opt.elements) + ": every tensor holds at least one element");
+#if !MPX_HAS_CUDA
+  if (opt.executor == "cuda") throw mpx::error("--executor cuda: built without nvcc: no CUDA rows");
+#endif
+  std::printf("scaling_bench: %zu gradient elements in all, in lists of uneven sizes (%s); median of %d runs "
+              "after a warm-up\n",
+              opt.elements, opt.packed ? "packed into one buffer" : "one allocation each", opt.repeat);
+  std::printf("GB/s = (bytes read + bytes written) / time, each byte once; the copy counts its read and its "
+              "write (8 B per float element), as numerics_bench does.\n"
+              "B/elem: unscale in_place 2*sizeof(T) (read, write); deferred sizeof(T) (read only); adam (float "
+              "master, m, v): 16-bit T reads g, master, m, v and writes master, m, v, value = 28; float reads "
+              "value, g, m, v and writes value, m, v = 28.\n");
+  print_header();
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("scaling_bench");
 }

@@ -9,6 +9,7 @@
 //   c++ -std=c++20 -I. -Iinclude -isystem $CUDA/include -isystem $CUDA/include/cccl \
 //       -DMPX_HAS_ZLIB=1 fuzz/make_corpus.cpp -lz -o make_corpus && ./make_corpus fuzz
 // (fuzz/run.sh --regenerate does this.)
+#include "examples/common/command_line.hpp"
 #include "fuzz/targets.hpp"
 
 #include <mpx/optim/sgd.hpp>
@@ -165,7 +166,7 @@ void text_corpus(fs::path const& dir) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s FUZZ_DIR (writes FUZZ_DIR/corpus/<reader>/ and FUZZ_DIR/regressions/<reader>/)\n", argv[0]);
     return 2;
@@ -194,4 +195,6 @@ int main(int argc, char** argv) {
         mpx_fuzz::read_input(reader, bytes);
       }
   return 0;
+} catch (...) {
+  return mpx_programs::report_failure("make_corpus");
 }

@@ -21,9 +21,12 @@
 //                     [--learning-rate X] [--seed N]
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <string>
 #include <string_view>
@@ -227,13 +230,6 @@ void compare(Exec const& exec, settings const& s) {
               "initialisation): then neither run loses a gradient and the two agree.\n");
 }
 
-[[noreturn]] void usage(char const* program, int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: %s [--executor auto|host|cuda] [--steps N] [--init-scale X] [--learning-rate X] [--seed N]\n",
-               program);
-  std::exit(code);
-}
-
 bool gpu_available() {
 #if MPX_HAS_CUDA
   int devices = 0;
@@ -247,18 +243,16 @@ bool gpu_available() {
 
 int main(int argc, char** argv) try {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const a = argv[i];
-    if (i + 1 >= argc && a != "--help" && a != "-h") usage(argv[0], 2);
-    if (a == "--executor") s.executor = argv[++i];
-    else if (a == "--steps") s.steps = std::atoi(argv[++i]);
-    else if (a == "--init-scale") s.init_scale = std::strtof(argv[++i], nullptr);
-    else if (a == "--learning-rate") s.learning_rate = std::strtof(argv[++i], nullptr);
-    else if (a == "--seed") s.seed = std::strtoull(argv[++i], nullptr, 10);
-    else usage(argv[0], a == "--help" || a == "-h" ? 0 : 2);
+  mpx_programs::command_line args(
+      argc, argv, "[--executor auto|host|cuda] [--steps N] [--init-scale X] [--learning-rate X] [--seed N]");
+  while (args.next()) {
+    if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--steps")) s.steps = args.whole<int>(1, 1'000'000);
+    else if (args.is("--init-scale")) s.init_scale = static_cast<float>(args.real(0, 100, true));
+    else if (args.is("--learning-rate")) s.learning_rate = static_cast<float>(args.real(0, 1, true));
+    else if (args.is("--seed")) s.seed = args.whole<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
+    else args.unknown();
   }
-  if (s.executor != "auto" && s.executor != "host" && s.executor != "cuda") usage(argv[0], 2);
-  if (s.steps < 1 || !(s.init_scale > 0) || !(s.learning_rate > 0)) usage(argv[0], 2);
 
   bool const gpu = gpu_available();
   if (s.executor == "cuda" || (s.executor == "auto" && gpu)) {
@@ -272,7 +266,6 @@ int main(int argc, char** argv) try {
     compare(mpx::host_executor{}, s);
   }
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "binary_classifier: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("binary_classifier");
 }

@@ -27,6 +27,8 @@
 // tensor and says why. Then the same weights with the scaling: finite.
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <sys/resource.h>
 
 #include <chrono>
@@ -34,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -252,64 +255,37 @@ void demonstrate_overflow(Exec const& exec, settings s, mpx::text_split const& t
   }
 }
 
-[[noreturn]] void usage(char const* program, int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: %s [--policy all|float32|mixed_bfloat16|mixed_float16] [--steps N] [--batch N]\n"
-               "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
-               "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
-               "          [--demo-overflow]\n",
-               program);
-  std::exit(code);
-}
+constexpr char const* usage_text =
+    "[--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8] [--steps N] [--batch N]\n"
+    "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
+    "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
+    "          [--demo-overflow]";
 
 settings parse(int argc, char** argv) {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    std::string const a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(argv[0], 2);
-      return argv[++i];
-    };
-    auto number = [&]() -> long long {
-      std::string const v = value();
-      char* end = nullptr;
-      long long const n = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || n <= 0) {
-        std::fprintf(stderr, "%s expects a positive number, got '%s'\n", a.c_str(), v.c_str());
-        std::exit(2);
-      }
-      return n;
-    };
-    if (a == "--policy") s.policy = value();
-    else if (a == "--steps") s.steps = static_cast<std::size_t>(number());
-    else if (a == "--batch") s.batch = static_cast<std::size_t>(number());
-    else if (a == "--context") s.context = number();
-    else if (a == "--width") s.width = number();
-    else if (a == "--heads") s.heads = number();
-    else if (a == "--lr") s.lr = std::strtof(value().c_str(), nullptr);
-    else if (a == "--corpus") s.corpus = value();
-    else if (a == "--seed") s.seed = static_cast<std::uint64_t>(number());
-    else if (a == "--sample") s.sample = static_cast<std::size_t>(number());
-    else if (a == "--log-every") s.log_every = static_cast<std::size_t>(number());
-    else if (a == "--eval-batches") s.eval_batches = static_cast<std::size_t>(number());
-    else if (a == "--executor") s.executor = value();
-    else if (a == "--demo-overflow") s.demo_overflow = true;
-    else if (a == "--help" || a == "-h") usage(argv[0], 0);
-    else {
-      std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());
-      usage(argv[0], 2);
-    }
+  mpx_programs::command_line args(argc, argv, usage_text);
+  while (args.next()) {
+    if (args.is("--policy"))
+      s.policy = args.choice({"all", "float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "mixed_fp8"});
+    else if (args.is("--steps")) s.steps = args.whole<std::size_t>(1, 1'000'000);
+    else if (args.is("--batch")) s.batch = args.whole<std::size_t>(1, 4096);
+    else if (args.is("--context"))
+      s.context = args.whole<std::int64_t>(1, 2048, " (each attention holds --batch x --heads x context^2 scores)");
+    else if (args.is("--width")) s.width = args.whole<std::int64_t>(1, 4096);
+    else if (args.is("--heads")) s.heads = args.whole<std::int64_t>(1, 64);
+    else if (args.is("--lr")) s.lr = static_cast<float>(args.real(0, 1, true));
+    else if (args.is("--corpus")) s.corpus = args.text();
+    else if (args.is("--seed")) s.seed = args.whole<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
+    else if (args.is("--sample")) s.sample = args.whole<std::size_t>(1, 1'000'000);
+    else if (args.is("--log-every")) s.log_every = args.whole<std::size_t>(1, 1'000'000);
+    else if (args.is("--eval-batches")) s.eval_batches = args.whole<std::size_t>(1, 100'000);
+    else if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--demo-overflow")) s.demo_overflow = true;
+    else args.unknown();
   }
-  if (s.policy != "all" && s.policy != "float32" && s.policy != "mixed_bfloat16" && s.policy != "mixed_float16" &&
-      s.policy != "bfloat16" && s.policy != "mixed_fp8") {
-    std::fprintf(stderr, "unknown policy '%s'\n", s.policy.c_str());
-    std::exit(2);
-  }
-  if (s.width % s.heads != 0) {
-    std::fprintf(stderr, "--width %lld must be a multiple of --heads %lld\n", static_cast<long long>(s.width),
-                 static_cast<long long>(s.heads));
-    std::exit(2);
-  }
+  if (s.width % s.heads != 0)
+    throw mpx_programs::usage_error("--width " + std::to_string(s.width) + " must be a multiple of --heads " +
+                                    std::to_string(s.heads));
   return s;
 }
 
@@ -376,7 +352,6 @@ int main(int argc, char** argv) try {
   std::printf("%-16s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
   for (auto const& r : results) std::printf("\n-- sampled from %s:\n%s\n", r.policy.c_str(), r.sample.c_str());
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "char_lm: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("char_lm");
 }

@@ -16,6 +16,8 @@
 //   custom_training_loop [--executor auto|host|cuda] [--steps N]
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -163,18 +165,11 @@ bool gpu_available() {
 int main(int argc, char** argv) try {
   std::string executor = "auto";
   int steps = 100;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const a = argv[i];
-    if (a == "--executor" && i + 1 < argc) executor = argv[++i];
-    else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--steps N]\n", argv[0]);
-      return 2;
-    }
-  }
-  if ((executor != "auto" && executor != "host" && executor != "cuda") || steps < 1) {
-    std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--steps N]\n", argv[0]);
-    return 2;
+  mpx_programs::command_line args(argc, argv, "[--executor auto|host|cuda] [--steps N]");
+  while (args.next()) {
+    if (args.is("--executor")) executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--steps")) steps = args.whole<int>(1, 1'000'000);
+    else args.unknown();
   }
   bool const gpu = gpu_available();
   if (executor == "cuda" || (executor == "auto" && gpu)) {
@@ -188,7 +183,6 @@ int main(int argc, char** argv) try {
     train(mpx::host_executor{}, steps);
   }
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "custom_training_loop: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("custom_training_loop");
 }

@@ -47,6 +47,8 @@
 #endif
 #endif
 
+#include "../common/command_line.hpp"
+
 #include <sys/resource.h>
 #include <sys/wait.h>
 
@@ -55,6 +57,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -270,70 +273,35 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, cluster
   return out;
 }
 
-[[noreturn]] void usage(char const* program, int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: %s [--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|all] [--epochs N]\n"
-               "          [--batch-size N] [--executor auto|host|cuda] [--train-limit N] [--test-limit N]\n"
-               "          [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n"
-               "          [--data-parallel]\n",
-               program);
-  std::exit(code);
-}
+constexpr char const* usage_text =
+    "[--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|all] [--epochs N]\n"
+    "          [--batch-size N] [--executor auto|host|cuda] [--train-limit N] [--test-limit N]\n"
+    "          [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n"
+    "          [--data-parallel]";
 
 settings parse(int argc, char** argv) {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    std::string const a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(argv[0], 2);
-      return argv[++i];
-    };
-    auto number = [&]() -> std::size_t {
-      std::string const v = value();
-      char* end = nullptr;
-      unsigned long long const n = std::strtoull(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0') {
-        std::fprintf(stderr, "%s expects a number, got '%s'\n", a.c_str(), v.c_str());
-        std::exit(2);
-      }
-      return static_cast<std::size_t>(n);
-    };
-    if (a == "--policy") s.policy = value();
-    else if (a == "--epochs") s.epochs = number();
-    else if (a == "--batch-size") s.batch_size = number();
-    else if (a == "--executor") s.executor = value();
-    else if (a == "--train-limit") s.train_limit = number();
-    else if (a == "--test-limit") s.test_limit = number();
-    else if (a == "--data") s.data = value();
-    else if (a == "--csv") s.csv = value();
-    else if (a == "--plot") s.plot = value();
-    else if (a == "--seed") s.seed = number();
-    else if (a == "--cuda-graph") s.cuda_graph = true;
-    else if (a == "--probe") s.probe = true;
-    else if (a == "--data-parallel") s.data_parallel = true;
-    else if (a == "--help" || a == "-h") usage(argv[0], 0);
-    else {
-      std::fprintf(stderr, "unknown argument '%s'\n", a.c_str());
-      usage(argv[0], 2);
-    }
-  }
-  if (s.policy != "all" && s.policy != "mixed_float16" && s.policy != "mixed_bfloat16" && s.policy != "float32" &&
-      s.policy != "bfloat16" && s.policy != "mixed_fp8") {
-    std::fprintf(stderr, "unknown policy '%s': expected mixed_float16, mixed_bfloat16, float32, bfloat16, mixed_fp8 or all\n",
-                 s.policy.c_str());
-    std::exit(2);
-  }
-  if (s.executor != "auto" && s.executor != "host" && s.executor != "cuda") {
-    std::fprintf(stderr, "unknown executor '%s': expected auto, host or cuda\n", s.executor.c_str());
-    std::exit(2);
+  mpx_programs::command_line args(argc, argv, usage_text);
+  while (args.next()) {
+    if (args.is("--policy"))
+      s.policy = args.choice({"mixed_float16", "mixed_bfloat16", "float32", "bfloat16", "mixed_fp8", "all"});
+    else if (args.is("--epochs")) s.epochs = args.whole<std::size_t>(1, 1000);
+    else if (args.is("--batch-size")) s.batch_size = args.whole<std::size_t>(1, 60000, " (the training set's size)");
+    else if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--train-limit")) s.train_limit = args.whole<std::size_t>(1, 60000, " (the training set's size)");
+    else if (args.is("--test-limit")) s.test_limit = args.whole<std::size_t>(1, 10000, " (the test set's size)");
+    else if (args.is("--data")) s.data = args.text();
+    else if (args.is("--csv")) s.csv = args.text();
+    else if (args.is("--plot")) s.plot = args.text();
+    else if (args.is("--seed")) s.seed = args.whole<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
+    else if (args.is("--cuda-graph")) s.cuda_graph = true;
+    else if (args.is("--probe")) s.probe = true;
+    else if (args.is("--data-parallel")) s.data_parallel = true;
+    else args.unknown();
   }
   if (!s.plot.empty() && s.csv.empty()) {  // the logs go next to the PNG: run.png -> run.<policy>.csv
     std::filesystem::path const png = s.plot;
     s.csv = (png.parent_path() / png.stem()).string();
-  }
-  if (s.batch_size == 0) {
-    std::fprintf(stderr, "--batch-size must be positive\n");
-    std::exit(2);
   }
   return s;
 }
@@ -482,11 +450,11 @@ int main(int argc, char** argv) try {
                   " epoch(s), batch " + std::to_string(s.batch_size) + ", " + (use_gpu ? "cuda" : "host") +
                   " executor");
   return 0;
-} catch (mpx::error const& e) {
+} catch (...) {
 #if MPX_EXAMPLE_HAS_MPI
   // Other ranks may be waiting for this one in a collective: end the whole job.
-  if (mpx::mpi_environment::active()) mpx::mpi_environment::abort(1, std::string("fashion_mnist: ") + e.what());
+  if (mpx::mpi_environment::active())
+    mpx::mpi_environment::abort(1, "fashion_mnist: " + mpx_programs::current_failure().what);
 #endif
-  std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
-  return 1;
+  return mpx_programs::report_failure("fashion_mnist");
 }

@@ -7,6 +7,8 @@
 //   lstm_sequences [--executor auto|host|cuda] [--samples N] [--epochs N]
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -101,17 +103,13 @@ int main(int argc, char** argv) try {
   std::string executor = "auto";
   std::int64_t samples = 2048;
   std::size_t epochs = 8;
-  for (int i = 1; i < argc; ++i) {
-    std::string const a = argv[i];
-    if (a == "--executor" && i + 1 < argc) executor = argv[++i];
-    else if (a == "--samples" && i + 1 < argc) samples = std::atoll(argv[++i]);
-    else if (a == "--epochs" && i + 1 < argc) epochs = static_cast<std::size_t>(std::atoll(argv[++i]));
-    else {
-      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--samples N] [--epochs N]\n", argv[0]);
-      return 2;
-    }
+  mpx_programs::command_line args(argc, argv, "[--executor auto|host|cuda] [--samples N] [--epochs N]");
+  while (args.next()) {
+    if (args.is("--executor")) executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--samples")) samples = args.whole<std::int64_t>(8, 1'000'000);
+    else if (args.is("--epochs")) epochs = args.whole<std::size_t>(1, 1000);
+    else args.unknown();
   }
-  if (samples < 8) throw mpx::invalid_argument("--samples must be at least 8");
   bool gpu = false;
 #if MPX_HAS_CUDA
   int devices = 0;
@@ -131,7 +129,6 @@ int main(int argc, char** argv) try {
     return 2;
   }
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "lstm_sequences: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("lstm_sequences");
 }

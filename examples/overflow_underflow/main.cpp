@@ -9,6 +9,8 @@
 //   overflow_underflow [--executor auto|host|cuda] [--size N]
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -118,46 +120,36 @@ void part2_gradients(Exec const& exec, std::vector<float> const& host_gradients)
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   std::string executor = "auto";
   std::size_t size = std::size_t{1} << 20;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    if (arg == "--executor" && i + 1 < argc) executor = argv[++i];
-    else if (arg == "--size" && i + 1 < argc) size = std::strtoull(argv[++i], nullptr, 10);
-    else {
-      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--size N]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (executor != "auto" && executor != "host" && executor != "cuda") {
-    std::fprintf(stderr, "unknown executor '%s': expected auto, host or cuda\n", executor.c_str());
-    return 2;
+  mpx_programs::command_line args(argc, argv, "[--executor auto|host|cuda] [--size N]");
+  while (args.next()) {
+    if (args.is("--executor")) executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--size")) size = args.whole<std::size_t>(1, std::size_t{1} << 30);
+    else args.unknown();
   }
 
-  try {
-    part1_scalars();
-    auto const gradients = typical_gradients(size);
-    bool gpu = false;
+  part1_scalars();
+  auto const gradients = typical_gradients(size);
+  bool gpu = false;
 #if MPX_HAS_CUDA
-    int devices = 0;
-    gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+  int devices = 0;
+  gpu = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
 #endif
-    if (executor == "host" || executor == "auto") part2_gradients(mpx::host_executor{}, gradients);
-    if (executor == "cuda" || (executor == "auto" && gpu)) {
+  if (executor == "host" || executor == "auto") part2_gradients(mpx::host_executor{}, gradients);
+  if (executor == "cuda" || (executor == "auto" && gpu)) {
 #if MPX_HAS_CUDA
-      if (!gpu) throw mpx::error("--executor cuda: no GPU is visible to this process");
-      part2_gradients(mpx::cuda_executor{}, gradients);
+    if (!gpu) throw mpx::error("--executor cuda: no GPU is visible to this process");
+    part2_gradients(mpx::cuda_executor{}, gradients);
 #else
-      throw mpx::error("--executor cuda: this binary was built without nvcc; rebuild with -Dcuda=enabled");
+    throw mpx::error("--executor cuda: this binary was built without nvcc; rebuild with -Dcuda=enabled");
 #endif
-    } else if (executor == "auto") {
-      std::printf("No GPU here: the table above came from the host executor. On a GPU the same calls run as\n"
-                  "CUDA kernels (mpx::cuda_executor) and print the same counts.\n");
-    }
-  } catch (mpx::error const& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+  } else if (executor == "auto") {
+    std::printf("No GPU here: the table above came from the host executor. On a GPU the same calls run as\n"
+                "CUDA kernels (mpx::cuda_executor) and print the same counts.\n");
   }
   return 0;
+} catch (...) {
+  return mpx_programs::report_failure("overflow_underflow");
 }

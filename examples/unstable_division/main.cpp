@@ -21,6 +21,8 @@
 //   unstable_division [--executor auto|host|cuda]
 #include <mpx/mpx.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -309,17 +311,10 @@ void run_all(Exec const& exec) {
 
 int main(int argc, char** argv) try {
   std::string executor = "auto";
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const a = argv[i];
-    if (a == "--executor" && i + 1 < argc) executor = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (executor != "auto" && executor != "host" && executor != "cuda") {
-    std::fprintf(stderr, "unknown executor '%s': expected auto, host or cuda\n", executor.c_str());
-    return 2;
+  mpx_programs::command_line args(argc, argv, "[--executor auto|host|cuda]");
+  while (args.next()) {
+    if (args.is("--executor")) executor = args.choice({"auto", "host", "cuda"});
+    else args.unknown();
   }
   bool const gpu = gpu_available();
   if (executor == "cuda" || (executor == "auto" && gpu)) {
@@ -333,7 +328,6 @@ int main(int argc, char** argv) try {
     run_all(mpx::host_executor{});
   }
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "unstable_division: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("unstable_division");
 }

@@ -29,6 +29,8 @@
 #include <mpx/numerics/finite.hpp>
 #include <mpx/numerics/stats.hpp>
 
+#include "../common/command_line.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -152,19 +154,12 @@ int main(int argc, char** argv) try {
   std::string executor = "auto";
   std::size_t n = std::size_t{1} << 20;
   float scale = 8192;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const a = argv[i];
-    if (a == "--executor" && i + 1 < argc) executor = argv[++i];
-    else if (a == "--size" && i + 1 < argc) n = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--scale" && i + 1 < argc) scale = std::strtof(argv[++i], nullptr);
-    else {
-      std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--size N] [--scale X]\n", argv[0]);
-      return 2;
-    }
-  }
-  if ((executor != "auto" && executor != "host" && executor != "cuda") || n == 0 || !(scale > 0)) {
-    std::fprintf(stderr, "usage: %s [--executor auto|host|cuda] [--size N] [--scale X]\n", argv[0]);
-    return 2;
+  mpx_programs::command_line args(argc, argv, "[--executor auto|host|cuda] [--size N] [--scale X]");
+  while (args.next()) {
+    if (args.is("--executor")) executor = args.choice({"auto", "host", "cuda"});
+    else if (args.is("--size")) n = args.whole<std::size_t>(1, std::size_t{1} << 30);
+    else if (args.is("--scale")) scale = static_cast<float>(args.real(0, 16777216, true));
+    else args.unknown();
   }
   bool const gpu = gpu_available();
   if (executor == "cuda" || (executor == "auto" && gpu)) {
@@ -190,7 +185,6 @@ int main(int argc, char** argv) try {
     run(mpx::host_executor{}, n, scale);
   }
   return 0;
-} catch (mpx::error const& e) {
-  std::fprintf(stderr, "user_kernel: %s\n", e.what());
-  return 1;
+} catch (...) {
+  return mpx_programs::report_failure("user_kernel");
 }

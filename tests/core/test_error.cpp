@@ -109,3 +109,22 @@ TEST_CASE("MPX_CUDA_CHECK_LAUNCH tells a refused launch from an earlier call's e
   MPX_CUDA_CHECK(cudaDeviceSynchronize());
 }
 #endif
+
+TEST_CASE("an error names its operation once, however the caller spelled it", "[errors]") {
+  auto message_of = [](auto&& throwing) {
+    try {
+      throwing();
+    } catch (mpx::error const& e) {
+      return std::string(e.what());
+    }
+    return std::string("(nothing thrown)");
+  };
+  std::string const plain = message_of([] { mpx::detail::fail("gemm", "shapes differ"); });
+  std::string const spelled = message_of([] { mpx::detail::fail("mpx::dense", "units must be positive"); });
+  CHECK(plain.rfind("mpx::gemm: shapes differ (at ", 0) == 0);
+  CHECK(spelled.rfind("mpx::dense: units must be positive (at ", 0) == 0);
+  CHECK(spelled.find("mpx::mpx::") == std::string::npos);
+  // A layer built with a bad configuration says so in the library's words.
+  std::string const layer = message_of([] { mpx::dense<mpx::float32> d({.units = 0}); });
+  CHECK(layer.rfind("mpx::dense: units must be positive", 0) == 0);
+}

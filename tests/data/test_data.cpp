@@ -432,49 +432,6 @@ TEMPLATE_LIST_TEST_CASE("batches: sizes, shuffle, contents in every storage dtyp
                          Contains("batch_size must be positive"));
 }
 
-namespace test_data {
-
-// Holds back everything enqueued on the executor's stream until released (or destroyed):
-// a host function at the head of the stream waits for a flag (as in the loss scaler's
-// tests). The host executor runs each call at once, so there the hold does nothing.
-// While held, nothing may wait for the stream.
-template <class Exec>
-class stream_hold {
- public:
-  explicit stream_hold([[maybe_unused]] Exec const& exec) {
-#if MPX_HAS_CUDA
-    if constexpr (!mpx::is_host_executor_v<Exec>) {
-      MPX_CUDA_CHECK(cudaLaunchHostFunc(exec.stream(), &stream_hold::wait, &open_));
-      stream_ = exec.stream();
-      held_ = true;
-    }
-#endif
-  }
-  ~stream_hold() {
-    release();
-#if MPX_HAS_CUDA
-    // The waiting function reads open_: let it return before the flag goes.
-    if (held_) static_cast<void>(cudaStreamSynchronize(stream_));
-#endif
-  }
-  stream_hold(stream_hold const&) = delete;
-  stream_hold& operator=(stream_hold const&) = delete;
-  void release() { open_.store(true); }
-  [[nodiscard]] bool held() const { return held_; }
-
- private:
-  static void wait(void* flag) {
-    auto const* open = static_cast<std::atomic<bool> const*>(flag);
-    while (!open->load()) std::this_thread::yield();
-  }
-  std::atomic<bool> open_{false};
-  bool held_ = false;
-#if MPX_HAS_CUDA
-  cudaStream_t stream_ = nullptr;
-#endif
-};
-
-}  // namespace test_data
 
 // The double buffer's two orderings, each able to fail on a GPU. The consumer's stream
 // is held while it is given two batches and enqueues copies of them, then released:
@@ -508,7 +465,7 @@ TEMPLATE_LIST_TEST_CASE("batches: epochs through the double buffer without waiti
     loader.start_epoch(epoch);
     std::size_t at = 0;
     for (bool more = true; more;) {
-      test_data::stream_hold<TestType> hold(exec);
+      mpx_test::stream_hold<TestType> hold(exec);
       for (int k = 0; k < 2 && more; ++k) {
         auto b = loader.next();
         more = b.has_value();

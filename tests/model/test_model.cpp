@@ -292,6 +292,10 @@ TEMPLATE_LIST_TEST_CASE("a mixed_float16 classifier learns, and every step is re
   int rows = 0;
   while (std::getline(csv, line)) ++rows;
   CHECK(rows == 48);
+  // The op is named once: "mpx::fit: ...", not "mpx::mpx::fit: ...".
+  options.csv_log = dir / "no such folder" / "log.csv";
+  CHECK_THROWS_TYPE_WITH(mpx::fit(exec, model, optimizer, data, options), mpx::invalid_argument,
+                         Catch::StartsWith("mpx::fit: cannot write the CSV log"));
   fs::remove_all(dir);
 }
 
@@ -448,6 +452,7 @@ TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]",
   auto x = mpx_test::upload(exec, std::vector<float>(12, 0.5f), {4, 3});
   CHECK_THROWS_TYPE_WITH(model.forward(exec, mpx::view(std::as_const(x)), false), mpx::shape_error,
                          Catch::Contains("[4, 3]") && Catch::Contains("[batch, 2]"));
+  CHECK_THROWS_WITH(model.forward(exec, mpx::view(std::as_const(x)), false), Catch::StartsWith("mpx::sequential: "));
   auto convs = mpx::sequential<mpx::float32>(mpx::conv2d<>(2, 5));
   CHECK_THROWS_TYPE_WITH(convs.build(exec, {3, 3, 1}, 1), mpx::shape_error, Catch::Contains("[1, 3, 3, 1]"));
   CHECK_THROWS_TYPE_WITH(convs.build(exec, {9, 1}, 1), mpx::shape_error,

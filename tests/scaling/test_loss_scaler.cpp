@@ -242,48 +242,6 @@ TEMPLATE_LIST_TEST_CASE("loss scalers refuse meaningless options", "[scaling]", 
                          Catch::Contains("finite"));
 }
 
-namespace test_loss_scaler {
-
-// Holds back everything enqueued on a stream until released (or destroyed): a host
-// function at the head of the stream waits for a flag. The host executor runs each call
-// at once, so there the hold does nothing. While held, nothing may wait for the stream.
-template <class Exec>
-class stream_hold {
- public:
-  explicit stream_hold([[maybe_unused]] Exec const& exec) {
-#if MPX_HAS_CUDA
-    if constexpr (!mpx::is_host_executor_v<Exec>) {
-      MPX_CUDA_CHECK(cudaLaunchHostFunc(exec.stream(), &stream_hold::wait, &open_));
-      stream_ = exec.stream();
-      held_ = true;
-    }
-#endif
-  }
-  ~stream_hold() {
-    release();
-#if MPX_HAS_CUDA
-    // The waiting function reads open_: let it return before the flag goes.
-    if (held_) static_cast<void>(cudaStreamSynchronize(stream_));
-#endif
-  }
-  stream_hold(stream_hold const&) = delete;
-  stream_hold& operator=(stream_hold const&) = delete;
-  void release() { open_.store(true); }
-  [[nodiscard]] bool held() const { return held_; }
-
- private:
-  static void wait(void* flag) {
-    auto const* open = static_cast<std::atomic<bool> const*>(flag);
-    while (!open->load()) std::this_thread::yield();
-  }
-  std::atomic<bool> open_{false};
-  bool held_ = false;
-#if MPX_HAS_CUDA
-  cudaStream_t stream_ = nullptr;
-#endif
-};
-
-}  // namespace test_loss_scaler
 
 // The signal the host reads is written once per run of overflows, at the step that
 // reaches report_after; later steps of the same run leave it alone, so a late read (the
@@ -341,7 +299,7 @@ TEMPLATE_LIST_TEST_CASE("a late stuck report describes the step that reached rep
   float const inf = std::numeric_limits<float>::infinity();
   exec.synchronize();
   {
-    test_loss_scaler::stream_hold<TestType> hold(exec);
+    mpx_test::stream_hold<TestType> hold(exec);
     for (int step = 0; step < 7; ++step) {
       mpx::fill(exec, a, step < 3 ? inf : 1.0f);
       mpx::fill(exec, b, step < 3 ? 1.0f : -inf);

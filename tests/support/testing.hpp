@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -183,5 +185,47 @@ struct scratch_dir {
   scratch_dir& operator=(scratch_dir const&) = delete;
   [[nodiscard]] std::filesystem::path operator/(std::string const& name) const { return path / name; }
 };
+
+//! Holds back everything enqueued on the executor's stream until released (or destroyed):
+//! a host function at the head of the stream waits for a flag, so a test can enqueue work
+//! behind it and show that what must wait for that work does. The host executor runs
+//! each call at once, so there the hold does nothing. While held, nothing may wait for
+//! the stream.
+template <class Exec>
+class stream_hold {
+ public:
+  explicit stream_hold([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+    if constexpr (!mpx::is_host_executor_v<Exec>) {
+      MPX_CUDA_CHECK(cudaLaunchHostFunc(exec.stream(), &stream_hold::wait, &open_));
+      stream_ = exec.stream();
+      held_ = true;
+    }
+#endif
+  }
+  ~stream_hold() {
+    release();
+#if MPX_HAS_CUDA
+    // The waiting function reads open_: let it return before the flag goes.
+    if (held_) static_cast<void>(cudaStreamSynchronize(stream_));
+#endif
+  }
+  stream_hold(stream_hold const&) = delete;
+  stream_hold& operator=(stream_hold const&) = delete;
+  void release() { open_.store(true); }
+  [[nodiscard]] bool held() const { return held_; }
+
+ private:
+  static void wait(void* flag) {
+    auto const* open = static_cast<std::atomic<bool> const*>(flag);
+    while (!open->load()) std::this_thread::yield();
+  }
+  std::atomic<bool> open_{false};
+  bool held_ = false;
+#if MPX_HAS_CUDA
+  cudaStream_t stream_ = nullptr;
+#endif
+};
+
 
 }  // namespace mpx_test

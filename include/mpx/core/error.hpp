@@ -99,11 +99,13 @@ inline std::string where(source_location loc) {
   return std::string(loc.file_name()) + ":" + std::to_string(loc.line());
 }
 
-//! Throws E with "mpx::<op>: <message> (at file:line)".
+//! Throws E with "mpx::<op>: <message> (at file:line)"; an op already written as
+//! "mpx::<op>" (a layer's display name, say) is not prefixed twice.
 template <class E = error>
 [[noreturn]] void fail(std::string_view op, std::string_view message,
                        source_location loc = source_location::current()) {
-  throw E("mpx::" + std::string(op) + ": " + std::string(message) + " (at " + where(loc) + ")");
+  std::string_view const prefix = op.substr(0, 5) == "mpx::" ? "" : "mpx::";
+  throw E(std::string(prefix) + std::string(op) + ": " + std::string(message) + " (at " + where(loc) + ")");
 }
 
 #if MPX_HAS_CUDA_RUNTIME

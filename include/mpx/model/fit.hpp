@@ -197,7 +197,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
   std::ofstream csv;
   if (!options.csv_log.empty() && replicas.prints()) {
     csv.open(options.csv_log);
-    if (!csv) detail::fail<invalid_argument>("mpx::fit", "cannot write the CSV log " + options.csv_log.string());
+    if (!csv) detail::fail<invalid_argument>("fit", "cannot write the CSV log " + options.csv_log.string());
     csv << "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds\n";
   }
   auto const start = clock::now();

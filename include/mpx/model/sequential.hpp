@@ -191,7 +191,7 @@ class sequential_model {
   template <executor Exec>
   void reserve(Exec const& exec, std::int64_t batch) {
     require_built("reserve");
-    if (batch <= 0) detail::fail<invalid_argument>("mpx::sequential::reserve", "the batch must be positive");
+    if (batch <= 0) detail::fail<invalid_argument>("sequential::reserve", "the batch must be positive");
     std::size_t i = 0;
     boost::hana::for_each(nodes_, [&](auto& node) {
       node.layer.reserve(exec, batch);
@@ -247,7 +247,7 @@ class sequential_model {
   template <executor Exec, class T, class Space = memory_space_t<Exec>>
   tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T const, Space> x, bool training) {
     require_built("forward");
-    detail::require_batch_shape("mpx::sequential", "the model's input", x.shape(), input_shape_);
+    detail::require_batch_shape("sequential", "the model's input", x.shape(), input_shape_);
     std::int64_t const batch = x.shape()[0];
     if (batch > batch_) reserve(exec, batch);
     backward_top_ = no_backward;  // the gradients no longer belong to these activations
@@ -402,7 +402,7 @@ class sequential_model {
   [[nodiscard]] std::vector<layer_trace<Space>> trace() {
     require_built("trace");
     if (batch_in_flight_ == 0)
-      detail::fail<invalid_argument>("mpx::sequential::trace", "no forward has run yet");
+      detail::fail<invalid_argument>("sequential::trace", "no forward has run yet");
     std::vector<layer_trace<Space>> out;
     trace_from<0, Space>(out);
     return out;
@@ -427,7 +427,7 @@ class sequential_model {
 
   void require_built(std::string_view what) const {
     if (!built_)
-      detail::fail<invalid_argument>("mpx::sequential", std::string(what) +
+      detail::fail<invalid_argument>("sequential", std::string(what) +
                                                             " before build(exec, input_shape, seed)");
   }
 
