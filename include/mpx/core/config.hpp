@@ -3,6 +3,13 @@
 // Dependency-free on purpose: every other header may include it.
 #pragma once
 
+// mpx is C++20 (concepts, designated initialisers, std::span); nvcc's default is C++17.
+#if !defined(_MSVC_LANG) && __cplusplus < 202002L
+#error "mpx needs C++20: compile with -std=c++20 (nvcc: -std=c++20; CMake: CMAKE_CXX_STANDARD 20 and CMAKE_CUDA_STANDARD 20; Meson: cpp_std=c++20)"
+#elif defined(_MSVC_LANG) && _MSVC_LANG < 202002L
+#error "mpx needs C++20: compile with /std:c++20"
+#endif
+
 #if defined(__CUDACC__)
 #define MPX_HD __host__ __device__
 #define MPX_DEVICE __device__
