@@ -493,6 +493,31 @@ void cast_to_fp8(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state,
   detail::fp8_pass<true, true>(exec, xv.data(), ov.data(), xv.size(), state.data());
 }
 
+namespace detail {
+// The checks and the pass behind cast_to_fp8_transposed and its padded form: out is x
+// with the last two extents swapped, its last (x's rows, K) exactly as long or, padded,
+// as long or longer; the pass writes zeros past x's rows.
+template <class Exec, class XV, class OV, class Format>
+void cast_to_fp8_transposed_checked(char const* op, bool padded, Exec const& exec, XV const& xv,
+                                    fp8_tensor_scale<Format, Exec>& state, OV const& ov) {
+  check_fp8_cast_types<Exec, XV, OV, Format>();
+  mpx::shape const& xs = xv.shape();
+  mpx::shape const& os = ov.shape();
+  std::size_t const r = xs.rank();
+  std::string const shapes = "x has shape " + xs.to_string() + ", out has shape " + os.to_string();
+  if (r != 2 && r != 3)
+    fail<shape_error>(op, "x must be a matrix [rows, cols] or a batch of them [batch, rows, cols]; " + shapes);
+  bool const rows_fit = padded ? os[r - 1] >= xs[r - 2] : os[r - 1] == xs[r - 2];
+  if (!(os.rank() == r && os[r - 2] == xs[r - 1] && rows_fit && (r == 2 || os[0] == xs[0])))
+    fail<shape_error>(op, std::string(padded ? "out must have x's shape with the last two extents swapped, its last "
+                                               "as long as x's rows or longer; "
+                                             : "out must have x's shape with the last two extents swapped; ") +
+                              shapes);
+  require_disjoint(op, "x", xv, "out", ov);
+  fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], os[r - 1], state.data());
+}
+}  // namespace detail
+
 //! cast_to_fp8 (delayed scaling) and a transpose in one pass: x [R, C] gives out [C, R]
 //! with out[j][i] = saturate_cast<Format>(float(x[i][j]) * scale), |x|'s maximum folded
 //! into this step's amax as cast_to_fp8 does (NaN and inf alike); a batch [B, R, C] gives
@@ -504,24 +529,7 @@ void cast_to_fp8(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state,
 template <executor Exec, tensor_like X, tensor_like Out, dtype8 Format>
 void cast_to_fp8_transposed(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state, Out&& out,
                             delayed_scaling const& = {}) {
-  auto const xv = mpx::view(x);
-  auto const ov = mpx::view(out);
-  detail::check_fp8_cast_types<Exec, decltype(xv), decltype(ov), Format>();
-  mpx::shape const& xs = xv.shape();
-  mpx::shape const& os = ov.shape();
-  std::size_t const r = xs.rank();
-  std::string const shapes = "x has shape " + xs.to_string() + ", out has shape " + os.to_string();
-  if (r != 2 && r != 3)
-    detail::fail<shape_error>("cast_to_fp8_transposed",
-                              "x must be a matrix [rows, cols] or a batch of them [batch, rows, cols]; " + shapes);
-  bool const transposed =
-      os.rank() == r && os[r - 2] == xs[r - 1] && os[r - 1] == xs[r - 2] && (r == 2 || os[0] == xs[0]);
-  if (!transposed)
-    detail::fail<shape_error>("cast_to_fp8_transposed",
-                              "out must have x's shape with the last two extents swapped; " + shapes);
-  detail::require_disjoint("cast_to_fp8_transposed", "x", xv, "out", ov);
-  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], xs[r - 2],
-                              state.data());
+  detail::cast_to_fp8_transposed_checked("cast_to_fp8_transposed", false, exec, mpx::view(x), state, mpx::view(out));
 }
 
 //! cast_to_fp8 (delayed scaling) into rows padded with zeros: x [..., K] gives out
@@ -560,25 +568,8 @@ void cast_to_fp8_padded(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>&
 template <executor Exec, tensor_like X, tensor_like Out, dtype8 Format>
 void cast_to_fp8_transposed_padded(Exec const& exec, X&& x, fp8_tensor_scale<Format, Exec>& state, Out&& out,
                                    delayed_scaling const& = {}) {
-  auto const xv = mpx::view(x);
-  auto const ov = mpx::view(out);
-  detail::check_fp8_cast_types<Exec, decltype(xv), decltype(ov), Format>();
-  mpx::shape const& xs = xv.shape();
-  mpx::shape const& os = ov.shape();
-  std::size_t const r = xs.rank();
-  std::string const shapes = "x has shape " + xs.to_string() + ", out has shape " + os.to_string();
-  if (r != 2 && r != 3)
-    detail::fail<shape_error>("cast_to_fp8_transposed_padded",
-                              "x must be a matrix [rows, cols] or a batch of them [batch, rows, cols]; " + shapes);
-  bool const transposed =
-      os.rank() == r && os[r - 2] == xs[r - 1] && os[r - 1] >= xs[r - 2] && (r == 2 || os[0] == xs[0]);
-  if (!transposed)
-    detail::fail<shape_error>("cast_to_fp8_transposed_padded",
-                              "out must have x's shape with the last two extents swapped, its last as long as x's "
-                              "rows or longer; " + shapes);
-  detail::require_disjoint("cast_to_fp8_transposed_padded", "x", xv, "out", ov);
-  detail::fp8_transposed_pass(exec, xv.data(), ov.data(), r == 3 ? xs[0] : 1, xs[r - 2], xs[r - 1], os[r - 1],
-                              state.data());
+  detail::cast_to_fp8_transposed_checked("cast_to_fp8_transposed_padded", true, exec, mpx::view(x), state,
+                                         mpx::view(out));
 }
 
 //! Current scaling: the amax of x first (one pass), the scale from it
