@@ -1,11 +1,14 @@
 // <mpx/exec.hpp>: executors (host, CUDA), memory spaces, tensors and views, copies,
-// launch helpers, resident values, streams.
+// the dispatch (for_each_index, for_each_row and their lanes), launch helpers, resident
+// values, streams.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
 
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
+#include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/resident.hpp>

@@ -20,5 +20,4 @@
 #include <mpx/kernels/max_pool.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/kernels/reduce.hpp>
-#include <mpx/kernels/row_reduce.hpp>
 #include <mpx/kernels/softmax.hpp>

@@ -151,7 +151,9 @@ void batch_norm_apply([[maybe_unused]] Exec const& exec, X const* x, float const
 //! Checks x, y and the per-channel float tensors; returns [rows, channels].
 template <class XV, class YV>
 void batch_norm_layout(std::string_view op, XV const& xv, YV const& yv, std::size_t& rows, std::size_t& cols) {
-  last_axis_layout(op, xv.shape(), rows, cols);
+  row_shape const rs = last_axis_rows(op, xv.shape());
+  rows = rs.rows;
+  cols = rs.cols;
   require_same_shape(op, xv.shape(), yv.shape());
 }
 

@@ -9,10 +9,9 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/column_reduce.hpp>
-#include <mpx/kernels/row_reduce.hpp>
 
 #include <cmath>
 #include <cstddef>
@@ -52,71 +51,66 @@ inline void require_extent(std::string_view op, std::string_view what, shape con
                               " of shape " + o.to_string() + " (" + std::string(why) + ")");
 }
 
-//! [rows, cols] of a tensor normalised over its last axis.
-inline void last_axis_layout(std::string_view op, shape const& x, std::size_t& rows, std::size_t& cols) {
-  if (x.rank() < 1) fail<shape_error>(op, "expects a tensor of rank 1 or more, got shape " + x.to_string());
-  cols = static_cast<std::size_t>(x[x.rank() - 1]);
-  rows = cols ? x.size() / cols : 0;
-  // The warp kernels count columns in int steps of 32: keep the last step below 2^31.
-  if (cols > 0x7FFF'FFFFu - 1024)
-    fail<invalid_argument>(op, "rows of more than 2^31 - 1025 elements are not supported");
-}
-
 // ---- LayerNorm ----
-
-inline constexpr int norm_host_lanes = 32;  // as a warp's lanes: cols / 32 + 32 roundings
+// The row bodies, written once for both executors (exec/lanes.hpp): three passes over a
+// row forward (sum, squared deviations, write), two backward.
 
 template <class X, class Y>
-void host_layer_norm_rows(X const* x, float const* gamma, float const* beta, Y* y, float* mean, float* rstd,
-                          std::size_t rows, std::size_t cols, float eps) {
-  for (std::size_t r = 0; r < rows; ++r) {
+struct layer_norm_row {
+  X const* x;
+  float const* gamma;
+  float const* beta;
+  Y* y;  // may be x: a lane writes only the columns it alone reads
+  float* mean;
+  float* rstd;
+  std::size_t cols;
+  float eps;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
     X const* xr = x + r * cols;
-    float lanes[norm_host_lanes] = {};
-    for (std::size_t c = 0; c < cols; ++c) lanes[c % norm_host_lanes] += cast<float>(xr[c]);
-    float s = 0.0f;
-    for (float l : lanes) s += l;
-    float const m = s / static_cast<float>(cols);
-    float sq[norm_host_lanes] = {};
-    for (std::size_t c = 0; c < cols; ++c) {
+    Y* yr = y + r * cols;
+    float const n = static_cast<float>(cols);
+    float const m = lanes.reduce(cols, sum_float{}, [&](std::size_t c) { return cast<float>(xr[c]); }) / n;
+    float const q = lanes.reduce(cols, sum_float{}, [&](std::size_t c) {
       float const d = cast<float>(xr[c]) - m;
-      sq[c % norm_host_lanes] += d * d;
-    }
-    float q = 0.0f;
-    for (float l : sq) q += l;
-    float const rs = 1.0f / ::sqrtf(q / static_cast<float>(cols) + eps);
-    mean[r] = m;
-    rstd[r] = rs;
-    for (std::size_t c = 0; c < cols; ++c)
-      y[r * cols + c] = cast<Y>((cast<float>(xr[c]) - m) * rs * gamma[c] + beta[c]);
+      return d * d;
+    });
+    float const rs = 1.0f / ::sqrtf(q / n + eps);
+    lanes.once([&] {
+      mean[r] = m;
+      rstd[r] = rs;
+    });
+    lanes.for_each(cols, [&](std::size_t c) { yr[c] = cast<Y>((cast<float>(xr[c]) - m) * rs * gamma[c] + beta[c]); });
   }
-}
+};
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma, xhat = (x - mean) * rstd
 template <class X, class DY, class DX>
-void host_layer_norm_backward_rows(X const* x, DY const* dy, float const* gamma, float const* mean,
-                                   float const* rstd, DX* dx, std::size_t rows, std::size_t cols) {
-  for (std::size_t r = 0; r < rows; ++r) {
+struct layer_norm_backward_row {
+  X const* x;
+  DY const* dy;
+  float const* gamma;
+  float const* mean;
+  float const* rstd;
+  DX* dx;  // may be dy
+  std::size_t cols;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
     std::size_t const base = r * cols;
-    float la[norm_host_lanes] = {}, lb[norm_host_lanes] = {};
-    for (std::size_t c = 0; c < cols; ++c) {
+    float const m = mean[r], rs = rstd[r];
+    float_pair const sums = lanes.reduce(cols, sum_float_pair{}, [&](std::size_t c) {
       float const g = cast<float>(dy[base + c]) * gamma[c];
-      float const xh = (cast<float>(x[base + c]) - mean[r]) * rstd[r];
-      la[c % norm_host_lanes] += g;
-      lb[c % norm_host_lanes] += g * xh;
-    }
-    float sa = 0.0f, sb = 0.0f;
-    for (int l = 0; l < norm_host_lanes; ++l) {
-      sa += la[l];
-      sb += lb[l];
-    }
+      return float_pair{g, g * ((cast<float>(x[base + c]) - m) * rs)};
+    });
     float const inv = 1.0f / static_cast<float>(cols);
-    for (std::size_t c = 0; c < cols; ++c) {
+    // Every lane has read all of its columns of dy before writing dx.
+    lanes.for_each(cols, [&](std::size_t c) {
       float const g = cast<float>(dy[base + c]) * gamma[c];
-      float const xh = (cast<float>(x[base + c]) - mean[r]) * rstd[r];
-      dx[base + c] = cast<DX>(rstd[r] * (g - sa * inv - xh * (sb * inv)));
-    }
+      float const xh = (cast<float>(x[base + c]) - m) * rs;
+      dx[base + c] = cast<DX>(rs * (g - sums.first * inv - xh * (sums.second * inv)));
+    });
   }
-}
+};
 
 //! Column terms of layer_norm's dgamma (dy * xhat) and dbeta (dy).
 template <class X, class DY>
@@ -134,74 +128,6 @@ struct layer_norm_param_terms {
   }
 };
 
-#if MPX_HAS_CUDA
-inline constexpr int norm_rows_per_block = 8;  // a warp per row, 256 threads
-
-// A warp per row; three passes over the row (sum, squared deviations, write), the later
-// ones mostly from L1/L2.
-template <class X, class Y>
-__global__ void __launch_bounds__(norm_rows_per_block * 32)
-    layer_norm_warp_kernel(X const* x, float const* __restrict__ gamma, float const* __restrict__ beta,
-                           Y* y,  // y may be x
-                           float* __restrict__ mean, float* __restrict__ rstd, std::size_t rows,
-                           int cols, float eps) {
-  std::size_t const row = static_cast<std::size_t>(blockIdx.x) * norm_rows_per_block + (threadIdx.x >> 5);
-  int const lane = static_cast<int>(threadIdx.x & 31u);
-  if (row >= rows) return;
-  X const* xr = x + row * static_cast<std::size_t>(cols);
-  Y* yr = y + row * static_cast<std::size_t>(cols);
-  float s = 0.0f;
-  for (int c = lane; c < cols; c += 32) s += cast<float>(xr[c]);
-  s = warp_all_reduce(s, sum_float{});
-  float const m = s / static_cast<float>(cols);
-  float q = 0.0f;
-  for (int c = lane; c < cols; c += 32) {
-    float const d = cast<float>(xr[c]) - m;
-    q += d * d;
-  }
-  q = warp_all_reduce(q, sum_float{});
-  float const rs = 1.0f / ::sqrtf(q / static_cast<float>(cols) + eps);
-  if (lane == 0) {
-    mean[row] = m;
-    rstd[row] = rs;
-  }
-  for (int c = lane; c < cols; c += 32) yr[c] = cast<Y>((cast<float>(xr[c]) - m) * rs * gamma[c] + beta[c]);
-}
-
-template <class X, class DY, class DX>
-__global__ void __launch_bounds__(norm_rows_per_block * 32)
-    layer_norm_backward_warp_kernel(X const* __restrict__ x, DY const* dy, float const* __restrict__ gamma,
-                                    float const* __restrict__ mean, float const* __restrict__ rstd, DX* dx,
-                                    std::size_t rows, int cols) {
-  std::size_t const row = static_cast<std::size_t>(blockIdx.x) * norm_rows_per_block + (threadIdx.x >> 5);
-  int const lane = static_cast<int>(threadIdx.x & 31u);
-  if (row >= rows) return;
-  std::size_t const base = row * static_cast<std::size_t>(cols);
-  float const m = mean[row], rs = rstd[row];
-  float sa = 0.0f, sb = 0.0f;
-  for (int c = lane; c < cols; c += 32) {
-    float const g = cast<float>(dy[base + c]) * gamma[c];
-    sa += g;
-    sb += g * ((cast<float>(x[base + c]) - m) * rs);
-  }
-  sa = warp_all_reduce(sa, sum_float{});
-  sb = warp_all_reduce(sb, sum_float{});
-  float const inv = 1.0f / static_cast<float>(cols);
-  // Every lane has read all of its columns of dy before writing dx: dx may be dy.
-  for (int c = lane; c < cols; c += 32) {
-    float const g = cast<float>(dy[base + c]) * gamma[c];
-    float const xh = (cast<float>(x[base + c]) - m) * rs;
-    dx[base + c] = cast<DX>(rs * (g - sa * inv - xh * (sb * inv)));
-  }
-}
-
-inline unsigned norm_row_blocks(std::string_view op, std::size_t rows) {
-  std::size_t const blocks = (rows + norm_rows_per_block - 1) / norm_rows_per_block;
-  if (blocks > 0x7FFF'FFFFu) fail<invalid_argument>(op, "too many rows for one launch");
-  return static_cast<unsigned>(blocks);
-}
-#endif
-
 }  // namespace detail
 
 //! y = (x - mean) / sqrt(var + eps) * gamma + beta along the last axis of x (any rank
@@ -213,7 +139,7 @@ inline unsigned norm_row_blocks(std::string_view op, std::size_t rows) {
 //! cuda_executor. Shape mismatches throw mpx::shape_error naming both shapes.
 template <class Policy = float32, executor Exec, tensor_like X, tensor_like G, tensor_like B, tensor_like Y,
           tensor_like M, tensor_like R>
-void layer_norm_forward([[maybe_unused]] Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&& mean, R&& rstd,
+void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&& mean, R&& rstd,
                         float eps = 1e-5f) {
   detail::require_float_norm<Policy>();
   auto xv = mpx::view(x);
@@ -232,8 +158,7 @@ void layer_norm_forward([[maybe_unused]] Exec const& exec, X&& x, G&& gamma, B&&
                     !std::is_const_v<typename decltype(rv)::element_type>,
                 "mpx::layer_norm_forward: y, mean and rstd are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_forward";
-  std::size_t rows = 0, cols = 0;
-  detail::last_axis_layout(op, xv.shape(), rows, cols);
+  auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
   detail::require_same_shape(op, xv.shape(), yv.shape());
   auto const c = static_cast<std::int64_t>(cols);
   auto const r = static_cast<std::int64_t>(rows);
@@ -243,18 +168,9 @@ void layer_norm_forward([[maybe_unused]] Exec const& exec, X&& x, G&& gamma, B&&
   detail::require_extent(op, "rstd", rv.shape(), "x", xv.shape(), r, "rstd must be [rows], one per row of x");
   if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
   if (rows * cols == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::host_layer_norm_rows(xv.data(), gv.data(), bv.data(), yv.data(), mv.data(), rv.data(), rows, cols, eps);
-  } else {
-#if MPX_HAS_CUDA
-    detail::layer_norm_warp_kernel<<<detail::norm_row_blocks(op, rows), detail::norm_rows_per_block * 32, 0,
-                                     exec.stream()>>>(xv.data(), gv.data(), bv.data(), yv.data(), mv.data(),
-                                                      rv.data(), rows, static_cast<int>(cols), eps);
-    MPX_CUDA_CHECK_LAUNCH("mpx::layer_norm_warp_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::for_each_row(exec, rows, cols,
+                       detail::layer_norm_row<value_t<X>, value_t<Y>>{xv.data(), gv.data(), bv.data(), yv.data(),
+                                                                      mv.data(), rv.data(), cols, eps});
 }
 
 //! The backward pass of layer_norm_forward, from its input x and saved mean and rstd:
@@ -266,7 +182,7 @@ void layer_norm_forward([[maybe_unused]] Exec const& exec, X&& x, G&& gamma, B&&
 //! sums on the stream).
 template <class Policy = float32, executor Exec, tensor_like X, tensor_like DY, tensor_like G, tensor_like M,
           tensor_like R, tensor_like DX, tensor_like DG, tensor_like DB>
-void layer_norm_backward([[maybe_unused]] Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, R&& rstd, DX&& dx,
+void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, R&& rstd, DX&& dx,
                          DG&& dgamma, DB&& dbeta) {
   detail::require_float_norm<Policy>();
   auto xv = mpx::view(x);
@@ -289,8 +205,7 @@ void layer_norm_backward([[maybe_unused]] Exec const& exec, X&& x, DY&& dy, G&& 
                     !std::is_const_v<typename decltype(dbv)::element_type>,
                 "mpx::layer_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_backward";
-  std::size_t rows = 0, cols = 0;
-  detail::last_axis_layout(op, xv.shape(), rows, cols);
+  auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
   detail::require_same_shape(op, xv.shape(), dyv.shape());
   detail::require_same_shape(op, xv.shape(), dxv.shape());
   auto const c = static_cast<std::int64_t>(cols);
@@ -306,23 +221,10 @@ void layer_norm_backward([[maybe_unused]] Exec const& exec, X&& x, DY&& dy, G&& 
   detail::layer_norm_param_terms<x_t, dy_t> const terms{xv.data(), dyv.data(), mv.data(), rv.data(), cols};
   detail::store_two_sums const store{dgv.data(), dbv.data()};
   // The parameter sums read dy before dx is written, so dx may be dy.
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::column_sums(exec, terms, store, rows, cols);
-    detail::host_layer_norm_backward_rows(xv.data(), dyv.data(), gv.data(), mv.data(), rv.data(), dxv.data(), rows,
-                                          cols);
-  } else {
-#if MPX_HAS_CUDA
-    detail::column_sums(exec, terms, store, rows, cols);
-    if (rows == 0) return;
-    detail::layer_norm_backward_warp_kernel<<<detail::norm_row_blocks(op, rows), detail::norm_rows_per_block * 32,
-                                              0, exec.stream()>>>(xv.data(), dyv.data(), gv.data(), mv.data(),
-                                                                  rv.data(), dxv.data(), rows,
-                                                                  static_cast<int>(cols));
-    MPX_CUDA_CHECK_LAUNCH("mpx::layer_norm_backward_warp_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::column_sums(exec, terms, store, rows, cols);
+  detail::for_each_row(exec, rows, cols,
+                       detail::layer_norm_backward_row<x_t, dy_t, value_t<DX>>{
+                           xv.data(), dyv.data(), gv.data(), mv.data(), rv.data(), dxv.data(), cols});
 }
 
 }  // namespace mpx

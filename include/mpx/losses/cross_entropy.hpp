@@ -8,9 +8,8 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
+#include <mpx/exec/reduce_items.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/row_reduce.hpp>
 #include <mpx/losses/loss_value.hpp>
 
 #include <algorithm>
@@ -60,99 +59,45 @@ inline void cross_entropy_layout(shape const& logits, shape const& labels, std::
                            "at most 2^31 - 1025 classes and 2^32 - 1 samples are supported, got " + logits.to_string());
 }
 
-template <class X, class G>
-void host_cross_entropy(X const* x, std::int32_t const* labels, G* grad, std::size_t rows, std::size_t classes,
-                        float const* scale, loss_record* record) {
+//! Refuses the first label outside [0, classes) before anything is written (the host's
+//! labels are at hand; see the note at the top).
+inline void require_labels_in_range(std::int32_t const* labels, std::size_t rows, std::size_t classes) {
   for (std::size_t r = 0; r < rows; ++r)
     if (labels[r] < 0 || static_cast<std::size_t>(labels[r]) >= classes)
       fail<invalid_argument>("sparse_categorical_cross_entropy",
                              "sample " + std::to_string(r) + " has label " + std::to_string(labels[r]) +
                                  ", outside [0, " + std::to_string(classes) + ")");
-  float const factor = rows ? gradient_factor(scale, rows) : 0.0f;
-  float total = 0.0f, chunk = 0.0f;
-  for (std::size_t r = 0; r < rows; ++r) {
-    X const* xr = x + r * classes;
-    G* gr = grad + r * classes;
-    float m = max_float::identity();
-    for (std::size_t c = 0; c < classes; ++c) m = max_keeping_nan(m, cast<float>(xr[c]));
-    float lanes[32] = {};
-    for (std::size_t c = 0; c < classes; ++c) lanes[c % 32] += ::expf(cast<float>(xr[c]) - m);
-    float s = 0.0f;
-    for (float l : lanes) s += l;
-    auto const label = static_cast<std::size_t>(labels[r]);
-    chunk += ::logf(s) - (cast<float>(xr[label]) - m);
-    for (std::size_t c = 0; c < classes; ++c) {
-      float const p = ::expf(cast<float>(xr[c]) - m) / s;
-      gr[c] = cast<G>((c == label ? p - 1.0f : p) * factor);
-    }
-    if ((r + 1) % 1024 == 0) {
-      total += chunk;
-      chunk = 0.0f;
-    }
-  }
-  total += chunk;
-  record->value = rows ? static_cast<float>(static_cast<double>(total) / static_cast<double>(rows)) : 0.0f;
-  record->classes = static_cast<std::int32_t>(classes);
 }
 
-#if MPX_HAS_CUDA
-// A warp per row (rows in a grid-stride loop over warps): the maximum, the sum of
-// exponentials and the gradient are three passes over the row, the second and third
-// served from L1/L2. Each warp sums its rows' losses in order, the block its warps' in
-// order, into the block's partial.
+//! One row of logits: the maximum, the sum of exponentials and the gradient are three
+//! passes over the row by its lanes; returns the row's loss (NaN, with the bad label
+//! recorded, when the label is out of range: the row's gradient is NaN too).
 template <class X, class G>
-__global__ void __launch_bounds__(loss_block_threads)
-    cross_entropy_kernel(X const* __restrict__ x, std::int32_t const* __restrict__ labels, G* __restrict__ grad,
-                         std::size_t rows, int classes, float const* scale, loss_partial* __restrict__ partials) {
-  constexpr int warps = loss_block_threads / 32;
-  __shared__ float warp_sum[warps];
-  __shared__ unsigned long long warp_bad[warps];
-  int const lane = static_cast<int>(threadIdx.x & 31u);
-  int const warp = static_cast<int>(threadIdx.x >> 5);
-  float const factor = gradient_factor(scale, rows);
-  float acc = 0.0f;
-  unsigned long long bad = no_bad_label;
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * warps;
-  for (std::size_t r = static_cast<std::size_t>(blockIdx.x) * warps + warp; r < rows; r += stride) {
-    X const* xr = x + r * static_cast<std::size_t>(classes);
-    G* gr = grad + r * static_cast<std::size_t>(classes);
+struct cross_entropy_row {
+  X const* x;
+  std::int32_t const* labels;
+  G* grad;
+  std::size_t rows, classes;
+  float const* scale;
+  template <class Lanes>
+  MPX_HD loss_partial operator()(Lanes const& lanes, std::size_t r) const {
+    X const* xr = x + r * classes;
+    G* gr = grad + r * classes;
     std::int32_t const label = labels[r];
-    bool const valid = label >= 0 && label < classes;
-    float m = max_float::identity();
-    for (int c = lane; c < classes; c += 32) m = max_keeping_nan(m, cast<float>(xr[c]));
-    m = warp_all_reduce(m, max_float{});
-    float s = 0.0f;
-    for (int c = lane; c < classes; c += 32) s += ::expf(cast<float>(xr[c]) - m);
-    s = warp_all_reduce(s, sum_float{});
-    float const nan = __int_as_float(0x7FC00000);
-    for (int c = lane; c < classes; c += 32) {
+    bool const valid = label >= 0 && static_cast<std::size_t>(label) < classes;
+    float const factor = gradient_factor(scale, rows);
+    float const m = lanes.reduce(classes, max_float{}, [&](std::size_t c) { return cast<float>(xr[c]); });
+    float const s =
+        lanes.reduce(classes, sum_float{}, [&](std::size_t c) { return ::expf(cast<float>(xr[c]) - m); });
+    float const nan = dtype_traits<float>::quiet_nan();
+    lanes.for_each(classes, [&](std::size_t c) {
       float const p = ::expf(cast<float>(xr[c]) - m) / s;
-      gr[c] = cast<G>(valid ? (c == label ? p - 1.0f : p) * factor : nan);
-    }
-    if (valid) {
-      acc += ::logf(s) - (cast<float>(xr[label]) - m);
-    } else {
-      acc += nan;
-      unsigned long long const key = bad_label_key(r, label);
-      bad = bad < key ? bad : key;
-    }
+      gr[c] = cast<G>(valid ? (c == static_cast<std::size_t>(label) ? p - 1.0f : p) * factor : nan);
+    });
+    if (!valid) return {nan, 0u, bad_label_key(r, label)};
+    return {::logf(s) - (cast<float>(xr[label]) - m), 0u, no_bad_label};
   }
-  if (lane == 0) {
-    warp_sum[warp] = acc;
-    warp_bad[warp] = bad;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.0f;
-    unsigned long long b = no_bad_label;
-    for (int w = 0; w < warps; ++w) {
-      t += warp_sum[w];
-      b = b < warp_bad[w] ? b : warp_bad[w];
-    }
-    partials[blockIdx.x] = loss_partial{t, 0u, b};
-  }
-}
-#endif
+};
 
 }  // namespace detail
 
@@ -170,7 +115,7 @@ __global__ void __launch_bounds__(loss_block_threads)
 //! loss.read(exec), which synchronises.
 template <class Policy = float32, executor Exec, tensor_like Logits, tensor_like Labels, tensor_like Gradient,
           memory_space Space>
-void sparse_categorical_cross_entropy([[maybe_unused]] Exec const& exec, Logits&& logits, Labels&& labels,
+void sparse_categorical_cross_entropy(Exec const& exec, Logits&& logits, Labels&& labels,
                                       Gradient&& gradient, loss_value<Space>& loss, float const* scale = nullptr) {
   detail::require_float_loss<Policy>();
   static_assert(std::is_same_v<value_t<Labels>, std::int32_t>,
@@ -185,22 +130,12 @@ void sparse_categorical_cross_entropy([[maybe_unused]] Exec const& exec, Logits&
   detail::cross_entropy_layout(xv.shape(), lv.shape(), rows, classes);
   detail::require_same_shape("sparse_categorical_cross_entropy", xv.shape(), gv.shape());
   detail::require_disjoint("sparse_categorical_cross_entropy", "the gradient", gv, "the logits", xv);
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::host_cross_entropy(xv.data(), lv.data(), gv.data(), rows, classes, scale, loss.record());
-  } else {
-#if MPX_HAS_CUDA
-    cudaStream_t const stream = exec.stream();
-    constexpr std::size_t warps = detail::loss_block_threads / 32;
-    std::size_t const wanted = (rows + warps - 1) / warps;
-    auto const blocks = static_cast<unsigned>(std::max<std::size_t>(1, std::min(wanted, loss.partial_capacity())));
-    detail::cross_entropy_kernel<<<blocks, detail::loss_block_threads, 0, stream>>>(
-        xv.data(), lv.data(), gv.data(), rows, static_cast<int>(classes), scale, loss.partials());
-    MPX_CUDA_CHECK_LAUNCH("mpx::cross_entropy_kernel");
-    detail::finish_loss(stream, loss, blocks, rows, static_cast<std::int32_t>(classes));
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  if constexpr (is_host_executor_v<Exec>) detail::require_labels_in_range(lv.data(), rows, classes);
+  detail::cross_entropy_row<value_t<Logits>, value_t<Gradient>> const body{xv.data(), lv.data(), gv.data(),
+                                                                           rows,      classes,   scale};
+  detail::reduce_items<detail::item_kind::row>(
+      exec, rows, detail::loss_sum{}, body,
+      detail::store_mean_loss{loss.record(), rows, static_cast<std::int32_t>(classes)}, loss.partials());
 }
 
 }  // namespace mpx

@@ -7,11 +7,10 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/reduce_items.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/row_reduce.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -39,16 +38,36 @@ struct alignas(16) loss_record {
   unsigned long long first_bad;  //!< bad_label_key of the first bad label since the last read
 };
 
-//! One block's share of a loss: its sum and the first bad label it saw.
+//! A share of a loss: a sum and the first bad label it saw (reduced as one value).
 struct alignas(16) loss_partial {
   float sum;
   std::uint32_t unused;
   unsigned long long first_bad;
 };
 
-//! Blocks per SM of the loss kernels (256 threads each), which bounds the partials.
-inline constexpr int loss_blocks_per_sm = 4;
-inline constexpr int loss_block_threads = 256;
+//! Adds the sums and keeps the first bad label.
+struct loss_sum {
+  using value_type = loss_partial;
+  MPX_HD static loss_partial identity() noexcept { return {0.0f, 0u, no_bad_label}; }
+  MPX_HD loss_partial operator()(loss_partial a, loss_partial b) const noexcept {
+    return {a.sum + b.sum, 0u, a.first_bad < b.first_bad ? a.first_bad : b.first_bad};
+  }
+};
+
+//! Where a loss's total goes: the mean into the record, with the number of classes of a
+//! labelled loss (-1: none) and the first bad label (sticky until loss_value::read).
+struct store_mean_loss {
+  loss_record* record;
+  std::size_t divisor;
+  std::int32_t classes;
+  MPX_HD void operator()(loss_partial total) const {
+    loss_record r = *record;
+    r.value = divisor ? static_cast<float>(static_cast<double>(total.sum) / static_cast<double>(divisor)) : 0.0f;
+    if (classes >= 0) r.classes = classes;
+    r.first_bad = r.first_bad < total.first_bad ? r.first_bad : total.first_bad;
+    *record = r;
+  }
+};
 
 //! The gradient's factor: the loss scale (1 when none is given) over the count the
 //! mean divides by, in double so a count above 2^24 costs no extra rounding.
@@ -57,52 +76,22 @@ MPX_HD inline float gradient_factor(float const* scale, std::size_t count) noexc
   return static_cast<float>(s / static_cast<double>(count));
 }
 
-#if MPX_HAS_CUDA
-// The second level of every loss: one block adds the partials in a fixed order, divides
-// by the count, and keeps the first bad label (sticky until loss_value::read reports it).
-template <int Threads>
-__global__ void __launch_bounds__(Threads)
-    finish_loss_kernel(loss_partial const* __restrict__ partials, unsigned count, unsigned long long divisor,
-                       std::int32_t classes, loss_record* __restrict__ record) {
-  __shared__ float float_scratch[32];
-  __shared__ unsigned long long key_scratch[32];
-  float sum = 0.0f;
-  unsigned long long bad = no_bad_label;
-  for (unsigned i = threadIdx.x; i < count; i += Threads) {
-    sum += partials[i].sum;
-    bad = bad < partials[i].first_bad ? bad : partials[i].first_bad;
-  }
-  sum = block_all_reduce(sum, sum_float{}, float_scratch);
-  bad = block_all_reduce(bad, min_u64{}, key_scratch);
-  if (threadIdx.x == 0) {
-    loss_record r = *record;
-    r.value = divisor ? static_cast<float>(static_cast<double>(sum) / static_cast<double>(divisor)) : 0.0f;
-    if (classes >= 0) r.classes = classes;
-    r.first_bad = r.first_bad < bad ? r.first_bad : bad;
-    *record = r;
-  }
-}
-
-// Pointwise losses: a grid-stride pass that writes the gradient and sums the loss;
-// each block's sum goes to its partial, in a fixed order.
+//! One element of a pointwise loss: writes its gradient, returns its loss.
 template <class Loss, class P, class T, class G>
-__global__ void __launch_bounds__(loss_block_threads)
-    pointwise_loss_kernel(Loss loss, P const* __restrict__ p, T const* __restrict__ t, G* __restrict__ grad,
-                          std::size_t n, float const* scale, loss_partial* __restrict__ partials) {
-  __shared__ float scratch[32];
-  float const factor = gradient_factor(scale, n);
-  float acc = 0.0f;
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+struct pointwise_loss_element {
+  Loss loss;
+  P const* p;
+  T const* t;
+  G* grad;
+  std::size_t n;
+  float const* scale;
+  MPX_HD loss_partial operator()(std::size_t i) const {
     float const pv = cast<float>(p[i]);
     float const tv = cast<float>(t[i]);
-    acc += loss.value(pv, tv);
-    grad[i] = cast<G>(loss.gradient(pv, tv) * factor);
+    grad[i] = cast<G>(loss.gradient(pv, tv) * gradient_factor(scale, n));
+    return {loss.value(pv, tv), 0u, no_bad_label};
   }
-  acc = block_all_reduce(acc, sum_float{}, scratch);
-  if (threadIdx.x == 0) partials[blockIdx.x] = loss_partial{acc, 0u, no_bad_label};
-}
-#endif
+};
 
 }  // namespace detail
 
@@ -120,12 +109,7 @@ class loss_value {
   explicit loss_value(Exec const& exec)
       : record_(exec, detail::loss_record{__builtin_nanf(""), -1, detail::no_bad_label}) {
     detail::require_access<Exec, Space>();
-    if constexpr (!is_host_executor_v<Exec>) {
-#if MPX_HAS_CUDA
-      capacity_ = static_cast<std::size_t>(detail::sm_count()) * detail::loss_blocks_per_sm;
-      partials_ = detail::buffer<detail::loss_partial, Space>(capacity_, exec.stream());
-#endif
-    }
+    if constexpr (!is_host_executor_v<Exec>) partials_ = detail::allocate<detail::loss_partial>(exec, detail::max_item_blocks);
   }
 
   //! Where the mean loss lies (a float in Space): for a kernel that logs or averages it.
@@ -154,12 +138,10 @@ class loss_value {
   // For the loss kernels.
   [[nodiscard]] detail::loss_record* record() const noexcept { return record_.get(); }
   [[nodiscard]] detail::loss_partial* partials() const noexcept { return partials_.data(); }
-  [[nodiscard]] std::size_t partial_capacity() const noexcept { return capacity_; }
 
  private:
   resident<detail::loss_record, Space> record_;
-  detail::buffer<detail::loss_partial, Space> partials_;
-  std::size_t capacity_ = 0;
+  detail::buffer<detail::loss_partial, Space> partials_;  // the GPU's first-level sums
 };
 
 template <executor Exec>
@@ -178,20 +160,10 @@ constexpr void require_float_loss() {
                 "policy<Storage, Compute, float>");
 }
 
-#if MPX_HAS_CUDA
-template <class Space>
-void finish_loss(cudaStream_t stream, loss_value<Space>& out, unsigned blocks, std::size_t divisor,
-                 std::int32_t classes) {
-  finish_loss_kernel<loss_block_threads><<<1, loss_block_threads, 0, stream>>>(
-      out.partials(), blocks, static_cast<unsigned long long>(divisor), classes, out.record());
-  MPX_CUDA_CHECK_LAUNCH("mpx::finish_loss_kernel");
-}
-#endif
-
 //! A loss that is a mean of loss.value(p[i], t[i]) over every element, with gradient
 //! loss.gradient(p[i], t[i]) * scale / n: binary cross-entropy, mean squared error.
 template <class Loss, class Exec, class P, class T, class G, class Space>
-void pointwise_loss(std::string_view op, [[maybe_unused]] Exec const& exec, Loss const& loss, P&& predictions,
+void pointwise_loss(std::string_view op, Exec const& exec, Loss const& loss, P&& predictions,
                     T&& targets, G&& gradient, loss_value<Space>& out, float const* scale) {
   auto pv = mpx::view(predictions);
   auto tv = mpx::view(targets);
@@ -201,35 +173,9 @@ void pointwise_loss(std::string_view op, [[maybe_unused]] Exec const& exec, Loss
   require_same_shape(op, pv.shape(), tv.shape());
   require_same_shape(op, pv.shape(), gv.shape());
   std::size_t const n = pv.size();
-  if constexpr (is_host_executor_v<Exec>) {
-    float const factor = n ? gradient_factor(scale, n) : 0.0f;
-    // Chunks of 1024 summed, then the chunks: about n / 1024 + 1024 roundings.
-    float total = 0.0f;
-    for (std::size_t begin = 0; begin < n; begin += 1024) {
-      std::size_t const end = std::min(n, begin + 1024);
-      float part = 0.0f;
-      for (std::size_t i = begin; i < end; ++i) {
-        float const p = cast<float>(pv.data()[i]);
-        float const t = cast<float>(tv.data()[i]);
-        part += loss.value(p, t);
-        gv.data()[i] = cast<value_t<G>>(loss.gradient(p, t) * factor);
-      }
-      total += part;
-    }
-    out.record()->value = n ? static_cast<float>(static_cast<double>(total) / static_cast<double>(n)) : 0.0f;
-  } else {
-#if MPX_HAS_CUDA
-    cudaStream_t const stream = exec.stream();
-    std::size_t const wanted = (n + loss_block_threads - 1) / loss_block_threads;
-    auto const blocks = static_cast<unsigned>(std::max<std::size_t>(1, std::min(wanted, out.partial_capacity())));
-    pointwise_loss_kernel<<<blocks, loss_block_threads, 0, stream>>>(loss, pv.data(), tv.data(), gv.data(), n, scale,
-                                                                     out.partials());
-    MPX_CUDA_CHECK_LAUNCH("mpx::pointwise_loss_kernel");
-    finish_loss(stream, out, blocks, n, -1);
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+  pointwise_loss_element<Loss, value_t<P>, value_t<T>, value_t<G>> const body{loss,      pv.data(), tv.data(),
+                                                                               gv.data(), n,         scale};
+  reduce_items<item_kind::element>(exec, n, loss_sum{}, body, store_mean_loss{out.record(), n, -1}, out.partials());
 }
 
 }  // namespace detail

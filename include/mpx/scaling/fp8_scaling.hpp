@@ -14,7 +14,7 @@
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/row_reduce.hpp>
+#include <mpx/exec/lanes.hpp>
 #include <mpx/optim/checkpoint_file.hpp>
 
 #include <cmath>

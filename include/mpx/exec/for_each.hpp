@@ -1,0 +1,120 @@
+// The executor's dispatch for the two simplest shapes of work, so an operation is one
+// MPX_HD body and the loop or launch lives here, once:
+//   for_each_index(exec, n, body)        body(i) for every i in [0, n): elements, gathers,
+//                                        permutations (a grid-stride loop on the GPU);
+//   for_each_row(exec, rows, cols, body) body(lanes, r) for every row r, with the lanes
+//                                        of exec/lanes.hpp (a warp per row up to 1024
+//                                        columns, a block of 512 beyond; the host
+//                                        emulates the same lanes in the same order).
+// Both are asynchronous on a cuda_executor. Bodies are trivially copyable values (they
+// travel to the GPU as kernel arguments): pointers and sizes, no tensors.
+#pragma once
+
+#include <mpx/core/config.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/core/shape.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/lanes.hpp>
+#include <mpx/exec/launch.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace mpx::detail {
+
+//! A tensor seen as rows along its last axis.
+struct row_shape {
+  std::size_t rows = 0, cols = 0;
+};
+
+//! x as rows along its last axis; a rank-0 x is a shape_error, a row longer than the
+//! lanes count (max_row_cols) an invalid_argument, both before anything is read.
+inline row_shape last_axis_rows(std::string_view op, shape const& x) {
+  if (x.rank() < 1) fail<shape_error>(op, "expects a tensor of rank 1 or more, got shape " + x.to_string());
+  row_shape s;
+  s.cols = static_cast<std::size_t>(x[x.rank() - 1]);
+  s.rows = s.cols ? x.size() / s.cols : 0;
+  if (s.cols > max_row_cols) fail<invalid_argument>(op, "rows of more than 2^31 - 1025 elements are not supported");
+  return s;
+}
+
+#if MPX_HAS_CUDA
+template <class Body>
+__global__ void __launch_bounds__(block_size) for_each_index_kernel(Body body, std::size_t n) {
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) body(i);
+}
+
+inline constexpr int rows_per_warp_block = block_size / warp_size;  // 8 rows of a warp each
+
+// Rows by warps in a grid-stride loop over rows: the loop is uniform in a warp, so
+// every lane of a row takes part in its reductions.
+template <class Body>
+__global__ void __launch_bounds__(block_size) rows_by_warp_kernel(Body body, std::size_t rows) {
+  device_lanes<warp_size> const lanes{static_cast<int>(threadIdx.x & 31u)};
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * rows_per_warp_block;
+  for (std::size_t r = static_cast<std::size_t>(blockIdx.x) * rows_per_warp_block + (threadIdx.x >> 5); r < rows;
+       r += stride)
+    body(lanes, r);
+}
+
+// Rows by whole blocks, for rows longer than a warp serves well.
+template <class Body>
+__global__ void __launch_bounds__(block_row_lanes) rows_by_block_kernel(Body body, std::size_t rows) {
+  device_lanes<block_row_lanes> const lanes{static_cast<int>(threadIdx.x)};
+  for (std::size_t r = blockIdx.x; r < rows; r += gridDim.x) body(lanes, r);
+}
+#endif
+
+//! body(i) for every i in [0, n), in order on the host, in a grid-stride loop on the GPU
+//! (so the body must not depend on the order).
+template <executor Exec, class Body>
+void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const& body) {
+  static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
+  if (n == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    for (std::size_t i = 0; i < n; ++i) body(i);
+  } else {
+#if MPX_HAS_CUDA
+    for_each_index_kernel<<<grid_for(n), block_size, 0, exec.stream()>>>(body, n);
+    MPX_CUDA_CHECK_LAUNCH("mpx::for_each_index_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! body(lanes, r) for every row r in [0, rows) of `cols` columns (see exec/lanes.hpp).
+template <executor Exec, class Body>
+void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size_t cols, Body const& body) {
+  static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
+  if (rows == 0) return;
+  bool const by_warp = lanes_for_row(cols) == warp_size;
+  if constexpr (is_host_executor_v<Exec>) {
+    if (by_warp) {
+      host_lanes<warp_size> const lanes{};
+      for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
+    } else {
+      host_lanes<block_row_lanes> const lanes{};
+      for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
+    }
+  } else {
+#if MPX_HAS_CUDA
+    if (by_warp) {
+      rows_by_warp_kernel<<<grid_for(rows * warp_size), block_size, 0, exec.stream()>>>(body, rows);
+      MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_warp_kernel");
+    } else {
+      unsigned const grid = static_cast<unsigned>(std::min<std::size_t>(rows, static_cast<std::size_t>(sm_count()) * 4));
+      rows_by_block_kernel<<<grid, block_row_lanes, 0, exec.stream()>>>(body, rows);
+      MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_block_kernel");
+    }
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+}  // namespace mpx::detail
