@@ -1,9 +1,10 @@
-// <mpx/exec.hpp>: executors (host, CUDA), memory spaces, tensors and views, copies,
-// the dispatch (for_each_index, for_each_row and their lanes), launch helpers, resident
-// values, streams.
+// <mpx/exec.hpp>: executors (host, CUDA), memory spaces, tensors and views, copies, the
+// dispatch (for_each_index, for_each_row and its lanes, reduce_items, column reductions),
+// launch helpers, resident values, streams.
 // One include per area; <mpx/mpx.hpp> includes every area.
 #pragma once
 
+#include <mpx/exec/columns.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
@@ -11,6 +12,7 @@
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
+#include <mpx/exec/reduce_items.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>

@@ -69,6 +69,15 @@ __global__ void __launch_bounds__(block_row_lanes) rows_by_block_kernel(Body bod
 }
 #endif
 
+//! Runs check() on the host executor only. Arguments the host can read without a copy
+//! (token ids, labels) are validated there before anything is written; on a GPU the
+//! kernel flags them instead (a NaN, a zero row, a recorded index), since checking them
+//! first would cost a copy and a synchronisation every step.
+template <executor Exec, class Check>
+void check_on_host(Exec const&, Check&& check) {
+  if constexpr (is_host_executor_v<Exec>) check();
+}
+
 //! body(i) for every i in [0, n), in order on the host, in a grid-stride loop on the GPU
 //! (so the body must not depend on the order).
 template <executor Exec, class Body>

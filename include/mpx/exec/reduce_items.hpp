@@ -84,13 +84,12 @@ __global__ void __launch_bounds__(item_block_threads)
 
 //! The host's emulation of both levels, over the items' values in order.
 template <item_kind Kind, class Op>
-typename Op::value_type host_combine_items(Op op, typename Op::value_type const* values, std::size_t n) {
+typename Op::value_type host_combine_items(Op op, typename Op::value_type const* values, std::size_t n,
+                                           typename Op::value_type* partials) {
   using T = typename Op::value_type;
   std::size_t const blocks = item_blocks<Kind>(n);
   constexpr std::size_t per_block = items_per_block<Kind>();
   std::size_t const stride = blocks * per_block;
-  thread_local std::vector<T> partials;
-  partials.resize(blocks);
   T slot[item_block_threads];
   for (std::size_t b = 0; b < blocks; ++b) {
     for (int t = 0; t < item_block_threads; ++t) slot[t] = Op::identity();
@@ -112,11 +111,10 @@ typename Op::value_type host_combine_items(Op op, typename Op::value_type const*
 //! Calls body on each of n items (body(i) for elements, body(lanes, r) for rows; each
 //! returns its value as Op::value_type and may write its own outputs), combines the
 //! values with op in the fixed order above, and calls finish(total) once. `partials`:
-//! max_item_blocks values in the executor's memory (unused on the host). Asynchronous
-//! on a cuda_executor.
+//! max_item_blocks values in the executor's memory. Asynchronous on a cuda_executor.
 template <item_kind Kind, executor Exec, class Op, class Body, class Finish>
 void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body const& body, Finish const& finish,
-                  [[maybe_unused]] typename Op::value_type* partials) {
+                  typename Op::value_type* partials) {
   static_assert(std::is_trivially_copyable_v<Body> && std::is_trivially_copyable_v<Finish>,
                 "mpx: a body is copied to the GPU: pointers and sizes only");
   using T = typename Op::value_type;
@@ -129,7 +127,7 @@ void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body 
       host_lanes<warp_size> const lanes{};
       for (std::size_t r = 0; r < n; ++r) values[r] = body(lanes, r);
     }
-    finish(host_combine_items<Kind>(op, values.data(), n));
+    finish(host_combine_items<Kind>(op, values.data(), n, partials));
   } else {
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>(item_blocks<Kind>(n));

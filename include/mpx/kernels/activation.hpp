@@ -14,7 +14,7 @@
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/column_reduce.hpp>
+#include <mpx/exec/columns.hpp>
 #include <mpx/kernels/elementwise.hpp>
 
 #include <algorithm>
@@ -275,7 +275,7 @@ void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::
 
 // The terms of the bias gradient: dz = dy * act'(x + bias) in float; dx = dz rounded
 // (when dx is given) as a side output; db sums the float dz (not the rounded dx) in the
-// column reduction (kernels/column_reduce.hpp). x and bias are null for the identity.
+// column reduction (exec/columns.hpp). x and bias are null for the identity.
 template <class Act, class X, class B, class DY, class DX>
 struct bias_backward_terms {
   Act act;
@@ -399,8 +399,8 @@ void bias_activation_forward([[maybe_unused]] Exec const& exec, Act act, X&& x, 
 //! The backward pass of bias_activation_forward: dz = dy * act'(x + bias) in float;
 //! dx = dz rounded to dx's dtype (dx may be dy); db[j] = sum over rows of the float dz,
 //! accumulated in float and rounded once to db's dtype. Deterministic: the column
-//! reduction of kernels/column_reduce.hpp (no atomics; its order depends only on the
-//! shape and the device). Asynchronous on a cuda_executor (it allocates its partial sums
+//! reduction of exec/columns.hpp (no atomics; its order depends only on the
+//! shape). Asynchronous on a cuda_executor (it allocates its partial sums
 //! on the stream, 256 x cols floats at most).
 template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like DY, tensor_like DX,
           tensor_like DB>

@@ -90,62 +90,46 @@ struct batch_norm_param_terms {  // a = dy * xhat, b = dy
 
 // y = (x - mean) * invstd * gamma + beta; with FromVariance, invstd = 1 / sqrt(var + eps).
 template <bool FromVariance, class X, class Y>
-MPX_HD inline void batch_norm_apply_one(X const* x, float const* gamma, float const* beta, float const* mean,
-                                        float const* scale, Y* y, std::size_t i, std::size_t cols, float eps) {
-  std::size_t const j = i % cols;
-  float const s = FromVariance ? 1.0f / ::sqrtf(scale[j] + eps) : scale[j];
-  y[i] = cast<Y>((cast<float>(x[i]) - mean[j]) * s * gamma[j] + beta[j]);
-}
+struct batch_norm_apply_element {
+  X const* x;
+  float const* gamma;
+  float const* beta;
+  float const* mean;
+  float const* scale;  // invstd, or the variance with FromVariance
+  Y* y;                // may be x
+  std::size_t cols;
+  float eps;
+  MPX_HD void operator()(std::size_t i) const {
+    std::size_t const j = i % cols;
+    float const s = FromVariance ? 1.0f / ::sqrtf(scale[j] + eps) : scale[j];
+    y[i] = cast<Y>((cast<float>(x[i]) - mean[j]) * s * gamma[j] + beta[j]);
+  }
+};
 
 // dx = gamma * invstd * (dy - dbeta / N - xhat * dgamma / N)
 template <class X, class DY, class DX>
-MPX_HD inline void batch_norm_backward_one(X const* x, DY const* dy, float const* gamma, float const* mean,
-                                           float const* invstd, float const* dgamma, float const* dbeta, DX* dx,
-                                           std::size_t i, std::size_t cols, float inv_n) {
-  std::size_t const j = i % cols;
-  float const xh = (cast<float>(x[i]) - mean[j]) * invstd[j];
-  dx[i] = cast<DX>(gamma[j] * invstd[j] * (cast<float>(dy[i]) - dbeta[j] * inv_n - xh * (dgamma[j] * inv_n)));
-}
-
-#if MPX_HAS_CUDA
-template <bool FromVariance, class X, class Y>
-__global__ void __launch_bounds__(block_size)
-    batch_norm_apply_kernel(X const* x, float const* __restrict__ gamma, float const* __restrict__ beta,
-                            float const* __restrict__ mean, float const* __restrict__ scale, Y* y, std::size_t n,
-                            std::size_t cols, float eps) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    batch_norm_apply_one<FromVariance>(x, gamma, beta, mean, scale, y, i, cols, eps);
-}
-
-template <class X, class DY, class DX>
-__global__ void __launch_bounds__(block_size)
-    batch_norm_backward_kernel(X const* x, DY const* dy, float const* __restrict__ gamma,
-                               float const* __restrict__ mean, float const* __restrict__ invstd,
-                               float const* __restrict__ dgamma, float const* __restrict__ dbeta, DX* dx,
-                               std::size_t n, std::size_t cols, float inv_n) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    batch_norm_backward_one(x, dy, gamma, mean, invstd, dgamma, dbeta, dx, i, cols, inv_n);
-}
-#endif
+struct batch_norm_backward_element {
+  X const* x;
+  DY const* dy;
+  float const* gamma;
+  float const* mean;
+  float const* invstd;
+  float const* dgamma;
+  float const* dbeta;
+  DX* dx;  // may be dy
+  std::size_t cols;
+  float inv_n;
+  MPX_HD void operator()(std::size_t i) const {
+    std::size_t const j = i % cols;
+    float const xh = (cast<float>(x[i]) - mean[j]) * invstd[j];
+    dx[i] = cast<DX>(gamma[j] * invstd[j] * (cast<float>(dy[i]) - dbeta[j] * inv_n - xh * (dgamma[j] * inv_n)));
+  }
+};
 
 template <bool FromVariance, class Exec, class X, class Y>
-void batch_norm_apply([[maybe_unused]] Exec const& exec, X const* x, float const* gamma, float const* beta,
-                      float const* mean, float const* scale, Y* y, std::size_t n, std::size_t cols, float eps) {
-  if (n == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    for (std::size_t i = 0; i < n; ++i)
-      batch_norm_apply_one<FromVariance>(x, gamma, beta, mean, scale, y, i, cols, eps);
-  } else {
-#if MPX_HAS_CUDA
-    batch_norm_apply_kernel<FromVariance>
-        <<<grid_for(n), block_size, 0, exec.stream()>>>(x, gamma, beta, mean, scale, y, n, cols, eps);
-    MPX_CUDA_CHECK_LAUNCH("mpx::batch_norm_apply_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void batch_norm_apply(Exec const& exec, X const* x, float const* gamma, float const* beta, float const* mean,
+                      float const* scale, Y* y, std::size_t n, std::size_t cols, float eps) {
+  for_each_index(exec, n, batch_norm_apply_element<FromVariance, X, Y>{x, gamma, beta, mean, scale, y, cols, eps});
 }
 
 //! Checks x, y and the per-channel float tensors; returns [rows, channels].
@@ -307,20 +291,10 @@ void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_
   std::size_t const n = rows * cols;
   if (n == 0) return;
   float const inv_n = 1.0f / static_cast<float>(rows);
-  if constexpr (is_host_executor_v<Exec>) {
-    for (std::size_t i = 0; i < n; ++i)
-      detail::batch_norm_backward_one(xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(),
-                                      dbv.data(), dxv.data(), i, cols, inv_n);
-  } else {
-#if MPX_HAS_CUDA
-    detail::batch_norm_backward_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(
-        xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(), dbv.data(), dxv.data(), n, cols,
-        inv_n);
-    MPX_CUDA_CHECK_LAUNCH("mpx::batch_norm_backward_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::for_each_index(exec, n,
+                         detail::batch_norm_backward_element<x_t, dy_t, value_t<DX>>{
+                             xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(), dbv.data(),
+                             dxv.data(), cols, inv_n});
 }
 
 }  // namespace mpx

@@ -8,6 +8,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -103,12 +104,6 @@ struct embedding_gather {
 };
 
 #if MPX_HAS_CUDA
-template <class F>
-__global__ void __launch_bounds__(block_size) embedding_gather_kernel(F f, std::size_t n) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
-}
-
 inline constexpr int embedding_columns_per_block = 128;
 inline constexpr int embedding_id_tile = 1024;
 
@@ -136,21 +131,10 @@ __global__ void __launch_bounds__(embedding_columns_per_block)
 #endif
 
 template <class Exec, class I, class W, class P, class Y>
-void embedding_forward_impl([[maybe_unused]] Exec const& exec, embedding_gather<I, W, P, Y> const& f,
+void embedding_forward_impl(Exec const& exec, embedding_gather<I, W, P, Y> const& f,
                             std::size_t tokens) {
-  std::size_t const n = tokens * f.width;
-  if (n == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    require_ids_in_range("embedding_forward", f.ids, tokens, f.vocab);
-    for (std::size_t i = 0; i < n; ++i) f(i);
-  } else {
-#if MPX_HAS_CUDA
-    embedding_gather_kernel<<<grid_for(n), block_size, 0, exec.stream()>>>(f, n);
-    MPX_CUDA_CHECK_LAUNCH("mpx::embedding_gather_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+  check_on_host(exec, [&] { require_ids_in_range("embedding_forward", f.ids, tokens, f.vocab); });
+  for_each_index(exec, tokens * f.width, f);
 }
 
 }  // namespace detail
@@ -215,6 +199,11 @@ void embedding_backward([[maybe_unused]] Exec const& exec, I&& ids, DY&& dy, DW&
   constexpr std::string_view op = "embedding_backward";
   auto const l = detail::embedding_shapes(op, iv.shape(), dwv.shape(), dyv.shape());
   if (l.vocab * l.width == 0) return;
+  // Two algorithms, one order of additions: the host scatters each token's row into the
+  // table (O(tokens x width)); the GPU gives each table element to one thread, which
+  // gathers the matching tokens (O(vocab x tokens x width) comparisons, in parallel and
+  // without atomics). Either way each sum runs in token order, so the bits agree; one
+  // body for both would cost the host the GPU's comparisons.
   if constexpr (is_host_executor_v<Exec>) {
     detail::require_ids_in_range(op, iv.data(), l.tokens, l.vocab);
     float* acc = detail::host_scratch_floats<detail::embedding_scratch, 0>(l.vocab * l.width);
@@ -244,7 +233,7 @@ void embedding_backward([[maybe_unused]] Exec const& exec, I&& ids, DY&& dy, DW&
 //! The position embeddings' gradient: d_positions[t, d] = sum over the sequences of
 //! dy[..., t, d] for t below the sequence length L, 0 for the rows t >= L; dy of shape
 //! [..., L, width], d_positions [context, width], context >= L. A deterministic column
-//! reduction in float (kernels/column_reduce.hpp), rounded once. Asynchronous on a
+//! reduction in float (exec/columns.hpp), rounded once. Asynchronous on a
 //! cuda_executor.
 template <executor Exec, tensor_like DY, tensor_like DP>
 void position_embedding_backward(Exec const& exec, DY&& dy, DP&& d_positions) {

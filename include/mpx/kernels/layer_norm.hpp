@@ -11,7 +11,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/column_reduce.hpp>
+#include <mpx/exec/columns.hpp>
 
 #include <cmath>
 #include <cstddef>

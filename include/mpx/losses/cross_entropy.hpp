@@ -8,6 +8,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/reduce_items.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/losses/loss_value.hpp>
@@ -130,7 +131,7 @@ void sparse_categorical_cross_entropy(Exec const& exec, Logits&& logits, Labels&
   detail::cross_entropy_layout(xv.shape(), lv.shape(), rows, classes);
   detail::require_same_shape("sparse_categorical_cross_entropy", xv.shape(), gv.shape());
   detail::require_disjoint("sparse_categorical_cross_entropy", "the gradient", gv, "the logits", xv);
-  if constexpr (is_host_executor_v<Exec>) detail::require_labels_in_range(lv.data(), rows, classes);
+  detail::check_on_host(exec, [&] { detail::require_labels_in_range(lv.data(), rows, classes); });
   detail::cross_entropy_row<value_t<Logits>, value_t<Gradient>> const body{xv.data(), lv.data(), gv.data(),
                                                                            rows,      classes,   scale};
   detail::reduce_items<detail::item_kind::row>(

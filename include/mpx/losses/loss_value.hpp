@@ -109,7 +109,7 @@ class loss_value {
   explicit loss_value(Exec const& exec)
       : record_(exec, detail::loss_record{__builtin_nanf(""), -1, detail::no_bad_label}) {
     detail::require_access<Exec, Space>();
-    if constexpr (!is_host_executor_v<Exec>) partials_ = detail::allocate<detail::loss_partial>(exec, detail::max_item_blocks);
+    partials_ = detail::allocate<detail::loss_partial>(exec, detail::max_item_blocks);
   }
 
   //! Where the mean loss lies (a float in Space): for a kernel that logs or averages it.
@@ -141,7 +141,7 @@ class loss_value {
 
  private:
   resident<detail::loss_record, Space> record_;
-  detail::buffer<detail::loss_partial, Space> partials_;  // the GPU's first-level sums
+  detail::buffer<detail::loss_partial, Space> partials_;  // the first-level sums
 };
 
 template <executor Exec>
