@@ -10,6 +10,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
@@ -260,18 +261,29 @@ float const* bias_row_as_float(X const* x, std::size_t cols) {
   return host_floats_of<bias_activation_scratch, Slot>(x, cols);
 }
 
-// Row by row in float: each 16-bit row is widened and rounded as a whole (eight
-// elements per instruction with F16C), so the loop between is plain float arithmetic.
+//! y[i] = act(x[i] + bias[i % cols]) in float, rounded once.
 template <class Act, class X, class B, class Y>
-void host_bias_activation(Act const& act, X const* x, B const* bias, Y* y, std::size_t rows, std::size_t cols) {
-  float const* b = bias_row_as_float<bias_slot>(bias, cols);
-  float* y_row = bias_row_buffer<y_row_slot>(cols);
-  for (std::size_t r = 0; r < rows; ++r) {
-    float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
-    for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
-    round_span(y_row, y + r * cols, cols);
+struct bias_activation_element {
+  Act act;
+  X const* x;
+  B const* bias;
+  Y* y;  // may be x
+  std::size_t rows, cols;
+  MPX_HD void operator()(std::size_t i) const {
+    y[i] = cast<Y>(act.forward(cast<float>(x[i]) + cast<float>(bias[i % cols])));
   }
-}
+  // The host's loop, the same arithmetic row by row: each 16-bit row is widened and
+  // rounded as a whole (eight elements per instruction with F16C).
+  void host_loop() const {
+    float const* b = bias_row_as_float<bias_slot>(bias, cols);
+    float* y_row = bias_row_buffer<y_row_slot>(cols);
+    for (std::size_t r = 0; r < rows; ++r) {
+      float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
+      for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
+      round_span(y_row, y + r * cols, cols);
+    }
+  }
+};
 
 // The terms of the bias gradient: dz = dy * act'(x + bias) in float; dx = dz rounded
 // (when dx is given) as a side output; db sums the float dz (not the rounded dx) in the
@@ -306,42 +318,6 @@ struct bias_backward_terms {
   }
 };
 
-#if MPX_HAS_CUDA
-// Forward: a grid-stride pass. With 16-byte vectors when every row is a whole number of
-// vectors and both pointers are aligned, so a vector never straddles two rows.
-template <int Width, class Act, class X, class B, class Y>
-__global__ void __launch_bounds__(block_size)
-    bias_activation_kernel(Act act, X const* x, B const* __restrict__ bias, Y* y,  // y may be x
-                           std::size_t groups, std::size_t cols) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
-    std::size_t const base = g * Width;
-    std::size_t const j0 = base % cols;
-    auto const in = *reinterpret_cast<aligned_vector<X, Width> const*>(x + base);
-    aligned_vector<Y, Width> out;
-    MPX_UNROLL
-    for (int k = 0; k < Width; ++k) out.v[k] = cast<Y>(act.forward(cast<float>(in.v[k]) + cast<float>(bias[j0 + k])));
-    *reinterpret_cast<aligned_vector<Y, Width>*>(y + base) = out;
-  }
-}
-
-template <class Act, class X, class B, class Y>
-void cuda_bias_activation(cudaStream_t stream, Act const& act, X const* x, B const* bias, Y* y, std::size_t rows,
-                          std::size_t cols) {
-  constexpr int width = vector_width<X, Y>;
-  std::size_t const n = rows * cols;
-  bool const vectors = cols % width == 0 && reinterpret_cast<std::uintptr_t>(x) % (width * sizeof(X)) == 0 &&
-                       reinterpret_cast<std::uintptr_t>(y) % (width * sizeof(Y)) == 0;
-  if (vectors) {
-    bias_activation_kernel<width><<<grid_for(n / width), block_size, 0, stream>>>(act, x, bias, y, n / width, cols);
-  } else {
-    bias_activation_kernel<1><<<grid_for(n), block_size, 0, stream>>>(act, x, bias, y, n, cols);
-  }
-  MPX_CUDA_CHECK_LAUNCH("mpx::bias_activation_kernel");
-}
-
-#endif
-
 // Shared by bias_activation_backward and bias_gradient: dx may be null (not written),
 // and for act::identity x and bias are not read.
 template <class Act, class Exec, class X, class B, class DY, class DX, class DB>
@@ -375,7 +351,7 @@ void activation_backward(Exec const& exec, Act act, X&& x, DY&& dy, DX&& dx) {
 //! rounded to storage first), one rounding to y's dtype. y may be x. Asynchronous on a
 //! cuda_executor. Shape mismatches throw mpx::shape_error naming both shapes.
 template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like Y>
-void bias_activation_forward([[maybe_unused]] Exec const& exec, Act act, X&& x, B&& bias, Y&& y) {
+void bias_activation_forward(Exec const& exec, Act act, X&& x, B&& bias, Y&& y) {
   auto xv = mpx::view(x);
   auto bv = mpx::view(bias);
   auto yv = mpx::view(y);
@@ -384,16 +360,9 @@ void bias_activation_forward([[maybe_unused]] Exec const& exec, Act act, X&& x, 
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_activation_forward", xv.shape(), bv.shape(), rows, cols);
   detail::require_same_shape("bias_activation_forward", xv.shape(), yv.shape());
-  if (rows * cols == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::host_bias_activation(act, xv.data(), bv.data(), yv.data(), rows, cols);
-  } else {
-#if MPX_HAS_CUDA
-    detail::cuda_bias_activation(exec.stream(), act, xv.data(), bv.data(), yv.data(), rows, cols);
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::for_each_index(exec, rows * cols,
+                         detail::bias_activation_element<Act, value_t<X>, value_t<B>, value_t<Y>>{
+                             act, xv.data(), bv.data(), yv.data(), rows, cols});
 }
 
 //! The backward pass of bias_activation_forward: dz = dy * act'(x + bias) in float;

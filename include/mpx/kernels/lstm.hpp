@@ -222,30 +222,6 @@ struct lstm_backward_cell {
   }
 };
 
-#if MPX_HAS_CUDA
-template <class F>
-__global__ void __launch_bounds__(block_size) lstm_index_kernel(F f, std::size_t n) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t k = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) f(k);
-}
-#endif
-
-//! f(k) for k in [0, n): a loop on the host, a grid-stride kernel on the GPU.
-template <class Exec, class F>
-void lstm_for_each([[maybe_unused]] Exec const& exec, F const& f, std::size_t n) {
-  if (n == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    for (std::size_t k = 0; k < n; ++k) f(k);
-  } else {
-#if MPX_HAS_CUDA
-    lstm_index_kernel<<<grid_for(n), block_size, 0, exec.stream()>>>(f, n);
-    MPX_CUDA_CHECK_LAUNCH("mpx::lstm_index_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
-}
-
 //! The extents of one LSTM call.
 struct lstm_extents {
   std::int64_t n = 0, t = 0, f = 0, u = 0;
@@ -313,7 +289,7 @@ void lstm_forward_impl(Exec const& exec, XV const& xv, WV const& wv, RV const& r
   if (c0) copy(exec, tensor_view<float const, space>(c0, state), tensor_view<float, space>(cells, state));
   else fill(exec, tensor_view<float, space>(cells, state), 0.0f);
   if (n * t_count == 0 || u == 0) return;
-  lstm_for_each(exec, lstm_swap_leading<S, S>{xv.data(), x_steps.data(), n, t_count, f}, n * t_count * f);
+  for_each_index(exec, n * t_count * f, lstm_swap_leading<S, S>{xv.data(), x_steps.data(), n, t_count, f});
   gemm<Policy>(exec, x_steps, wv, gates);
 
   gemm_options add_to_c;
@@ -323,10 +299,9 @@ void lstm_forward_impl(Exec const& exec, XV const& xv, WV const& wv, RV const& r
     S* const h_prev = h_steps + t * n * u;
     gemm<Policy>(exec, tensor_view<S const, space>(h_prev, state), rv,
                  tensor_view<float, space>(gates_t, shape{e.n, 4 * e.u}), add_to_c);
-    lstm_for_each(exec,
-                  lstm_forward_cell<S, value_t<BV>>{gates_t, bv.data(), cells + t * n * u, cells + (t + 1) * n * u,
-                                                    h_prev + n * u, hv.data() + t * u, u, t_count * u},
-                  n * u);
+    for_each_index(exec, n * u,
+                   lstm_forward_cell<S, value_t<BV>>{gates_t, bv.data(), cells + t * n * u, cells + (t + 1) * n * u,
+                                                     h_prev + n * u, hv.data() + t * u, u, t_count * u});
   }
 }
 
@@ -492,11 +467,10 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
 
   for (std::size_t step = t_count; step-- > 0;) {
     S* const dgates_t = dgates.data() + step * n * 4 * u;
-    detail::lstm_for_each(exec,
-                          detail::lstm_backward_cell<S, value_t<DH>>{
-                              gates + step * n * 4 * u, cells + step * n * u, cells + (step + 1) * n * u,
-                              dhv.data() + step * u, dh_rec, dc, dgates_t, u, t_count * u, step + 1 == t_count},
-                          n * u);
+    detail::for_each_index(exec, n * u,
+                           detail::lstm_backward_cell<S, value_t<DH>>{
+                               gates + step * n * 4 * u, cells + step * n * u, cells + (step + 1) * n * u,
+                               dhv.data() + step * u, dh_rec, dc, dgates_t, u, t_count * u, step + 1 == t_count});
     if (step > 0)  // the gradient reaching h_{t-1} through R: dz_t R^T
       gemm<Policy>(exec, tensor_view<S const, space>(dgates_t, shape{e.n, 4 * e.u}), rv,
                    tensor_view<float, space>(dh_rec, state), gemm_options{false, true, 1.0f, 0.0f});
@@ -518,8 +492,8 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
   if (n * t_count * f == 0) return;
   auto const dx_steps = detail::lstm_part<S, space>(ws_base, l.dx_steps, shape{e.t * e.n, e.f});
   gemm<Policy>(exec, dgates, wv, dx_steps, gemm_options{false, true, 1.0f, 0.0f});
-  detail::lstm_for_each(exec, detail::lstm_swap_leading<S, S>{dx_steps.data(), dxv.data(), t_count, n, f},
-                        n * t_count * f);
+  detail::for_each_index(exec, n * t_count * f,
+                         detail::lstm_swap_leading<S, S>{dx_steps.data(), dxv.data(), t_count, n, f});
 }
 
 }  // namespace mpx

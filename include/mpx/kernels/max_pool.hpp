@@ -10,6 +10,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -227,14 +228,13 @@ void host_max_pool_backward(pool_geometry const& g, T const* x, G const* dy, G* 
   }
 }
 
-// ---- CUDA -----------------------------------------------------------------------------
+// ---- the element bodies: what the GPU runs (and the host, with host loops off) -------
 
-#if MPX_HAS_CUDA
 //! The flat index in x of the element window (oh, ow) of image `image`, channel ch,
 //! selects (the same scan as the host's).
 template <class T>
-__device__ std::int64_t device_window_select(pool_geometry const& g, T const* x, std::int64_t image, std::int64_t oh,
-                                             std::int64_t ow, std::int64_t ch) {
+MPX_HD std::int64_t window_select(pool_geometry const& g, T const* x, std::int64_t image, std::int64_t oh,
+                                  std::int64_t ow, std::int64_t ch) {
   pool_window const win = window_of(g, oh, ow);
   std::int64_t const base = image * g.h * g.w * g.c + ch;
   std::int64_t at = base + (win.h0 * g.w + win.w0) * g.c;
@@ -251,33 +251,37 @@ __device__ std::int64_t device_window_select(pool_geometry const& g, T const* x,
   return at;
 }
 
-// One thread per element of y (grid-stride); neighbouring threads take neighbouring
-// channels, so every read of the window is coalesced.
+// One element of y: on the GPU neighbouring threads take neighbouring channels, so
+// every read of the window is coalesced.
 template <class T>
-__global__ void __launch_bounds__(block_size)
-    max_pool_forward_kernel(pool_geometry g, T const* __restrict__ x, T* __restrict__ y, std::size_t total) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+struct max_pool_forward_element {
+  pool_geometry g;
+  T const* x;
+  T* y;
+  MPX_HD void operator()(std::size_t e) const {
     auto const i = static_cast<std::int64_t>(e);
     std::int64_t const ch = i % g.c;
     std::int64_t t = i / g.c;
     std::int64_t const ow = t % g.ow;
     t /= g.ow;
     std::int64_t const oh = t % g.oh;
-    y[e] = x[device_window_select(g, x, t / g.oh, oh, ow, ch)];
+    y[e] = x[window_select(g, x, t / g.oh, oh, ow, ch)];
   }
-}
+  void host_loop() const { host_max_pool_forward(g, x, y); }  // image by image, channels in SSE
+};
 
-// Gather form, one thread per element of dx: it visits the windows that cover it, in
-// window order, and adds dy of those that select it (a window whose y differs from this
-// element's value cannot, and is skipped without its scan). No atomics: deterministic,
-// and the same float sums in the same order as the host's scatter.
+// Gather form, one element of dx: it visits the windows that cover it, in window order,
+// and adds dy of those that select it (a window whose y differs from this element's
+// value cannot, and is skipped without its scan). No atomics: deterministic, and the
+// same float sums in the same order as the host's scatter (its host loop).
 template <class T, class G>
-__global__ void __launch_bounds__(block_size)
-    max_pool_backward_kernel(pool_geometry g, T const* __restrict__ x, T const* __restrict__ y,
-                             G const* __restrict__ dy, G* __restrict__ dx, std::size_t total) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+struct max_pool_backward_element {
+  pool_geometry g;
+  T const* x;
+  T const* y;
+  G const* dy;
+  G* dx;
+  MPX_HD void operator()(std::size_t e) const {
     auto const i = static_cast<std::int64_t>(e);
     std::int64_t const ch = i % g.c;
     std::int64_t t = i / g.c;
@@ -298,12 +302,12 @@ __global__ void __launch_bounds__(block_size)
         std::int64_t const out = ((image * g.oh + oh) * g.ow + ow) * g.c + ch;
         float const selected = cast<float>(y[out]);
         if (!(selected == v || (selected != selected && v != v))) continue;
-        if (device_window_select(g, x, image, oh, ow, ch) == i) sum += cast<float>(dy[out]);
+        if (window_select(g, x, image, oh, ow, ch) == i) sum += cast<float>(dy[out]);
       }
     dx[e] = cast<G>(sum);
   }
-}
-#endif
+  void host_loop() const { host_max_pool_backward(g, x, dy, dx); }  // the scatter form, windows in order
+};
 
 }  // namespace detail
 
@@ -321,7 +325,7 @@ inline shape max_pool2d_output_shape(shape const& x_shape, pool_options const& o
 //! OH, OW, C] (max_pool2d_output_shape), the same dtype; exact (a copy of the selected
 //! element). Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like X, tensor_like Y>
-void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_options const& options = {},
+void max_pool2d_forward(Exec const& exec, X&& x, Y&& y, pool_options const& options = {},
                         mpx::source_location loc = mpx::source_location::current()) {
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_forward: x and y must hold the same dtype");
   detail::require_access<Exec, space_t<X>, space_t<Y>>();
@@ -331,18 +335,8 @@ void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_op
   constexpr std::string_view op = "max_pool2d_forward";
   auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
   detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::require_host_pool_image(op, g, loc);
-    detail::host_max_pool_forward(g, xv.data(), yv.data());
-  } else {
-#if MPX_HAS_CUDA
-    detail::max_pool_forward_kernel<<<detail::grid_for(yv.size()), detail::block_size, 0, exec.stream()>>>(
-        g, xv.data(), yv.data(), yv.size());
-    MPX_CUDA_CHECK_LAUNCH("mpx::max_pool_forward_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
+  detail::for_each_index(exec, yv.size(), detail::max_pool_forward_element<value_t<X>>{g, xv.data(), yv.data()});
 }
 
 //! dx = the gradient of sum(dy * max_pool2d(x)) with respect to x: each window's dy goes
@@ -356,7 +350,7 @@ void max_pool2d_forward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, pool_op
 //! Deterministic on both executors (a gather on the GPU, no atomics). Asynchronous on a
 //! cuda_executor.
 template <executor Exec, tensor_like X, tensor_like Y, tensor_like DY, tensor_like DX>
-void max_pool2d_backward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
+void max_pool2d_backward(Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
                          pool_options const& options = {},
                          mpx::source_location loc = mpx::source_location::current()) {
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_backward: x and y must hold the same dtype");
@@ -373,18 +367,10 @@ void max_pool2d_backward([[maybe_unused]] Exec const& exec, X&& x, Y&& y, DY&& d
   detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::pool_require(op, "dy", dyv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::pool_require(op, "dx", dxv.shape(), xv.shape(), xv.shape(), loc);
-  if constexpr (is_host_executor_v<Exec>) {
-    detail::require_host_pool_image(op, g, loc);
-    detail::host_max_pool_backward(g, xv.data(), dyv.data(), dxv.data());
-  } else {
-#if MPX_HAS_CUDA
-    detail::max_pool_backward_kernel<<<detail::grid_for(dxv.size()), detail::block_size, 0, exec.stream()>>>(
-        g, xv.data(), yv.data(), dyv.data(), dxv.data(), dxv.size());
-    MPX_CUDA_CHECK_LAUNCH("mpx::max_pool_backward_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
+  detail::for_each_index(exec, dxv.size(),
+                         detail::max_pool_backward_element<value_t<X>, value_t<DY>>{g, xv.data(), yv.data(),
+                                                                                    dyv.data(), dxv.data()});
 }
 
 }  // namespace mpx

@@ -1,0 +1,183 @@
+// The executor's dispatch (exec/for_each.hpp, exec/lanes.hpp, exec/reduce_items.hpp,
+// exec/columns.hpp): every index and every column of a row visited once, the lanes'
+// reductions exact where the arithmetic is, and the promise that makes one body serve
+// both executors: the host adds in the GPU's order, so an op whose body is plain
+// arithmetic gives the same bits on the host and on a GPU. Under nvcc these cases
+// compare the CUDA executor with the host executor; on the host the comparison is with
+// itself, and the element bodies are checked against the host's own faster loops.
+#include "../support/testing.hpp"
+
+#include <mpx/exec/for_each.hpp>
+#include <mpx/kernels/activation.hpp>
+#include <mpx/kernels/column_reduce.hpp>
+#include <mpx/kernels/max_pool.hpp>
+#include <mpx/losses/mean_squared_error.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace test_dispatch {
+
+//! Writes the row's sum and maximum once per row and, for every column, its index plus
+//! the sum (so a column written twice, or not at all, shows).
+struct row_probe {
+  float const* x;
+  float* y;
+  float* sums;
+  float* maxima;
+  std::size_t cols;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
+    float const* xr = x + r * cols;
+    float const s = lanes.reduce(cols, mpx::detail::sum_float{}, [&](std::size_t c) { return xr[c]; });
+    float const m = lanes.reduce(cols, mpx::detail::max_float{}, [&](std::size_t c) { return xr[c]; });
+    lanes.once([&] {
+      sums[r] = s;
+      maxima[r] = m;
+    });
+    lanes.for_each(cols, [&](std::size_t c) { y[r * cols + c] = static_cast<float>(c) + s; });
+  }
+};
+
+//! Restores host loops at the end of a scope.
+struct element_bodies_on_host {
+  element_bodies_on_host() { mpx::detail::host_loops_enabled() = false; }
+  ~element_bodies_on_host() { mpx::detail::host_loops_enabled() = true; }
+  element_bodies_on_host(element_bodies_on_host const&) = delete;
+  element_bodies_on_host& operator=(element_bodies_on_host const&) = delete;
+};
+
+}  // namespace test_dispatch
+
+TEMPLATE_LIST_TEST_CASE("for_each_row visits every column once, with exact sums and maxima, warp and block rows",
+                        "[dispatch]", mpx_test::executors) {
+  TestType exec;
+  // Up to 1024 columns a warp serves a row; beyond, a block of 512 lanes.
+  for (std::size_t cols : {std::size_t{1}, std::size_t{31}, std::size_t{33}, std::size_t{1024}, std::size_t{1025},
+                           std::size_t{5000}}) {
+    std::size_t const rows = 37;
+    std::vector<float> x(rows * cols);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7919) % 61) - 30.0f;  // small integers
+    auto xd = mpx_test::upload(exec, x);
+    auto y = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows * cols)});
+    auto sums = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
+    auto maxima = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
+    mpx::detail::for_each_row(exec, rows, cols,
+                              test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
+    auto const got_y = mpx_test::download(exec, y);
+    auto const got_sums = mpx_test::download(exec, sums);
+    auto const got_maxima = mpx_test::download(exec, maxima);
+    INFO("cols=" << cols);
+    for (std::size_t r = 0; r < rows; ++r) {
+      double s = 0.0, m = -1e30;
+      for (std::size_t c = 0; c < cols; ++c) {
+        s += x[r * cols + c];
+        m = std::max(m, static_cast<double>(x[r * cols + c]));
+      }
+      REQUIRE(got_sums[r] == s);  // integers: every order of addition is exact
+      REQUIRE(got_maxima[r] == m);
+      for (std::size_t c = 0; c < cols; ++c) REQUIRE(got_y[r * cols + c] == static_cast<float>(c) + got_sums[r]);
+    }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("one body, the same bits: row, item and column reductions add in one order on every executor",
+                        "[dispatch]", mpx_test::executors) {
+  TestType exec;
+  mpx::host_executor host;
+  // Values of many magnitudes, so that a different order of addition changes the bits.
+  auto const values = [](std::size_t n, std::uint64_t stream) {
+    auto v = mpx_test::random_values<float>(n, -1.0, 1.0, stream);
+    for (std::size_t i = 0; i < n; ++i) v[i] = std::ldexp(v[i], static_cast<int>(i % 23) - 11);
+    return v;
+  };
+  for (auto [rows, cols] : {std::pair<std::size_t, std::size_t>{1, 1}, {3, 1000}, {200, 37}, {5, 1500},
+                            {4099, 3}, {9, 20000}}) {
+    INFO("rows=" << rows << " cols=" << cols);
+    std::size_t const n = rows * cols;
+    auto const x = values(n, 1);
+    auto const t = values(n, 2);
+    mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+
+    // Rows: the lanes' sums.
+    auto run_rows = [&](auto const& e) {
+      auto xd = mpx_test::upload(e, x);
+      auto y = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(n)});
+      auto sums = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
+      auto maxima = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
+      mpx::detail::for_each_row(e, rows, cols,
+                                test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
+      return mpx_test::download(e, sums);
+    };
+    CHECK(mpx_test::first_mismatch(run_rows(exec), run_rows(host)).empty());
+
+    // Items: a pointwise loss's mean and gradient (plain arithmetic: no exp or log).
+    auto run_loss = [&](auto const& e) {
+      auto p = mpx_test::upload(e, x, s);
+      auto q = mpx_test::upload(e, t, s);
+      auto g = mpx_test::poisoned<float>(e, s);
+      mpx::loss_value loss(e);
+      mpx::mean_squared_error(e, p, q, g, loss);
+      auto grad = mpx_test::download(e, g);
+      grad.push_back(loss.read(e));
+      return grad;
+    };
+    CHECK(mpx_test::first_mismatch(run_loss(exec), run_loss(host)).empty());
+
+    // Columns: column_sum.
+    auto run_columns = [&](auto const& e) {
+      auto xd = mpx_test::upload(e, x, s);
+      auto y = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(cols)});
+      mpx::column_sum(e, xd, y);
+      return mpx_test::download(e, y);
+    };
+    CHECK(mpx_test::first_mismatch(run_columns(exec), run_columns(host)).empty());
+  }
+}
+
+TEST_CASE("the host's fast loops give the bits of the element bodies the GPU runs", "[dispatch]") {
+  mpx::host_executor exec;
+  mpx_test::for_each_dtype([&](auto zero) {
+    using T = decltype(zero);
+    INFO("dtype " << mpx::dtype_traits<T>::name);
+    // bias + activation, row by row with whole-row conversions vs element by element.
+    for (auto [rows, cols] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {7, 33}, {64, 130}}) {
+      auto x = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(rows * cols), -4.0, 4.0, 3),
+                                mpx::shape{rows, cols});
+      auto b = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(cols), -1.0, 1.0, 4));
+      auto fast = mpx_test::poisoned<T>(exec, {rows, cols});
+      auto slow = mpx_test::poisoned<T>(exec, {rows, cols});
+      mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, b, fast);
+      {
+        test_dispatch::element_bodies_on_host const bodies;
+        mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, b, slow);
+      }
+      CHECK(mpx_test::first_mismatch(mpx_test::download(exec, slow), mpx_test::download(exec, fast)).empty());
+    }
+    // max pooling forward and backward: the host's SSE scan and scatter vs the gather
+    // bodies, overlapping and padded windows, with ties and a NaN.
+    for (mpx::pool_options o : {mpx::pool_options{}, mpx::pool_options{3, 3, 2, 2, 1, 1}, mpx::pool_options{2, 3, 1, 1, 0, 2}}) {
+      mpx::shape const xs{2, 9, 7, 5};
+      auto xv = mpx_test::random_values<T>(static_cast<std::size_t>(xs.size()), -2.0, 2.0, 5);
+      for (std::size_t i = 0; i < xv.size(); i += 11) xv[i] = mpx::cast<T>(1.0f);  // ties
+      xv[17] = mpx::dtype_traits<T>::quiet_nan();
+      auto x = mpx_test::upload(exec, xv, xs);
+      mpx::shape const ys = mpx::max_pool2d_output_shape(xs, o);
+      auto dy = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(ys.size()), -1.0, 1.0, 6), ys);
+      auto y_fast = mpx_test::poisoned<T>(exec, ys);
+      auto y_slow = mpx_test::poisoned<T>(exec, ys);
+      auto dx_fast = mpx_test::poisoned<T>(exec, xs);
+      auto dx_slow = mpx_test::poisoned<T>(exec, xs);
+      mpx::max_pool2d_forward(exec, x, y_fast, o);
+      mpx::max_pool2d_backward(exec, x, y_fast, dy, dx_fast, o);
+      {
+        test_dispatch::element_bodies_on_host const bodies;
+        mpx::max_pool2d_forward(exec, x, y_slow, o);
+        mpx::max_pool2d_backward(exec, x, y_slow, dy, dx_slow, o);
+      }
+      CHECK(mpx_test::first_mismatch(mpx_test::download(exec, y_slow), mpx_test::download(exec, y_fast)).empty());
+      CHECK(mpx_test::first_mismatch(mpx_test::download(exec, dx_slow), mpx_test::download(exec, dx_fast)).empty());
+    }
+  });
+}
