@@ -14,6 +14,7 @@
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/reduce_items.hpp>
 #include <mpx/exec/resident.hpp>
+#include <mpx/exec/step_executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/exec/tensor_ref.hpp>

@@ -63,7 +63,7 @@ TEMPLATE_LIST_TEST_CASE("for_each_row visits every column once, with exact sums 
     auto y = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows * cols)});
     auto sums = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
     auto maxima = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
-    mpx::detail::for_each_row(exec, rows, cols,
+    mpx::for_each_row(exec, rows, cols,
                               test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
     auto const got_y = mpx_test::download(exec, y);
     auto const got_sums = mpx_test::download(exec, sums);
@@ -106,7 +106,7 @@ TEMPLATE_LIST_TEST_CASE("one body, the same bits: row, item and column reduction
       auto y = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(n)});
       auto sums = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
       auto maxima = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
-      mpx::detail::for_each_row(e, rows, cols,
+      mpx::for_each_row(e, rows, cols,
                                 test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
       return mpx_test::download(e, sums);
     };

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/step_executor.hpp>
 
 #include <cstddef>
 #include <functional>
@@ -17,29 +18,6 @@
 #include <utility>
 
 namespace mpx {
-
-//! The executor a training step runs on, as the type-erased hooks carry it: the stream
-//! of a cuda_executor (null: the legacy default stream), nothing for the host executor.
-//! `as<Exec>()` gives the executor back to code that knows its type (data_parallel).
-class step_executor {
- public:
-  constexpr step_executor() noexcept = default;  //!< the host executor, or the legacy default stream
-  template <executor Exec>
-  explicit step_executor(Exec const& exec) noexcept {
-    if constexpr (!is_host_executor_v<Exec>) stream_ = exec.stream();
-  }
-  template <executor Exec>
-  [[nodiscard]] Exec as() const noexcept {
-    if constexpr (is_host_executor_v<Exec>) return Exec{};
-    else return Exec(static_cast<decltype(std::declval<Exec const&>().stream())>(stream_));
-  }
-  //! The stream (a cudaStream_t), type-erased; null on the host.
-  [[nodiscard]] void* stream() const noexcept { return stream_; }
-  friend bool operator==(step_executor const&, step_executor const&) = default;
-
- private:
-  void* stream_ = nullptr;
-};
 
 struct replica_hooks {
   int rank = 0;            //!< this replica's rank; rank 0 prints and writes files

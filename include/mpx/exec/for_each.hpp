@@ -1,5 +1,6 @@
 // The executor's dispatch for the two simplest shapes of work, so an operation is one
-// MPX_HD body and the loop or launch lives here, once:
+// MPX_HD body and the loop or launch lives here, once (public: user code writes its own
+// operations the same way; docs/writing_operations.md):
 //   for_each_index(exec, n, body)        body(i) for every i in [0, n): elements, gathers,
 //                                        permutations (a grid-stride loop on the GPU);
 //   for_each_row(exec, rows, cols, body) body(lanes, r) for every row r, with the lanes
@@ -91,6 +92,10 @@ inline bool& host_loops_enabled() noexcept {
   return enabled;
 }
 
+}  // namespace mpx::detail
+
+namespace mpx {
+
 //! body(i) for every i in [0, n), in order on the host (or body.host_loop()), in a
 //! grid-stride loop on the GPU (so the body must not depend on the order).
 template <executor Exec, class Body>
@@ -98,16 +103,16 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
   static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
   if (n == 0) return;
   if constexpr (is_host_executor_v<Exec>) {
-    if constexpr (has_host_loop<Body>) {
-      if (host_loops_enabled()) return body.host_loop();
+    if constexpr (detail::has_host_loop<Body>) {
+      if (detail::host_loops_enabled()) return body.host_loop();
     }
     for (std::size_t i = 0; i < n; ++i) body(i);
   } else {
 #if MPX_HAS_CUDA
-    for_each_index_kernel<<<grid_for(n), block_size, 0, exec.stream()>>>(body, n);
+    detail::for_each_index_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(body, n);
     MPX_CUDA_CHECK_LAUNCH("mpx::for_each_index_kernel");
 #else
-    kernels_need_nvcc<Exec>();
+    detail::kernels_need_nvcc<Exec>();
 #endif
   }
 }
@@ -117,29 +122,37 @@ template <executor Exec, class Body>
 void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size_t cols, Body const& body) {
   static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
   if (rows == 0) return;
-  bool const by_warp = lanes_for_row(cols) == warp_size;
+  bool const by_warp = detail::lanes_for_row(cols) == detail::warp_size;
   if constexpr (is_host_executor_v<Exec>) {
     if (by_warp) {
-      host_lanes<warp_size> const lanes{};
+      detail::host_lanes<detail::warp_size> const lanes{};
       for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
     } else {
-      host_lanes<block_row_lanes> const lanes{};
+      detail::host_lanes<detail::block_row_lanes> const lanes{};
       for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
     }
   } else {
 #if MPX_HAS_CUDA
     if (by_warp) {
-      rows_by_warp_kernel<<<grid_for(rows * warp_size), block_size, 0, exec.stream()>>>(body, rows);
+      unsigned const grid = detail::grid_for(rows * detail::warp_size);
+      detail::rows_by_warp_kernel<<<grid, detail::block_size, 0, exec.stream()>>>(body, rows);
       MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_warp_kernel");
     } else {
-      unsigned const grid = static_cast<unsigned>(std::min<std::size_t>(rows, static_cast<std::size_t>(sm_count()) * 4));
-      rows_by_block_kernel<<<grid, block_row_lanes, 0, exec.stream()>>>(body, rows);
+      std::size_t const blocks = std::min<std::size_t>(rows, static_cast<std::size_t>(detail::sm_count()) * 4);
+      unsigned const grid = static_cast<unsigned>(blocks);
+      detail::rows_by_block_kernel<<<grid, detail::block_row_lanes, 0, exec.stream()>>>(body, rows);
       MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_block_kernel");
     }
 #else
-    kernels_need_nvcc<Exec>();
+    detail::kernels_need_nvcc<Exec>();
 #endif
   }
 }
 
-}  // namespace mpx::detail
+//! The combining operations a row body's lanes.reduce takes (exec/lanes.hpp).
+using lane_sum = detail::sum_float;            //!< float sum
+using lane_max = detail::max_float;            //!< float maximum that keeps NaN
+using lane_sum_pair = detail::sum_float_pair;  //!< two float sums at once (a float_pair)
+using detail::float_pair;
+
+}  // namespace mpx

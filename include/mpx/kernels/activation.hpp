@@ -360,7 +360,7 @@ void bias_activation_forward(Exec const& exec, Act act, X&& x, B&& bias, Y&& y) 
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_activation_forward", xv.shape(), bv.shape(), rows, cols);
   detail::require_same_shape("bias_activation_forward", xv.shape(), yv.shape());
-  detail::for_each_index(exec, rows * cols,
+  for_each_index(exec, rows * cols,
                          detail::bias_activation_element<Act, value_t<X>, value_t<B>, value_t<Y>>{
                              act, xv.data(), bv.data(), yv.data(), rows, cols});
 }

@@ -123,7 +123,7 @@ void permute_heads(Exec const& exec, tensor_view<T, Space> tokens, tensor_view<T
   if (total == 0) return;
   T const* from = to_heads ? tokens.data() : heads.data();
   T* to = to_heads ? heads.data() : tokens.data();
-  detail::for_each_index(exec, total, detail::permute_heads_element<T>{from, to, B, Tn, H, dh, P, to_heads});
+  for_each_index(exec, total, detail::permute_heads_element<T>{from, to, B, Tn, H, dh, P, to_heads});
 }
 
 //! The causal softmax of logits [B*H, T, T] (query rows, key columns) in float: p (float,
@@ -142,7 +142,7 @@ void causal_softmax(Exec const& exec, tensor_view<S const, Space> logits, tensor
                                                     " for [" + std::to_string(d.batch * d.heads) + ", " +
                                                     std::to_string(d.tokens) + ", " + std::to_string(d.tokens) + "]");
   if (total == 0) return;
-  detail::for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
+  for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
                        detail::causal_softmax_row<S, P>{logits.data(), p.data(), p_store.data(), d.tokens, d.heads,
                                                         lengths});
 }
@@ -159,7 +159,7 @@ void causal_softmax_backward(Exec const& exec, tensor_view<float const, Space> p
     detail::fail<shape_error>("causal_softmax_backward", "p " + p.shape().to_string() + ", dp " + dp.shape().to_string() +
                                                              " and ds " + ds.shape().to_string() + " differ in size");
   if (total == 0) return;
-  detail::for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
+  for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
                        detail::causal_softmax_backward_row<G>{p.data(), dp.data(), ds.data(),
                                                               static_cast<std::size_t>(d.tokens), scale});
 }

@@ -291,7 +291,7 @@ void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_
   std::size_t const n = rows * cols;
   if (n == 0) return;
   float const inv_n = 1.0f / static_cast<float>(rows);
-  detail::for_each_index(exec, n,
+  for_each_index(exec, n,
                          detail::batch_norm_backward_element<x_t, dy_t, value_t<DX>>{
                              xv.data(), dyv.data(), gv.data(), smv.data(), siv.data(), dgv.data(), dbv.data(),
                              dxv.data(), cols, inv_n});

@@ -168,7 +168,7 @@ void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&&
   detail::require_extent(op, "rstd", rv.shape(), "x", xv.shape(), r, "rstd must be [rows], one per row of x");
   if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
   if (rows * cols == 0) return;
-  detail::for_each_row(exec, rows, cols,
+  for_each_row(exec, rows, cols,
                        detail::layer_norm_row<value_t<X>, value_t<Y>>{xv.data(), gv.data(), bv.data(), yv.data(),
                                                                       mv.data(), rv.data(), cols, eps});
 }
@@ -222,7 +222,7 @@ void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, 
   detail::store_two_sums const store{dgv.data(), dbv.data()};
   // The parameter sums read dy before dx is written, so dx may be dy.
   detail::column_sums(exec, terms, store, rows, cols);
-  detail::for_each_row(exec, rows, cols,
+  for_each_row(exec, rows, cols,
                        detail::layer_norm_backward_row<x_t, dy_t, value_t<DX>>{
                            xv.data(), dyv.data(), gv.data(), mv.data(), rv.data(), dxv.data(), cols});
 }

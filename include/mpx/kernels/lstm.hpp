@@ -467,7 +467,7 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
 
   for (std::size_t step = t_count; step-- > 0;) {
     S* const dgates_t = dgates.data() + step * n * 4 * u;
-    detail::for_each_index(exec, n * u,
+    for_each_index(exec, n * u,
                            detail::lstm_backward_cell<S, value_t<DH>>{
                                gates + step * n * 4 * u, cells + step * n * u, cells + (step + 1) * n * u,
                                dhv.data() + step * u, dh_rec, dc, dgates_t, u, t_count * u, step + 1 == t_count});
@@ -492,7 +492,7 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
   if (n * t_count * f == 0) return;
   auto const dx_steps = detail::lstm_part<S, space>(ws_base, l.dx_steps, shape{e.t * e.n, e.f});
   gemm<Policy>(exec, dgates, wv, dx_steps, gemm_options{false, true, 1.0f, 0.0f});
-  detail::for_each_index(exec, n * t_count * f,
+  for_each_index(exec, n * t_count * f,
                          detail::lstm_swap_leading<S, S>{dx_steps.data(), dxv.data(), t_count, n, f});
 }
 

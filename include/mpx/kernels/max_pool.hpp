@@ -336,7 +336,7 @@ void max_pool2d_forward(Exec const& exec, X&& x, Y&& y, pool_options const& opti
   auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
   detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
-  detail::for_each_index(exec, yv.size(), detail::max_pool_forward_element<value_t<X>>{g, xv.data(), yv.data()});
+  for_each_index(exec, yv.size(), detail::max_pool_forward_element<value_t<X>>{g, xv.data(), yv.data()});
 }
 
 //! dx = the gradient of sum(dy * max_pool2d(x)) with respect to x: each window's dy goes
@@ -368,7 +368,7 @@ void max_pool2d_backward(Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
   detail::pool_require(op, "dy", dyv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::pool_require(op, "dx", dxv.shape(), xv.shape(), xv.shape(), loc);
   detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
-  detail::for_each_index(exec, dxv.size(),
+  for_each_index(exec, dxv.size(),
                          detail::max_pool_backward_element<value_t<X>, value_t<DY>>{g, xv.data(), yv.data(),
                                                                                     dyv.data(), dxv.data()});
 }
