@@ -10,13 +10,13 @@
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <type_traits>
-#include <vector>
 
 // Why deterministic: a model trained twice from the same seed must give the same bits.
 // A float sum of n rows carries the rounding of about n / (8 chunks) + 8 + (at most 256)
@@ -52,13 +52,9 @@ constexpr column_chunks column_chunking(std::size_t rows, std::size_t cols) noex
   return {std::max<std::size_t>(1, (rows + per_chunk - 1) / per_chunk), per_chunk};
 }
 
-//! Per-thread host scratch of Acc kept from call to call (as host_scratch_floats).
-template <class Acc, std::size_t Slot>
-Acc* column_scratch(std::size_t n) {
-  thread_local std::vector<Acc> buffer;
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
-}
+//! The host column reduction's scratch (host_scratch), slot by slot.
+struct column_scratch {};
+enum column_scratch_slot : std::size_t { column_total_slot, column_lanes_slot, column_row_slot };
 
 // The GPU's order on the host: in each chunk, row-thread y of column j sums rows
 // r0 + y, r0 + y + 8, ...; the 8 row-threads' sums are added in order y = 0..7; the
@@ -66,9 +62,9 @@ Acc* column_scratch(std::size_t n) {
 template <int N, class Acc, class Terms, class Finish>
 void host_column_reduce(Terms const& terms, Finish const& finish, std::size_t rows, std::size_t cols) {
   std::size_t const width = N * cols;
-  Acc* total = column_scratch<Acc, 0>(width);
-  Acc* lanes = column_scratch<Acc, 1>(column_tile_rows * width);  // [y][k][j]
-  [[maybe_unused]] Acc* row = column_scratch<Acc, 2>(width);
+  Acc* total = host_scratch<Acc, column_scratch, column_total_slot>(width);
+  Acc* lanes = host_scratch<Acc, column_scratch, column_lanes_slot>(column_tile_rows * width);  // [y][k][j]
+  [[maybe_unused]] Acc* row = host_scratch<Acc, column_scratch, column_row_slot>(width);
   std::fill(total, total + width, Acc{});
   column_chunks const cut = column_chunking(rows, cols);
   for (std::size_t r0 = 0; r0 < rows; r0 += cut.rows_per_chunk) {

@@ -10,18 +10,26 @@
 
 namespace mpx::detail {
 
-//! At least n floats of scratch, for the calling thread, owned by (Tag, Slot). Each kernel
-//! names its own Tag, so one that calls another (conv2d calls gemm) never gets a buffer
-//! the other is using; a kernel that needs several buffers at once gives each its own
-//! Slot (an enumerator, so the names say which is which). The pointer stays valid until
-//! the same thread asks the same (Tag, Slot) for more than it holds. Contents are
-//! unspecified.
-template <class Tag, std::size_t Slot>
-float* host_scratch_floats(std::size_t n) {
+//! At least n values of T of scratch, for the calling thread, owned by (Tag, Slot): the
+//! one way the host executor's kernels get temporary memory (the GPU's is a
+//! stream-ordered buffer). Each kernel names its own Tag, so one that calls another
+//! (conv2d calls gemm) never gets a buffer the other is using; a kernel that needs
+//! several buffers at once gives each its own Slot (an enumerator, so the names say
+//! which is which). The pointer stays valid until the same thread asks the same
+//! (T, Tag, Slot) for more than it holds. Contents are unspecified.
+template <class T, class Tag, std::size_t Slot>
+T* host_scratch(std::size_t n) {
   static_assert(sizeof(Tag) > 0, "a scratch tag is a complete type");
-  thread_local std::vector<float> buffer;  // one per (Tag, Slot) instantiation
+  static_assert(std::is_trivially_copyable_v<T>, "host scratch holds plain values");
+  thread_local std::vector<T> buffer;  // one per (T, Tag, Slot) instantiation
   if (buffer.size() < n) buffer.resize(n);
   return buffer.data();
+}
+
+//! host_scratch of floats, the common case.
+template <class Tag, std::size_t Slot>
+float* host_scratch_floats(std::size_t n) {
+  return host_scratch<float, Tag, Slot>(n);
 }
 
 //! x[0, n) as floats: x itself when T is float (no copy, no scratch), else x widened

@@ -16,13 +16,13 @@
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <type_traits>
-#include <vector>
 
 namespace mpx::detail {
 
@@ -82,6 +82,9 @@ __global__ void __launch_bounds__(item_block_threads)
 }
 #endif
 
+//! The host's items' values (host_scratch).
+struct item_values {};
+
 //! The host's emulation of both levels, over the items' values in order.
 template <item_kind Kind, class Op>
 typename Op::value_type host_combine_items(Op op, typename Op::value_type const* values, std::size_t n,
@@ -119,15 +122,14 @@ void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body 
                 "mpx: a body is copied to the GPU: pointers and sizes only");
   using T = typename Op::value_type;
   if constexpr (is_host_executor_v<Exec>) {
-    thread_local std::vector<T> values;
-    values.resize(n);
+    T* values = host_scratch<T, item_values, 0>(n);
     if constexpr (Kind == item_kind::element) {
       for (std::size_t i = 0; i < n; ++i) values[i] = body(i);
     } else {
       host_lanes<warp_size> const lanes{};
       for (std::size_t r = 0; r < n; ++r) values[r] = body(lanes, r);
     }
-    finish(host_combine_items<Kind>(op, values.data(), n, partials));
+    finish(host_combine_items<Kind>(op, values, n, partials));
   } else {
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>(item_blocks<Kind>(n));

@@ -412,6 +412,10 @@ void cuda_col2im(cudaStream_t stream, conv2d_params const& p, T const* dcolumns,
 }
 #endif
 
+// im2col and col2im keep a dispatch of their own rather than exec/'s for_each_index:
+// on the GPU they count in 32 bits wherever the sizes allow (the index divisions are
+// their cost), and the host's loops are blocked by image and tap, not by element.
+
 //! im2col of images [n0, n0 + images) of x into the first rows of `columns`.
 template <class Exec, class T>
 void im2col([[maybe_unused]] Exec const& exec, std::string_view op, conv2d_geometry const& g, T const* x,

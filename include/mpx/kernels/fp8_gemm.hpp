@@ -165,6 +165,7 @@ void fp8_gemm([[maybe_unused]] Exec const& exec, A&& a, float const* a_inverse_s
     else if (options.beta != 1.0f) scale(exec, cv, options.beta);
     return;
   }
+  // As mpx::gemm: cuBLASLt on the GPU, the exact float product on the host.
   if constexpr (is_host_executor_v<Exec>) {
     // alpha * s_a * s_b rounded to float once: one more 2^-24, inside the bound.
     float const alpha = options.alpha * (*a_inverse_scale * *b_inverse_scale);

@@ -542,6 +542,8 @@ void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options c
   }
   using Acc = typename Policy::accumulate_type;
   using Compute = typename Policy::compute_type;
+  // Not one of exec/'s shapes: each executor calls the best product it has (cuBLASLt on
+  // the GPU; BLAS or the blocked product on the host), and docs/gemm.md bounds both.
   if constexpr (is_host_executor_v<Exec>) {
     detail::host_gemm_in<Acc, Compute>(d, options.transpose_a, options.transpose_b, options.alpha, av.data(),
                                        bv.data(), options.beta, cv.data());
