@@ -86,7 +86,11 @@ __device__ __forceinline__ void transform_vector(Op const& op, Out* out, Ins con
 }
 
 // One launch covers the scalar head (until every pointer is aligned), the vectorised
-// body in a grid-stride loop, and the scalar tail.
+// body in a grid-stride loop, and the scalar tail. mpx's own kernel, not CCCL's
+// cub::DeviceTransform (which would serve: in place allowed, no scratch, capturable):
+// DeviceTransform compiles every loading scheme it may pick at run time, and that cost
+// examples/user_kernel's unit 1.9 s of nvcc time (9.2 -> 11.1 s, over its 8 s budget);
+// bench/NOTES.md, "Thrust for the standalone checks", has the figures.
 template <int Width, class Op, class Out, class... Ins>
 __global__ void __launch_bounds__(block_size)
     transform_kernel(vector_split split, Op op, Out* out, Ins const*... ins) {  // out may be an input

@@ -6,9 +6,9 @@
 // float32's exponents (-133 ... 127, below -126 as subnormals); float8_e4m3 keeps
 // -9 ... 8, float8_e5m2 -16 ... 15 (dtype_traits has their limits).
 //
-// One pass, integer counts (so the result is exact and deterministic); the GPU kernel
-// counts in shared memory per block and adds the blocks' bins with integer atomics.
-// Synchronises a cuda_executor's stream.
+// One pass, integer counts (so the result is exact and deterministic): on the host a
+// loop, on the GPU CUB's DeviceHistogram over the bin of each element. Both count the
+// bins of one MPX_HD function, detail::exponent_bin. Synchronises a cuda_executor's stream.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -16,7 +16,6 @@
 #include <mpx/core/error.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
 
 #include <algorithm>
@@ -25,6 +24,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+
+#if MPX_HAS_CUDA
+#include <cub/device/device_histogram.cuh>
+#include <thrust/iterator/transform_iterator.h>
+#endif
 
 namespace mpx {
 
@@ -107,21 +111,13 @@ MPX_HD inline unsigned exponent_bin(float x) noexcept {
   return top;
 }
 
-#if MPX_HAS_CUDA
-template <class T>
-__global__ void __launch_bounds__(block_size)
-    exponent_histogram_kernel(T const* __restrict__ x, std::size_t n, unsigned long long* __restrict__ out) {
-  __shared__ unsigned bins[histogram_all_bins];
-  for (unsigned i = threadIdx.x; i < histogram_all_bins; i += blockDim.x) bins[i] = 0;
-  __syncthreads();
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    atomicAdd(&bins[exponent_bin(cast<float>(x[i]))], 1u);  // at most 2^32 - 1 per block: see the launch
-  __syncthreads();
-  for (unsigned i = threadIdx.x; i < histogram_all_bins; i += blockDim.x)
-    if (bins[i]) atomicAdd(&out[i], static_cast<unsigned long long>(bins[i]));
-}
-#endif
+//! The bin of one element of any dtype, for the GPU's histogram of bin numbers.
+struct exponent_bin_of {
+  template <class T>
+  MPX_HD int operator()(T x) const noexcept {
+    return static_cast<int>(exponent_bin(cast<float>(x)));
+  }
+};
 
 }  // namespace detail
 
@@ -136,20 +132,21 @@ exponent_histogram log2_histogram([[maybe_unused]] Exec const& exec, X&& x) {
   std::array<std::uint64_t, detail::histogram_all_bins> all{};
   if constexpr (is_host_executor_v<Exec>) {
     for (std::size_t i = 0; i < v.size(); ++i) ++all[detail::exponent_bin(cast<float>(v.data()[i]))];
-  } else {
+  } else if (!v.empty()) {
 #if MPX_HAS_CUDA
+    // Bin numbers 0 ... histogram_all_bins-1 in bins of width one: CUB counts them with
+    // integer atomics (per block, then per grid), so the counts are exact. Its scratch
+    // comes from the stream-ordered pool.
     tensor<unsigned long long, device_space> counts(exec, shape{static_cast<std::int64_t>(detail::histogram_all_bins)});
-    MPX_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, counts.size_bytes(), exec.stream()));
-    if (v.size() != 0) {
-      // Each block's 32-bit shared counters must not wrap: at most 2^32 - 1 elements per
-      // block, which the grid guarantees below 2^32 * blocks elements.
-      unsigned grid = detail::grid_for(v.size());
-      std::size_t const per_block_limit = 0xFFFF'FFFFu;
-      grid = static_cast<unsigned>(std::max<std::size_t>(grid, (v.size() + per_block_limit - 1) / per_block_limit));
-      detail::exponent_histogram_kernel<<<grid, detail::block_size, 0, exec.stream()>>>(v.data(), v.size(),
-                                                                                     counts.data());
-      MPX_CUDA_CHECK_LAUNCH("mpx::exponent_histogram_kernel");
-    }
+    thrust::transform_iterator<detail::exponent_bin_of, T const*, int> const bins(v.data(), {});
+    auto const items = static_cast<std::int64_t>(v.size());
+    constexpr int levels = static_cast<int>(detail::histogram_all_bins) + 1;
+    std::size_t scratch_bytes = 0;
+    MPX_CUDA_CHECK(cub::DeviceHistogram::HistogramEven(nullptr, scratch_bytes, bins, counts.data(), levels, 0,
+                                                       levels - 1, items, exec.stream()));
+    detail::buffer<unsigned char, device_space> scratch(scratch_bytes, exec.stream());
+    MPX_CUDA_CHECK(cub::DeviceHistogram::HistogramEven(scratch.data(), scratch_bytes, bins, counts.data(), levels, 0,
+                                                       levels - 1, items, exec.stream()));
     auto const host = to_host(exec, counts);
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = host[i];
 #else
