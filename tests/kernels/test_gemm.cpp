@@ -289,8 +289,8 @@ TEMPLATE_LIST_TEST_CASE("gemm accepts views at any offset", "[gemm]", mpx_test::
     for (std::size_t i = 0; i < 5; ++i) bad += !mpx::is_nan(got[i]);  // before the view: untouched
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int64_t j = 0; j < n; ++j) {
-        auto const [exact, scale] = mpx_test::reference::dot(mpx_test::reference::matrix<T>{a.data() + 1, m, k},
-                                                             mpx_test::reference::matrix<T>{b.data() + 3, k, n}, i, j, k);
+        mpx_test::reference::matrix<T> const av_ref{a.data() + 1, m, k}, bv_ref{b.data() + 3, k, n};
+        auto const [exact, scale] = mpx_test::reference::dot(av_ref, bv_ref, i, j, k);
         double const g = mpx::detail::to_double(got[static_cast<std::size_t>(5 + i * n + j)]);
         bad += !(std::abs(g - exact) <= bound * scale + 1e-30);
       }

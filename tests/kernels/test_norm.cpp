@@ -158,7 +158,8 @@ void run_batch_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
 
   // Running statistics: Keras's momentum, the unbiased batch variance.
   auto const xw = widen(x);
-  auto const f = mpx_test::reference::normalize(xw, cols, rows, column_groups{cols}, widen(gamma), widen(beta), true, o.eps);
+  auto const f =
+      mpx_test::reference::normalize(xw, cols, rows, column_groups{cols}, widen(gamma), widen(beta), true, o.eps);
   auto const rm = mpx_test::download(exec, run_mean);
   auto const rv = mpx_test::download(exec, run_var);
   mpx_test::bound_checker running("batch_norm running statistics");
@@ -214,7 +215,8 @@ TEST_CASE("the float64 normalisation gradients agree with finite differences", "
       return l;
     };
     auto const g =
-        mpx_test::reference::normalize_backward(forward(x, gamma, beta), dy, rows, cols, row_groups{cols}, gamma, batch, params);
+        mpx_test::reference::normalize_backward(forward(x, gamma, beta), dy, rows, cols, row_groups{cols}, gamma,
+                                                batch, params);
     for (std::size_t i = 0; i < x.size(); ++i) {
       auto const at_x = [&](double v) {
         auto xs = x;
@@ -315,7 +317,7 @@ TEMPLATE_LIST_TEST_CASE("norm statistics stay exact under a large common offset"
   mpx::layer_norm_forward(exec, xd, gd, bd, y, mean, rstd);
   auto const got = mpx_test::download(exec, y);
   auto const f = mpx_test::reference::normalize(widen(x), rows, cols, row_groups{cols}, std::vector<double>(cols, 1.0),
-                               std::vector<double>(cols, 0.0), false, 1e-5);
+                                                std::vector<double>(cols, 0.0), false, 1e-5);
   double worst = 0;
   for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - f.y[i]));
   INFO("worst |y - ref| = " << worst);

@@ -195,7 +195,8 @@ TEMPLATE_LIST_TEST_CASE("the causal softmax masks the future and leaves a row wi
   for (std::int64_t r = 0; r < bh * 9; ++r) {
     std::int64_t const i = r % 9, b = r / 9 / d.heads, valid = std::min<std::int64_t>(i + 1, length[b]);
     std::vector<double> keys(static_cast<std::size_t>(valid));
-    for (std::int64_t j = 0; j < valid; ++j) keys[static_cast<std::size_t>(j)] = mpx::detail::to_double(logits[r * 9 + j]);
+    for (std::int64_t j = 0; j < valid; ++j)
+      keys[static_cast<std::size_t>(j)] = mpx::detail::to_double(logits[r * 9 + j]);
     auto const weights = softmax_row(keys);
     for (std::int64_t j = 0; j < 9; ++j) {
       double const want = j < valid ? weights[static_cast<std::size_t>(j)] : 0.0;

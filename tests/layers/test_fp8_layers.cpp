@@ -59,6 +59,17 @@ std::vector<double> dequantise(std::vector<fp8_storage> const& v, float scale) {
   return out;
 }
 
+//! The operands of a layer's three products as fp8_gemm reads them: x and W in e4m3, dy
+//! in e5m2, each under its role's scale, in float64.
+struct fp8_operands {
+  std::vector<double> x, w, dy;
+};
+fp8_operands dequantised_operands(std::vector<fp8_storage> const& x, std::vector<fp8_storage> const& w,
+                                  std::vector<fp8_storage> const& dy, fp8_scales const& s) {
+  return {dequantise<mpx::float8_e4m3>(x, s.activation), dequantise<mpx::float8_e4m3>(w, s.weight),
+          dequantise<mpx::float8_e5m2>(dy, s.gradient)};
+}
+
 //! Counts elements of got outside the bound around ref (S: sums of |terms|), for the
 //! executor whose sums `sum_bound` describes (mpx_test::fp8_sum_bound<Exec>).
 struct fp8_bound {
@@ -128,9 +139,8 @@ void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::
 
     auto const w = mpx_test::download(exec, layer.template kernel<Space>());
     auto const b = mpx_test::download(exec, layer.template bias<Space>());
-    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
-    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
-    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const q = dequantised_operands(xs, w, dys, s);
+    auto const &qx = q.x, &qw = q.w, &qdy = q.dy;
     auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
     auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
@@ -190,9 +200,8 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
     CHECK(s.gradient != 1.0f);
     auto const w = mpx_test::download(exec, layer.template kernel<Space>());
     auto const b = mpx_test::download(exec, layer.template bias<Space>());
-    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
-    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
-    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const q = dequantised_operands(xs, w, dys, s);
+    auto const &qx = q.x, &qw = q.w, &qdy = q.dy;
     auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
     std::int64_t const patch = kh * kw * cin, pixels = n * oh * ow;
@@ -201,15 +210,16 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
     auto const ref = mpx_test::reference::conv2d({n, h, wd, cin, kh, kw, cout}, qx, qw, qdy);
     for (std::size_t i = 0; i < ref.y.size(); ++i) {
       double const product = mpx::detail::to_double(mpx::cast<fp8_storage>(static_cast<float>(ref.y[i])));
-      fy.check(mpx::detail::to_double(got_y[i]), product + mpx::detail::to_double(b[i % static_cast<std::size_t>(cout)]),
-               ref.y_abs[i] + std::fabs(product), patch);
+      double const bias = mpx::detail::to_double(b[i % static_cast<std::size_t>(cout)]);
+      fy.check(mpx::detail::to_double(got_y[i]), product + bias, ref.y_abs[i] + std::fabs(product), patch);
     }
     // dx: the column gradients are rounded to bfloat16 before col2im sums them (one more
     // 2^-8 per term): allowed as a bfloat16 rounding of the sum of |terms|.
     for (std::size_t i = 0; i < ref.dx.size(); ++i)
       fdx.check(mpx::detail::to_double(got_dx[i]), ref.dx[i], ref.dx_abs[i], mpx::fp8_gemm_padded_extent(cout) + kh * kw,
                 std::ldexp(1.0, -8));
-    for (std::size_t i = 0; i < ref.dw.size(); ++i) fdw.check(mpx::detail::to_double(got_dw[i]), ref.dw[i], ref.dw_abs[i], pixels);
+    for (std::size_t i = 0; i < ref.dw.size(); ++i)
+      fdw.check(mpx::detail::to_double(got_dw[i]), ref.dw[i], ref.dw_abs[i], pixels);
     fy.require();
     fdx.require();
     fdw.require();

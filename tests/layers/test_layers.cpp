@@ -255,7 +255,7 @@ struct norm_bounds {
   double k_stat, k_param;
 };
 
-//! Checks y, dx, dgamma, dbeta of a normalisation against reference_norm (bounds of
+//! Checks y, dx, dgamma, dbeta of a normalisation against normalize_matrix (bounds of
 //! tests/kernels/test_norm.cpp).
 template <class T>
 void check_norm(std::string const& what, std::vector<double> const& x, std::vector<double> const& dy,
@@ -285,7 +285,8 @@ void check_norm(std::string const& what, std::vector<double> const& x, std::vect
                uT * std::fabs(r.forward.y[i]) + scale * (std::fabs(gamma[j]) + 1) + std::fabs(beta[j]) * uf);
       fdx.check(i, to_d(got_dx[i]), r.backward.dx[i],
                 uT * std::fabs(r.backward.dx[i]) +
-                    scale * r.forward.rstd[g] * (std::fabs(dy[i] * gamma[j]) + mg + (std::fabs(r.forward.xhat[i]) + 1) * mgx) +
+                    scale * r.forward.rstd[g] *
+                        (std::fabs(dy[i] * gamma[j]) + mg + (std::fabs(r.forward.xhat[i]) + 1) * mgx) +
                     mpx_test::min_subnormal<T>());
       abs_dy[j] += std::fabs(dy[i]);
       abs_dyx[j] += std::fabs(dy[i]) * (1 + std::fabs(r.forward.xhat[i])) * (1 + kappa);
