@@ -43,8 +43,8 @@ float awkward_float(std::mt19937& rng) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("widen_span gives every 16-bit pattern exactly as the element-wise cast", "[cast][span]", half,
-                   bfloat16) {
+TEMPLATE_LIST_TEST_CASE("widen_span gives every 16-bit pattern exactly as the element-wise cast", "[cast][span]",
+                        mpx_test::dtypes16) {
   std::vector<TestType> all(65536 + 3);
   for (std::uint32_t p = 0; p < all.size(); ++p) all[p] = mpx::detail::from_bits<TestType>(static_cast<std::uint16_t>(p));
   for (std::size_t offset : {std::size_t{0}, std::size_t{1}, std::size_t{3}}) {
@@ -60,8 +60,8 @@ TEMPLATE_TEST_CASE("widen_span gives every 16-bit pattern exactly as the element
   }
 }
 
-TEMPLATE_TEST_CASE("widen_span gives every 8-bit pattern exactly as the element-wise cast", "[cast][span]",
-                   mpx::float8_e4m3, mpx::float8_e5m2) {
+TEMPLATE_LIST_TEST_CASE("widen_span gives every 8-bit pattern exactly as the element-wise cast", "[cast][span]",
+                        mpx_test::dtypes8) {
   std::vector<TestType> all(256);
   for (std::uint32_t p = 0; p < all.size(); ++p) all[p] = mpx::detail::bit_cast<TestType>(static_cast<std::uint8_t>(p));
   std::vector<float> out(all.size() + 1, 12345.0f);
@@ -73,8 +73,8 @@ TEMPLATE_TEST_CASE("widen_span gives every 8-bit pattern exactly as the element-
   REQUIRE(out[all.size()] == 12345.0f);
 }
 
-TEMPLATE_TEST_CASE("round_span rounds random floats exactly as the element-wise cast", "[cast][span]", half,
-                   bfloat16) {
+TEMPLATE_LIST_TEST_CASE("round_span rounds random floats exactly as the element-wise cast", "[cast][span]",
+                        mpx_test::dtypes16) {
   std::mt19937 rng(20261123);
   for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9},
                         std::size_t{1000003}}) {

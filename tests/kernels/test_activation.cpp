@@ -10,7 +10,7 @@
 // 32 u_f |dy|: float's absolute error near a zero of f', as gelu' has at x = -0.75).
 // Bias gradient: |db - ref| <= u_T |ref| + (4 sqrt(rows) + 64) u_f sum_i |dz_i| + the sum
 // of the float part of each dz_i's bound (x + b is rounded to float before f' sees it).
-#include "../support/activation_reference.hpp"
+#include "../support/reference/activation.hpp"
 #include "../support/nn_reference.hpp"
 
 #include <cmath>
@@ -21,10 +21,10 @@ using mpx_test::to_d;
 using mpx_test::uf;
 
 // Calls f(Act{}, its float64 reference) for every activation in mpx::activations (the
-// references: tests/support/activation_reference.hpp).
+// references: tests/support/reference/activation.hpp).
 template <class F>
 void for_each_activation(F&& f) {
-  mpx_test::for_each_listed_activation([&](auto a) { f(a, mpx_test::reference_of(a)); });
+  mpx_test::reference::for_each_listed_activation([&](auto a) { f(a, mpx_test::reference::activation_of(a)); });
 }
 
 template <class T>
@@ -35,7 +35,7 @@ double bound(double ref, double s) {
 }  // namespace
 
 TEST_CASE("the float64 activation references agree with their finite differences", "[activation]") {
-  for_each_activation([](auto, mpx_test::activation_reference ref) {
+  for_each_activation([](auto, mpx_test::reference::activation ref) {
     for (double x = -7.93; x < 8; x += 0.37) {  // never within 1e-6 of relu's kink
       double const fd = mpx_test::finite_difference([&](double v) { return ref.f(v); }, x);
       INFO("x=" << x);
@@ -237,7 +237,7 @@ TEMPLATE_LIST_TEST_CASE("the bias gradient of an empty batch is zero", "[activat
 
 TEST_CASE("mpx::activation selects every activation of the one list, by value and by name", "[activation]") {
   std::size_t count = 0;
-  mpx_test::for_each_listed_activation([&](auto a) {
+  mpx_test::reference::for_each_listed_activation([&](auto a) {
     using A = decltype(a);
     mpx::activation const sel = a;
     INFO(A::name);

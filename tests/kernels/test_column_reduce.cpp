@@ -4,6 +4,7 @@
 // sums per column; deterministic from run to run; outputs poisoned first.
 #include "../support/exact_values.hpp"
 #include "../support/nn_reference.hpp"
+#include "../support/reference/matmul.hpp"
 
 #include <cmath>
 #include <utility>
@@ -25,12 +26,8 @@ std::vector<T> eighths(std::size_t n, std::uint64_t stream) {
   return mpx_test::random_multiples<T>(n, 32, 8, stream);
 }
 
-std::vector<double> column_reference(std::vector<double> const& x, std::size_t rows, std::size_t cols) {
-  std::vector<double> s(cols, 0.0);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t j = 0; j < cols; ++j) s[j] += x[r * cols + j];
-  return s;
-}
+// The float64 column sums: tests/support/reference/matmul.hpp.
+using mpx_test::reference::column_sums;
 
 // Three sums per column at once: x, x^2 and 1 (the row count), in float.
 template <class X>
@@ -69,7 +66,7 @@ TEMPLATE_LIST_TEST_CASE("column_sum is exact where the float sums are exact, for
       auto yf = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(cols)});
       mpx::column_sum(exec, xd, y);
       mpx::column_sum<mpx::mixed_float16>(exec, xd, yf);
-      auto const ref = column_reference(mpx_test::widen(x), rows, cols);
+      auto const ref = column_sums(mpx_test::widen(x), cols);
       auto const got = mpx_test::download(exec, y);
       auto const got_f = mpx_test::download(exec, yf);
       std::vector<T> expected(cols);
@@ -100,10 +97,10 @@ TEMPLATE_LIST_TEST_CASE("column_sum of random values is within the float bound o
     auto y = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(cols)});
     mpx::column_sum(exec, xd, y);
     auto const got = mpx_test::download(exec, y);
-    auto const ref = column_reference(mpx_test::widen(x), rows, cols);
+    auto const ref = column_sums(mpx_test::widen(x), cols);
     std::vector<double> abs_x(n);
     for (std::size_t i = 0; i < n; ++i) abs_x[i] = std::fabs(static_cast<double>(x[i]));
-    auto const abs_sum = column_reference(abs_x, rows, cols);
+    auto const abs_sum = column_sums(abs_x, cols);
     // Additions along the longest path: rows per thread (at most rows / 8 on the GPU, 256
     // per host chunk), 8 row-threads, at most 256 chunks (rows / 256 on the host).
     double const depth = static_cast<double>(rows) / 8 + 8 + 256 + static_cast<double>(rows) / 256 + 1;
@@ -173,8 +170,8 @@ TEMPLATE_LIST_TEST_CASE("a column reduction with three sums per column", "[colum
     auto const xs = mpx_test::widen(x);
     std::vector<double> sq(n);
     for (std::size_t i = 0; i < n; ++i) sq[i] = xs[i] * xs[i];
-    auto const s1 = column_reference(xs, rows, cols);
-    auto const s2 = column_reference(sq, rows, cols);
+    auto const s1 = column_sums(xs, cols);
+    auto const s2 = column_sums(sq, cols);
     std::vector<float> expected(3 * cols);
     for (std::size_t j = 0; j < cols; ++j) {
       expected[j] = static_cast<float>(s1[j]);

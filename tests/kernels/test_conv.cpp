@@ -19,6 +19,7 @@
 // reference written differently (the maximum first, then its first position; the first
 // NaN if any); the gradient too, summed in float in window order where windows overlap.
 #include "../support/nn_reference.hpp"
+#include "../support/reference/conv2d.hpp"
 
 #include <mpx/exec/launch.hpp>
 #include <mpx/kernels/conv2d.hpp>
@@ -43,7 +44,7 @@ double u_acc() {
 
 
 
-// ---- the float64 reference convolution ----
+// ---- the cases, and the float64 reference convolution (tests/support/reference/conv2d.hpp) ----
 
 struct conv_case {
   std::int64_t n, h, w, cin, kh, kw, cout;
@@ -63,51 +64,16 @@ std::string describe(conv_case const& c, mpx::conv2d_options const& o) {
   return os.str();
 }
 
-struct conv_dims {
-  std::int64_t oh, ow;
-};
-
-// Written out here from the definition, not taken from the library.
-conv_dims output_dims(conv_case const& c, mpx::conv2d_options const& o) {
-  std::int64_t const sh = (c.kh - 1) * o.dilation_h + 1, sw = (c.kw - 1) * o.dilation_w + 1;
-  return {(c.h + 2 * o.pad_h + o.extra_pad_h - sh) / o.stride_h + 1,
-          (c.w + 2 * o.pad_w + o.extra_pad_w - sw) / o.stride_w + 1};
+mpx_test::reference::conv2d_geometry conv_geometry(conv_case const& c, mpx::conv2d_options const& o) {
+  return {c.n, c.h, c.w, c.cin, c.kh, c.kw, c.cout, o};
 }
-
-struct conv_ref {
-  std::vector<double> y, y_abs, dx, dx_abs, dw, dw_abs;
-};
-
-// y = x * w, dx = dy * w^T scattered back, dw = x^T dy, each with the sum of |terms|.
-conv_ref reference_conv(conv_case const& c, mpx::conv2d_options const& o, std::vector<double> const& x,
-                        std::vector<double> const& w, std::vector<double> const& dy) {
-  auto const [oh_n, ow_n] = output_dims(c, o);
-  auto const size = [](auto... e) { return static_cast<std::size_t>((e * ...)); };
-  conv_ref r{std::vector<double>(size(c.n, oh_n, ow_n, c.cout)), std::vector<double>(size(c.n, oh_n, ow_n, c.cout)),
-             std::vector<double>(x.size()),                      std::vector<double>(x.size()),
-             std::vector<double>(w.size()),                      std::vector<double>(w.size())};
-  for (std::int64_t n = 0; n < c.n; ++n)
-    for (std::int64_t oh = 0; oh < oh_n; ++oh)
-      for (std::int64_t ow = 0; ow < ow_n; ++ow)
-        for (std::int64_t kh = 0; kh < c.kh; ++kh)
-          for (std::int64_t kw = 0; kw < c.kw; ++kw) {
-            std::int64_t const ih = oh * o.stride_h - o.pad_h + kh * o.dilation_h;
-            std::int64_t const iw = ow * o.stride_w - o.pad_w + kw * o.dilation_w;
-            if (ih < 0 || ih >= c.h || iw < 0 || iw >= c.w) continue;
-            for (std::int64_t ci = 0; ci < c.cin; ++ci)
-              for (std::int64_t co = 0; co < c.cout; ++co) {
-                auto const xi = static_cast<std::size_t>(((n * c.h + ih) * c.w + iw) * c.cin + ci);
-                auto const wi = static_cast<std::size_t>(((kh * c.kw + kw) * c.cin + ci) * c.cout + co);
-                auto const yi = static_cast<std::size_t>(((n * oh_n + oh) * ow_n + ow) * c.cout + co);
-                r.y[yi] += x[xi] * w[wi];
-                r.y_abs[yi] += std::fabs(x[xi] * w[wi]);
-                r.dx[xi] += dy[yi] * w[wi];
-                r.dx_abs[xi] += std::fabs(dy[yi] * w[wi]);
-                r.dw[wi] += x[xi] * dy[yi];
-                r.dw_abs[wi] += std::fabs(x[xi] * dy[yi]);
-              }
-          }
-  return r;
+mpx_test::reference::conv2d_extent output_dims(conv_case const& c, mpx::conv2d_options const& o) {
+  return mpx_test::reference::conv2d_output_extent(conv_geometry(c, o));
+}
+mpx_test::reference::conv2d_result reference_conv(conv_case const& c, mpx::conv2d_options const& o,
+                                                  std::vector<double> const& x, std::vector<double> const& w,
+                                                  std::vector<double> const& dy) {
+  return mpx_test::reference::conv2d(conv_geometry(c, o), x, w, dy);
 }
 
 // Runs the three passes of one case for storage T (dw in type D) and checks them.

@@ -6,6 +6,7 @@
 // against the float64 product of the original data within the fp8 rounding bound; and
 // the refusals. Awkward sizes and every transpose run on the host; the sizes and the
 // layout cuBLASLt's fp8 kernels take run on both executors.
+#include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
 #include <algorithm>
@@ -132,22 +133,11 @@ void run_and_check(Exec const& exec, product const& p) {
   for (std::int64_t bi = 0; bi < nb; ++bi)
     for (std::int64_t i = 0; i < p.m; ++i)
       for (std::int64_t j = 0; j < p.n; ++j) {
-        double exact = 0, magnitude = 0;
-        for (std::int64_t kk = 0; kk < p.k; ++kk) {
-          auto const ai = static_cast<std::size_t>(bi * stride_a + (p.ta ? kk * p.m + i : i * p.k + kk));
-          auto const bj = static_cast<std::size_t>(bi * stride_b + (p.tb ? j * p.k + kk : kk * p.n + j));
-          double const t = mpx::detail::to_double(a[ai]) * mpx::detail::to_double(b[bj]);
-          exact += t;
-          magnitude += std::abs(t);
-        }
         auto const at = static_cast<std::size_t>((bi * p.m + i) * p.n + j);
-        exact *= dequant;
-        magnitude *= std::abs(dequant);
-        if (p.beta != 0) {
-          double const old = static_cast<double>(p.beta) * mpx::detail::to_double(c0[at]);
-          exact += old;
-          magnitude += std::abs(old);
-        }
+        mpx_test::reference::matrix<TA> const op_a{a.data() + bi * stride_a, p.m, p.k, p.ta};
+        mpx_test::reference::matrix<TB> const op_b{b.data() + bi * stride_b, p.k, p.n, p.tb};
+        auto const [exact, magnitude] = mpx_test::reference::gemm_entry(
+            op_a, op_b, i, j, p.k, dequant, static_cast<double>(p.beta), mpx::detail::to_double(c0[at]));
         nonzero += std::abs(exact);
         double const error = std::abs(mpx::detail::to_double(got[at]) - exact);
         double const ratio =

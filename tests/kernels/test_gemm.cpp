@@ -2,6 +2,7 @@
 // all four transpose combinations, alpha/beta (beta = 0 over a NaN-poisoned C), batches
 // with and without a shared operand, checked against a float64 product with the
 // documented error bound; NaN propagation; shape errors and their messages.
+#include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
 #include <algorithm>
@@ -72,39 +73,17 @@ mpx::shape matrix_shape(std::int64_t batch, bool shared, std::int64_t rows, std:
   return mpx::shape{batch, rows, cols};
 }
 
-//! op(X)[i][j] of batch entry b, from row-major storage.
+//! One element of C in float64 (tests/support/reference/matmul.hpp): alpha * sum over kk
+//! of op(A)[bi][i][kk] * op(B)[bi][kk][j] + beta * c_old, and the sum of the terms'
+//! magnitudes the error bound scales. sa, sb: the batch strides (0: a shared operand).
 template <class T>
-double element(std::vector<T> const& x, std::int64_t stride, std::int64_t b, bool transposed, std::int64_t rows,
-               std::int64_t cols, std::int64_t i, std::int64_t j) {
-  // Stored [rows, cols], or [cols, rows] when transposed.
-  std::size_t const at = static_cast<std::size_t>(b * stride + (transposed ? j * rows + i : i * cols + j));
-  return mpx::detail::to_double(x[at]);
-}
-
-//! One element of C in float64: alpha * sum over kk of op(A)[bi][i][kk] * op(B)[bi][kk][j]
-//! + beta * c_old, and `scale`, the sum of the terms' magnitudes the error bound scales.
-struct reference_entry {
-  double exact = 0, scale = 0;
-};
-template <class T>
-reference_entry reference_product(std::vector<T> const& a, std::vector<T> const& b, std::int64_t sa,
-                                  std::int64_t sb, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
-                                  std::int64_t bi, std::int64_t i, std::int64_t j, double alpha, double beta,
-                                  double c_old) {
-  reference_entry r;
-  for (std::int64_t kk = 0; kk < k; ++kk) {
-    double const x = element(a, sa, bi, ta, m, k, i, kk);
-    double const y = element(b, sb, bi, tb, k, n, kk, j);
-    r.exact += x * y;
-    r.scale += std::abs(x * y);
-  }
-  r.exact *= alpha;
-  r.scale *= std::abs(alpha);
-  if (beta != 0) {
-    r.exact += beta * c_old;
-    r.scale += std::abs(beta * c_old);
-  }
-  return r;
+mpx_test::reference::product_entry reference_product(std::vector<T> const& a, std::vector<T> const& b,
+                                                     std::int64_t sa, std::int64_t sb, bool ta, bool tb,
+                                                     std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t bi,
+                                                     std::int64_t i, std::int64_t j, double alpha, double beta,
+                                                     double c_old) {
+  mpx_test::reference::matrix<T> const op_a{a.data() + bi * sa, m, k, ta}, op_b{b.data() + bi * sb, k, n, tb};
+  return mpx_test::reference::gemm_entry(op_a, op_b, i, j, k, alpha, beta, c_old);
 }
 
 struct outcome {
@@ -207,8 +186,7 @@ TEMPLATE_LIST_TEST_CASE("gemm of 16-bit operands writes a float C when asked", "
           run_and_check<policy_of<T>, float>(exec, p);
         }
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
+  mpx_test::for_each_dtype_in<mpx_test::dtypes16>(for_type);
 }
 
 TEMPLATE_LIST_TEST_CASE("gemm over batches, with and without a shared operand", "[gemm]", mpx_test::executors) {
@@ -311,13 +289,8 @@ TEMPLATE_LIST_TEST_CASE("gemm accepts views at any offset", "[gemm]", mpx_test::
     for (std::size_t i = 0; i < 5; ++i) bad += !mpx::is_nan(got[i]);  // before the view: untouched
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int64_t j = 0; j < n; ++j) {
-        double exact = 0, scale = 0;
-        for (std::int64_t kk = 0; kk < k; ++kk) {
-          double const x = mpx::detail::to_double(a[static_cast<std::size_t>(1 + i * k + kk)]);
-          double const y = mpx::detail::to_double(b[static_cast<std::size_t>(3 + kk * n + j)]);
-          exact += x * y;
-          scale += std::abs(x * y);
-        }
+        mpx_test::reference::matrix<T> const av_ref{a.data() + 1, m, k}, bv_ref{b.data() + 3, k, n};
+        auto const [exact, scale] = mpx_test::reference::dot(av_ref, bv_ref, i, j, k);
         double const g = mpx::detail::to_double(got[static_cast<std::size_t>(5 + i * n + j)]);
         bad += !(std::abs(g - exact) <= bound * scale + 1e-30);
       }
@@ -401,8 +374,7 @@ TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]
     INFO(mpx::dtype_name<T>);
     REQUIRE(bad == 0);
   };
-  widen(mpx::half{});
-  widen(mpx::bfloat16{});
+  mpx_test::for_each_dtype_in<mpx_test::dtypes16>(widen);
 
   auto for_type = [](auto tag) {
     using T = decltype(tag);
@@ -432,8 +404,7 @@ TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]
     INFO(mpx::dtype_name<T> << ": first mismatch at float bits 0x" << std::hex << first);
     REQUIRE(bad == 0);
   };
-  for_type(mpx::half{});
-  for_type(mpx::bfloat16{});
+  mpx_test::for_each_dtype_in<mpx_test::dtypes16>(for_type);
 }
 
 namespace test_gemm {
@@ -676,18 +647,20 @@ void check_compute_type(Exec const& exec, std::int64_t m, std::int64_t n, std::i
   auto c = mpx_test::poisoned<S>(exec, mpx::shape{m, n});
   mpx::gemm<Policy>(exec, ad, bd, c, {.transpose_a = ta, .transpose_b = tb});
   auto const got = mpx_test::download(exec, c);
-  auto const through = [](S x) { return mpx::detail::to_double(mpx::cast<Compute>(mpx::cast<float>(x))); };
+  // The operands as the product reads them: rounded to the compute type.
+  auto const through = [](std::vector<S> const& v) {
+    std::vector<Compute> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = mpx::cast<Compute>(mpx::cast<float>(v[i]));
+    return out;
+  };
+  auto const ac = through(a), bc = through(b);
+  mpx_test::reference::matrix<Compute> const op_a{ac.data(), m, k, ta}, op_b{bc.data(), k, n, tb};
+  mpx_test::reference::matrix<S> const stored_a{a.data(), m, k, ta}, stored_b{b.data(), k, n, tb};
   std::size_t bad = 0, changed = 0;
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
-      double exact = 0, scale = 0, storage_exact = 0;
-      for (std::int64_t kk = 0; kk < k; ++kk) {
-        S const x = a[static_cast<std::size_t>(ta ? kk * m + i : i * k + kk)];
-        S const y = b[static_cast<std::size_t>(tb ? j * k + kk : kk * n + j)];
-        exact += through(x) * through(y);
-        scale += std::abs(through(x) * through(y));
-        storage_exact += mpx::detail::to_double(x) * mpx::detail::to_double(y);
-      }
+      auto const [exact, scale] = mpx_test::reference::dot(op_a, op_b, i, j, k);
+      double const storage_exact = mpx_test::reference::dot(stored_a, stored_b, i, j, k).exact;
       double const g = mpx::detail::to_double(got[static_cast<std::size_t>(i * n + j)]);
       double const allowed = error_bound<Compute, S>(k) * scale + 1e-30;
       if (!(std::abs(g - exact) <= allowed)) ++bad;

@@ -20,6 +20,7 @@
 // mpx performs in another order than the reference (the radius counts one rounding per
 // operation, mpx may use one or two more in a fused step).
 #include "../support/nn_reference.hpp"
+#include "../support/reference/activation.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -52,10 +53,12 @@ ball operator*(ball a, ball b) {
   return {v, e + uf * (std::fabs(v) + e)};
 }
 
-double sig(double x) { return 1 / (1 + std::exp(-x)); }
-double dsig(double x) { return sig(x) * (1 - sig(x)); }
-double tnh(double x) { return std::tanh(x); }
-double dtnh(double x) { return 1 - std::tanh(x) * std::tanh(x); }
+// The gates' functions in float64 (tests/support/reference/activation.hpp), under the
+// names the reference below calls for both number types.
+double sig(double x) { return mpx_test::reference::sigmoid_f(x); }
+double dsig(double x) { return mpx_test::reference::sigmoid_df(x); }
+double tnh(double x) { return mpx_test::reference::tanh_f(x); }
+double dtnh(double x) { return mpx_test::reference::tanh_df(x); }
 
 ball sig(ball a) { return {sig(a.v), std::min(0.25 * a.e, 1.0) + 4 * uf}; }
 ball tnh(ball a) { return {tnh(a.v), std::min(a.e, 2.0) + 4 * uf}; }

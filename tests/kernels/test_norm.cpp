@@ -11,6 +11,7 @@
 //   dgamma    |err| <= 4 k u_f (1 + kappa) sum|dy| (1 + |xhat|);  dbeta |err| <= k u_f sum|dy|
 // (g = dy gamma, m|.| the mean of |.| along the normalised axis).
 #include "../support/nn_reference.hpp"
+#include "../support/reference/normalization.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -24,79 +25,10 @@ using mpx_test::widen;
 
 constexpr std::size_t extents[] = {1, 2, 7, 33, 1000};
 
-// ---- float64 references over a [rows, cols] matrix, normalising along rows (layer
-// norm) or along columns (batch norm: transpose the roles) ----
-
-struct ref_norm {
-  std::vector<double> y, xhat, mean, rstd;
-};
-
-// Normalises each "group" of x: for layer norm the group is a row, for batch norm a column.
-// at(g, e) is the flat index of element e of group g.
-template <class At>
-ref_norm ref_normalise(std::vector<double> const& x, std::size_t groups, std::size_t per_group, At at,
-                       std::vector<double> const& gamma, std::vector<double> const& beta, bool gamma_by_group,
-                       double eps) {
-  ref_norm out{std::vector<double>(x.size()), std::vector<double>(x.size()), std::vector<double>(groups),
-               std::vector<double>(groups)};
-  for (std::size_t g = 0; g < groups; ++g) {
-    double s = 0;
-    for (std::size_t e = 0; e < per_group; ++e) s += x[at(g, e)];
-    double const m = s / static_cast<double>(per_group);
-    double q = 0;
-    for (std::size_t e = 0; e < per_group; ++e) q += (x[at(g, e)] - m) * (x[at(g, e)] - m);
-    double const rs = 1 / std::sqrt(q / static_cast<double>(per_group) + eps);
-    out.mean[g] = m;
-    out.rstd[g] = rs;
-    for (std::size_t e = 0; e < per_group; ++e) {
-      std::size_t const i = at(g, e);
-      std::size_t const p = gamma_by_group ? g : e;
-      out.xhat[i] = (x[i] - m) * rs;
-      out.y[i] = out.xhat[i] * gamma[p] + beta[p];
-    }
-  }
-  return out;
-}
-
-struct ref_grads {
-  std::vector<double> dx, dgamma, dbeta;
-};
-
-template <class At>
-ref_grads ref_normalise_backward(ref_norm const& f, std::vector<double> const& dy, std::size_t groups,
-                                 std::size_t per_group, At at, std::vector<double> const& gamma, bool gamma_by_group,
-                                 std::size_t params) {
-  ref_grads out{std::vector<double>(dy.size()), std::vector<double>(params), std::vector<double>(params)};
-  double const n = static_cast<double>(per_group);
-  for (std::size_t g = 0; g < groups; ++g) {
-    double sa = 0, sb = 0;
-    for (std::size_t e = 0; e < per_group; ++e) {
-      std::size_t const i = at(g, e);
-      std::size_t const p = gamma_by_group ? g : e;
-      double const gi = dy[i] * gamma[p];
-      sa += gi;
-      sb += gi * f.xhat[i];
-      out.dgamma[p] += dy[i] * f.xhat[i];
-      out.dbeta[p] += dy[i];
-    }
-    for (std::size_t e = 0; e < per_group; ++e) {
-      std::size_t const i = at(g, e);
-      std::size_t const p = gamma_by_group ? g : e;
-      out.dx[i] = f.rstd[g] * (dy[i] * gamma[p] - sa / n - f.xhat[i] * sb / n);
-    }
-  }
-  return out;
-}
-
-struct row_at {
-  std::size_t cols;
-  std::size_t operator()(std::size_t g, std::size_t e) const { return g * cols + e; }
-};
-struct col_at {
-  std::size_t cols;
-  std::size_t operator()(std::size_t g, std::size_t e) const { return e * cols + g; }
-};
-
+// The float64 references normalise groups: rows (layer norm) or columns (batch norm)
+// (tests/support/reference/normalization.hpp).
+using mpx_test::reference::column_groups;
+using mpx_test::reference::row_groups;
 
 mpx::shape shape_of(std::size_t rows, std::size_t cols) {
   return mpx::shape{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
@@ -115,8 +47,8 @@ void check_against_reference(std::string const& name, std::vector<T> const& x, s
                              std::vector<float> const& got_rstd, double k_stat, double k_param) {
   double const uT = mpx_test::unit_roundoff<T>();
   auto const xd = widen(x), dyd = widen(dy), gd = widen(gamma), bd = widen(beta);
-  auto const f = ref_normalise(xd, groups, per_group, at, gd, bd, by_group, eps);
-  auto const b = ref_normalise_backward(f, dyd, groups, per_group, at, gd, by_group, gamma.size());
+  auto const f = mpx_test::reference::normalize(xd, groups, per_group, at, gd, bd, by_group, eps);
+  auto const b = mpx_test::reference::normalize_backward(f, dyd, groups, per_group, at, gd, by_group, gamma.size());
   mpx_test::bound_checker fwd(name + " forward"), stats(name + " statistics"), bwd(name + " dx"),
       dg(name + " dgamma"), db(name + " dbeta");
   std::vector<double> param_abs_dy(gamma.size()), param_abs_dyx(gamma.size()), param_kappa(gamma.size());
@@ -188,7 +120,7 @@ void run_layer_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
   mpx::layer_norm_backward<mpx::mixed_bfloat16>(exec, xd, dyd, gd, mean, rstd, dx, dgamma, dbeta);
   INFO(mpx::dtype_name<T> << " rows=" << rows << " cols=" << cols);
   check_against_reference<T>("layer_norm " + std::string(mpx::dtype_name<T>), x, dy, gamma, beta, rows, cols,
-                             row_at{cols}, false, eps, mpx_test::download(exec, y), mpx_test::download(exec, dx),
+                             row_groups{cols}, false, eps, mpx_test::download(exec, y), mpx_test::download(exec, dx),
                              mpx_test::download(exec, dgamma), mpx_test::download(exec, dbeta),
                              mpx_test::download(exec, mean), mpx_test::download(exec, rstd), row_roundings(cols),
                              column_roundings(rows));
@@ -220,13 +152,14 @@ void run_batch_norm(Exec const& exec, std::vector<T> const& x, std::vector<T> co
   INFO(mpx::dtype_name<T> << " rows=" << rows << " cols=" << cols);
   double const k = column_roundings(rows);
   check_against_reference<T>("batch_norm " + std::string(mpx::dtype_name<T>), x, dy, gamma, beta, cols, rows,
-                             col_at{cols}, true, o.eps, mpx_test::download(exec, y), mpx_test::download(exec, dx),
+                             column_groups{cols}, true, o.eps, mpx_test::download(exec, y), mpx_test::download(exec, dx),
                              mpx_test::download(exec, dgamma), mpx_test::download(exec, dbeta),
                              mpx_test::download(exec, mean), mpx_test::download(exec, invstd), k, k);
 
   // Running statistics: Keras's momentum, the unbiased batch variance.
   auto const xw = widen(x);
-  auto const f = ref_normalise(xw, cols, rows, col_at{cols}, widen(gamma), widen(beta), true, o.eps);
+  auto const f =
+      mpx_test::reference::normalize(xw, cols, rows, column_groups{cols}, widen(gamma), widen(beta), true, o.eps);
   auto const rm = mpx_test::download(exec, run_mean);
   auto const rv = mpx_test::download(exec, run_var);
   mpx_test::bound_checker running("batch_norm running statistics");
@@ -271,9 +204,9 @@ TEST_CASE("the float64 normalisation gradients agree with finite differences", "
     auto const beta = mpx_test::random_values<double>(params, -1, 1, 4);
     // Both references normalise groups; they differ in whether gamma and beta belong to
     // the group (batch norm: a channel) or to the position within it (layer norm). Which
-    // flat index an element of a group has (row_at, col_at) does not change the calculus.
+    // flat index an element of a group has (row_groups, column_groups) does not change the calculus.
     auto forward = [&](std::vector<double> const& xs, std::vector<double> const& gs, std::vector<double> const& bs) {
-      return ref_normalise(xs, rows, cols, row_at{cols}, gs, bs, batch, 1e-5);
+      return mpx_test::reference::normalize(xs, rows, cols, row_groups{cols}, gs, bs, batch, 1e-5);
     };
     auto loss = [&](std::vector<double> const& xs, std::vector<double> const& gs, std::vector<double> const& bs) {
       auto const y = forward(xs, gs, bs).y;
@@ -282,7 +215,8 @@ TEST_CASE("the float64 normalisation gradients agree with finite differences", "
       return l;
     };
     auto const g =
-        ref_normalise_backward(forward(x, gamma, beta), dy, rows, cols, row_at{cols}, gamma, batch, params);
+        mpx_test::reference::normalize_backward(forward(x, gamma, beta), dy, rows, cols, row_groups{cols}, gamma,
+                                                batch, params);
     for (std::size_t i = 0; i < x.size(); ++i) {
       auto const at_x = [&](double v) {
         auto xs = x;
@@ -382,8 +316,8 @@ TEMPLATE_LIST_TEST_CASE("norm statistics stay exact under a large common offset"
   auto rstd = poisoned<float>(exec, vec(rows));
   mpx::layer_norm_forward(exec, xd, gd, bd, y, mean, rstd);
   auto const got = mpx_test::download(exec, y);
-  auto const f = ref_normalise(widen(x), rows, cols, row_at{cols}, std::vector<double>(cols, 1.0),
-                               std::vector<double>(cols, 0.0), false, 1e-5);
+  auto const f = mpx_test::reference::normalize(widen(x), rows, cols, row_groups{cols}, std::vector<double>(cols, 1.0),
+                                                std::vector<double>(cols, 0.0), false, 1e-5);
   double worst = 0;
   for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - f.y[i]));
   INFO("worst |y - ref| = " << worst);

@@ -8,6 +8,7 @@
 //   log_softmax  |y - ref| <= u_T |ref| + (k + 2d + |log S|) u_f
 //   backward     |dx - ref| <= u_T |ref| + k u_f (terms of the formula in absolute value)
 #include "../support/nn_reference.hpp"
+#include "../support/reference/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -17,27 +18,18 @@ namespace {
 using mpx_test::to_d;
 using mpx_test::uf;
 
-struct row_stats {
-  double max, sum;  // sum of exp(x - max)
-};
+// The float64 references: tests/support/reference/softmax.hpp.
+using mpx_test::reference::softmax_row;
+using mpx_test::reference::softmax_statistics_of;
 
+//! Row `base / cols` of v in float64.
 template <class T>
-row_stats ref_row(std::vector<T> const& x, std::size_t base, std::size_t cols) {
-  double m = -INFINITY;
-  for (std::size_t c = 0; c < cols; ++c) m = std::max(m, to_d(x[base + c]));
-  double s = 0;
-  for (std::size_t c = 0; c < cols; ++c) s += std::exp(to_d(x[base + c]) - m);
-  return {m, s};
+std::vector<double> widen_row(std::vector<T> const& v, std::size_t base, std::size_t cols) {
+  std::vector<double> out(cols);
+  for (std::size_t c = 0; c < cols; ++c) out[c] = to_d(v[base + c]);
+  return out;
 }
 
-// The reference backward passes (float64), from exact or stored outputs y.
-std::vector<double> ref_softmax_backward(std::vector<double> const& y, std::vector<double> const& dy, bool log) {
-  double dot = 0;
-  for (std::size_t i = 0; i < y.size(); ++i) dot += log ? dy[i] : dy[i] * y[i];
-  std::vector<double> dx(y.size());
-  for (std::size_t i = 0; i < y.size(); ++i) dx[i] = log ? dy[i] - std::exp(y[i]) * dot : y[i] * (dy[i] - dot);
-  return dx;
-}
 //! The backward reference of row `base / cols` from the stored output y and dy, with the
 //! sum of magnitudes each element's error bound scales.
 struct backward_row_reference {
@@ -46,28 +38,13 @@ struct backward_row_reference {
 template <class T>
 backward_row_reference ref_backward_row(std::vector<T> const& y, std::vector<T> const& dy, std::size_t base,
                                         std::size_t cols, bool log) {
-  double dot = 0, abs_dot = 0;
-  for (std::size_t c = 0; c < cols; ++c) {
-    double const yv = to_d(y[base + c]), g = to_d(dy[base + c]);
-    dot += log ? g : g * yv;
-    abs_dot += log ? std::fabs(g) : std::fabs(g * yv);
-  }
-  backward_row_reference r{std::vector<double>(cols), std::vector<double>(cols)};
-  for (std::size_t c = 0; c < cols; ++c) {
-    double const yv = to_d(y[base + c]), g = to_d(dy[base + c]);
-    r.dx[c] = log ? g - std::exp(yv) * dot : yv * (g - dot);
-    r.terms[c] = log ? std::fabs(g) + std::exp(yv) * (std::fabs(dot) + abs_dot)
-                     : std::fabs(yv) * (std::fabs(g) + std::fabs(dot) + abs_dot);
-  }
+  auto const yr = widen_row(y, base, cols), gr = widen_row(dy, base, cols);
+  auto const back = mpx_test::reference::softmax_backward_row(yr, gr, log);
+  backward_row_reference r{back.dx, std::vector<double>(cols)};
+  for (std::size_t c = 0; c < cols; ++c)
+    r.terms[c] = log ? std::fabs(gr[c]) + std::exp(yr[c]) * (std::fabs(back.dot) + back.abs_dot)
+                     : std::fabs(yr[c]) * (std::fabs(gr[c]) + std::fabs(back.dot) + back.abs_dot);
   return r;
-}
-std::vector<double> ref_softmax(std::vector<double> const& x, bool log) {
-  double m = -INFINITY, s = 0;
-  for (double v : x) m = std::max(m, v);
-  for (double v : x) s += std::exp(v - m);
-  std::vector<double> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = log ? (x[i] - m) - std::log(s) : std::exp(x[i] - m) / s;
-  return y;
 }
 
 }  // namespace
@@ -76,13 +53,13 @@ TEST_CASE("the float64 softmax backward references agree with finite differences
   auto const x = mpx_test::random_values<double>(7, -3, 3, 1);
   auto const dy = mpx_test::random_values<double>(7, -1, 1, 2);
   for (bool log : {false, true}) {
-    auto const dx = ref_softmax_backward(ref_softmax(x, log), dy, log);
+    auto const dx = mpx_test::reference::softmax_backward_row(softmax_row(x, log), dy, log).dx;
     for (std::size_t i = 0; i < x.size(); ++i) {
       // L(x) = sum_k dy_k y_k(x); dL/dx_i by central differences.
       auto loss = [&](double xi) {
         auto xs = x;
         xs[i] = xi;
-        auto const y = ref_softmax(xs, log);
+        auto const y = softmax_row(xs, log);
         double l = 0;
         for (std::size_t k = 0; k < y.size(); ++k) l += dy[k] * y[k];
         return l;
@@ -125,13 +102,15 @@ TEMPLATE_LIST_TEST_CASE("softmax and log_softmax forward and backward are within
         double row_total = 0;
         for (std::size_t r = 0; r < rows; ++r) {
           std::size_t const base = r * cols;
-          row_stats const st = ref_row(x, base, cols);
+          auto const xr = widen_row(x, base, cols);
+          auto const st = softmax_statistics_of(xr);
           double const log_s = std::log(st.sum);
+          auto const y_ref = softmax_row(xr, log);
           auto const back = ref_backward_row(got_y, dy, base, cols, log);
           for (std::size_t c = 0; c < cols; ++c) {
             std::size_t const i = base + c;
-            double const d = std::fabs(to_d(x[i]) - st.max);
-            double const ref = log ? (to_d(x[i]) - st.max) - log_s : std::exp(to_d(x[i]) - st.max) / st.sum;
+            double const d = std::fabs(xr[c] - st.max);
+            double const ref = y_ref[c];
             double const tol = log ? uT * std::fabs(ref) + (k + 2 * d + std::fabs(log_s)) * uf
                                    : (uT + (k + 2 * d) * uf) * std::fabs(ref) + mpx_test::min_subnormal<T>();
             fwd.check(i, to_d(got_y[i]), ref, tol);
@@ -248,27 +227,6 @@ TEMPLATE_LIST_TEST_CASE("rows too long for the kernels' column counters are refu
       mpx::invalid_argument, Catch::Contains("2^31 - 1025"));
 }
 
-namespace test_softmax {
-
-//! The float64 softmax of one row under mpx's edge semantics (kernels/softmax.hpp): -inf
-//! entries get 0 (log: -inf); a row with a NaN or +inf, or all -inf, is NaN throughout.
-std::vector<double> reference_row(std::vector<double> const& x, bool log) {
-  double m = -INFINITY;
-  bool poisoned = false;
-  for (double v : x) {
-    poisoned = poisoned || std::isnan(v) || v == INFINITY;
-    if (!std::isnan(v)) m = std::max(m, v);
-  }
-  if (poisoned || m == -INFINITY) return std::vector<double>(x.size(), NAN);
-  double s = 0;
-  for (double v : x) s += std::exp(v - m);
-  std::vector<double> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = log ? (x[i] - m) - std::log(s) : std::exp(x[i] - m) / s;
-  return y;
-}
-
-}  // namespace test_softmax
-
 // The warp kernels keep a row in registers, PerLane = 4, 8, 16 (or 32) values per lane
 // for rows of 65 to 1024 columns: widths on both sides of each switch, 11 rows (a block
 // holds 8: a full block and a partial one), and rows that are masked in part (-inf),
@@ -316,11 +274,10 @@ TEMPLATE_LIST_TEST_CASE("softmax warp kernels for rows of 65 to 513 columns matc
         std::size_t nan_rows = 0;
         for (std::size_t r = 0; r < rows; ++r) {
           std::size_t const base = r * cols;
-          std::vector<double> xr(cols);
-          for (std::size_t c = 0; c < cols; ++c) xr[c] = to_d(x[base + c]);
-          auto const ref = test_softmax::reference_row(xr, log);
+          auto const xr = widen_row(x, base, cols);
+          auto const ref = softmax_row(xr, log);
           nan_rows += std::isnan(ref[0]);
-          row_stats const st = ref_row(x, base, cols);
+          auto const st = softmax_statistics_of(xr);
           auto const back = ref_backward_row(got_y, dy, base, cols, log);
           for (std::size_t c = 0; c < cols; ++c) {
             std::size_t const i = base + c;

@@ -2,8 +2,11 @@
 // layer forward and backward against a float64 reference at awkward sizes, the causal
 // softmax with fully masked rows, and the float16 overflow that the 1/sqrt(d) scaling
 // prevents.
+#include "support/reference/matmul.hpp"
+#include "support/reference/softmax.hpp"
 #include "support/testing.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -12,17 +15,10 @@ namespace {
 
 using matrix = std::vector<double>;
 
-// c[rows, cols] = a[rows, inner] b[inner, cols], with optional transposes given as flags.
-matrix mm(matrix const& a, matrix const& b, std::size_t rows, std::size_t inner, std::size_t cols, bool ta = false,
-          bool tb = false) {
-  matrix c(rows * cols, 0.0);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t k = 0; k < inner; ++k) {
-      double const av = ta ? a[k * rows + r] : a[r * inner + k];
-      for (std::size_t j = 0; j < cols; ++j) c[r * cols + j] += av * (tb ? b[j * inner + k] : b[k * cols + j]);
-    }
-  return c;
-}
+// Products, column sums and softmax rows in float64: tests/support/reference/.
+using mpx_test::reference::column_sums;
+using mpx_test::reference::matmul;
+using mpx_test::reference::softmax_row;
 
 // The whole layer in float64: forward y and the gradients of x, W_qkv, b_qkv, W_o, b_o.
 struct attention_reference {
@@ -39,7 +35,7 @@ struct attention_reference {
   void run(matrix const& x, matrix const& dy) {
     std::size_t const N = B * T, dh = D / H;
     double const s = scale ? 1.0 / std::sqrt(static_cast<double>(dh)) : 1.0;
-    matrix qkv = mm(x, wqkv, N, D, 3 * D);
+    matrix qkv = matmul(x, wqkv, N, D, 3 * D);
     for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] += bqkv[i % (3 * D)];
     auto at = [&](matrix const& m, std::size_t part, std::size_t b, std::size_t t, std::size_t h, std::size_t j) -> double const& {
       return m[(b * T + t) * 3 * D + part * D + h * dh + j];
@@ -49,26 +45,24 @@ struct attention_reference {
       for (std::size_t h = 0; h < H; ++h)
         for (std::size_t i = 0; i < T; ++i) {
           double* pr = &p[((b * H + h) * T + i) * T];
-          double m = -INFINITY, sum = 0;
+          std::vector<double> logits(i + 1);
           for (std::size_t j = 0; j <= i; ++j) {
             double l = 0;
             for (std::size_t c = 0; c < dh; ++c) l += at(qkv, 0, b, i, h, c) * at(qkv, 1, b, j, h, c);
-            pr[j] = l * s;
-            m = std::max(m, pr[j]);
+            logits[j] = l * s;
           }
-          for (std::size_t j = 0; j <= i; ++j) sum += (pr[j] = std::exp(pr[j] - m));
-          for (std::size_t j = 0; j <= i; ++j) pr[j] /= sum;
+          auto const weights = softmax_row(logits);
+          std::copy(weights.begin(), weights.end(), pr);
           for (std::size_t c = 0; c < dh; ++c)
             for (std::size_t j = 0; j <= i; ++j)
               o[(b * T + i) * D + h * dh + c] += pr[j] * kept(b, h, i, j) * at(qkv, 2, b, j, h, c);
         }
-    y = mm(o, wo, N, D, D);
+    y = matmul(o, wo, N, D, D);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] += bo[i % D];
     // backward
-    dwo = mm(o, dy, D, N, D, true);
-    dbo.assign(D, 0.0);
-    for (std::size_t i = 0; i < dy.size(); ++i) dbo[i % D] += dy[i];
-    matrix const dout = mm(dy, wo, N, D, D, false, true);
+    dwo = matmul(o, dy, D, N, D, true);
+    dbo = column_sums(dy, D);
+    matrix const dout = matmul(dy, wo, N, D, D, false, true);
     matrix dqkv(N * 3 * D, 0.0);
     auto dat = [&](std::size_t part, std::size_t b, std::size_t t, std::size_t h, std::size_t j) -> double& {
       return dqkv[(b * T + t) * 3 * D + part * D + h * dh + j];
@@ -95,10 +89,9 @@ struct attention_reference {
             }
           }
         }
-    dwqkv = mm(x, dqkv, D, N, 3 * D, true);
-    dbqkv.assign(3 * D, 0.0);
-    for (std::size_t i = 0; i < dqkv.size(); ++i) dbqkv[i % (3 * D)] += dqkv[i];
-    dx = mm(dqkv, wqkv, N, 3 * D, D, false, true);
+    dwqkv = matmul(x, dqkv, D, N, 3 * D, true);
+    dbqkv = column_sums(dqkv, 3 * D);
+    dx = matmul(dqkv, wqkv, N, 3 * D, D, false, true);
   }
 };
 
@@ -201,11 +194,12 @@ TEMPLATE_LIST_TEST_CASE("the causal softmax masks the future and leaves a row wi
   std::int32_t const length[3] = {9, 4, 0};
   for (std::int64_t r = 0; r < bh * 9; ++r) {
     std::int64_t const i = r % 9, b = r / 9 / d.heads, valid = std::min<std::int64_t>(i + 1, length[b]);
-    double m = -INFINITY, sum = 0;
-    for (std::int64_t j = 0; j < valid; ++j) m = std::max(m, static_cast<double>(mpx::cast<float>(logits[r * 9 + j])));
-    for (std::int64_t j = 0; j < valid; ++j) sum += std::exp(static_cast<double>(mpx::cast<float>(logits[r * 9 + j])) - m);
+    std::vector<double> keys(static_cast<std::size_t>(valid));
+    for (std::int64_t j = 0; j < valid; ++j)
+      keys[static_cast<std::size_t>(j)] = mpx::detail::to_double(logits[r * 9 + j]);
+    auto const weights = softmax_row(keys);
     for (std::int64_t j = 0; j < 9; ++j) {
-      double const want = j < valid ? std::exp(static_cast<double>(mpx::cast<float>(logits[r * 9 + j])) - m) / sum : 0.0;
+      double const want = j < valid ? weights[static_cast<std::size_t>(j)] : 0.0;
       INFO("row " << r << " key " << j);
       REQUIRE(std::abs(got[r * 9 + j] - want) <= 1e-6);
     }

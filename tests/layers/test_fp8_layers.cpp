@@ -13,6 +13,8 @@
 // S, plus the bfloat16 output's rounding, 2^-8 |ref|, plus bfloat16's smallest
 // subnormal; conv's dx adds 2^-8 S for its column gradients, rounded to bfloat16 before
 // col2im sums them.
+#include "../support/reference/conv2d.hpp"
+#include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
 #include <mpx/layers/conv2d.hpp>
@@ -57,6 +59,17 @@ std::vector<double> dequantise(std::vector<fp8_storage> const& v, float scale) {
   return out;
 }
 
+//! The operands of a layer's three products as fp8_gemm reads them: x and W in e4m3, dy
+//! in e5m2, each under its role's scale, in float64.
+struct fp8_operands {
+  std::vector<double> x, w, dy;
+};
+fp8_operands dequantised_operands(std::vector<fp8_storage> const& x, std::vector<fp8_storage> const& w,
+                                  std::vector<fp8_storage> const& dy, fp8_scales const& s) {
+  return {dequantise<mpx::float8_e4m3>(x, s.activation), dequantise<mpx::float8_e4m3>(w, s.weight),
+          dequantise<mpx::float8_e5m2>(dy, s.gradient)};
+}
+
 //! Counts elements of got outside the bound around ref (S: sums of |terms|), for the
 //! executor whose sums `sum_bound` describes (mpx_test::fp8_sum_bound<Exec>).
 struct fp8_bound {
@@ -83,19 +96,14 @@ struct fp8_bound {
   }
 };
 
-//! check(i, j, sum over k of a(i, k) b(k, j), sum of the terms' magnitudes), in float64,
-//! for every i < m, j < n.
+//! check(i, j, sum over k of a(i, k) b(k, j), sum of the terms' magnitudes), in float64
+//! (tests/support/reference/matmul.hpp), for every i < m, j < n.
 template <class A, class B, class Check>
 void for_each_product(std::int64_t m, std::int64_t n, std::int64_t k, A a, B b, Check check) {
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
-      double ref = 0, sum = 0;
-      for (std::int64_t kk = 0; kk < k; ++kk) {
-        double const t = a(i, kk) * b(kk, j);
-        ref += t;
-        sum += std::fabs(t);
-      }
-      check(i, j, ref, sum);
+      auto const e = mpx_test::reference::dot(a, b, i, j, k);
+      check(i, j, e.exact, e.magnitude);
     }
 }
 
@@ -131,9 +139,8 @@ void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::
 
     auto const w = mpx_test::download(exec, layer.template kernel<Space>());
     auto const b = mpx_test::download(exec, layer.template bias<Space>());
-    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
-    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
-    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const q = dequantised_operands(xs, w, dys, s);
+    auto const &qx = q.x, &qw = q.w, &qdy = q.dy;
     auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
     auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
@@ -175,15 +182,6 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
   layer.set_name("conv");
   layer.build(exec, mpx::shape{h, wd, cin}, mpx_test::seed + 1);
   layer.reserve(exec, n);
-  auto const xi = [&](std::int64_t b, std::int64_t r, std::int64_t c, std::int64_t ch) {
-    return static_cast<std::size_t>(((b * h + r) * wd + c) * cin + ch);
-  };
-  auto const wi = [&](std::int64_t r, std::int64_t c, std::int64_t ci, std::int64_t co) {
-    return static_cast<std::size_t>(((r * kw + c) * cin + ci) * cout + co);
-  };
-  auto const yi = [&](std::int64_t b, std::int64_t r, std::int64_t c, std::int64_t co) {
-    return static_cast<std::size_t>(((b * oh + r) * ow + c) * cout + co);
-  };
   for (int step = 0; step < 2; ++step) {
     std::uint64_t const stream = 60 + 10 * static_cast<std::uint64_t>(step);
     auto const xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(n * h * wd * cin), -2, 2, stream);
@@ -202,42 +200,26 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
     CHECK(s.gradient != 1.0f);
     auto const w = mpx_test::download(exec, layer.template kernel<Space>());
     auto const b = mpx_test::download(exec, layer.template bias<Space>());
-    auto const qx = dequantise<mpx::float8_e4m3>(xs, s.activation);
-    auto const qw = dequantise<mpx::float8_e4m3>(w, s.weight);
-    auto const qdy = dequantise<mpx::float8_e5m2>(dys, s.gradient);
+    auto const q = dequantised_operands(xs, w, dys, s);
+    auto const &qx = q.x, &qw = q.w, &qdy = q.dy;
     auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
     auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
     std::int64_t const patch = kh * kw * cin, pixels = n * oh * ow;
-    std::vector<double> ref_dx(xs.size(), 0.0), sum_dx(xs.size(), 0.0), ref_dw(w.size(), 0.0), sum_dw(w.size(), 0.0);
     auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
     fp8_bound fy{"conv y", sum_bound}, fdx{"conv dx", sum_bound}, fdw{"conv dW", sum_bound};
-    for (std::int64_t bn = 0; bn < n; ++bn)
-      for (std::int64_t r = 0; r < oh; ++r)
-        for (std::int64_t c = 0; c < ow; ++c)
-          for (std::int64_t co = 0; co < cout; ++co) {
-            double ref = 0, sum = 0;
-            for (std::int64_t i = 0; i < kh; ++i)
-              for (std::int64_t j = 0; j < kw; ++j)
-                for (std::int64_t ci = 0; ci < cin; ++ci) {
-                  double const t = qx[xi(bn, r + i, c + j, ci)] * qw[wi(i, j, ci, co)];
-                  ref += t;
-                  sum += std::fabs(t);
-                  double const g = qdy[yi(bn, r, c, co)];
-                  ref_dx[xi(bn, r + i, c + j, ci)] += g * qw[wi(i, j, ci, co)];
-                  sum_dx[xi(bn, r + i, c + j, ci)] += std::fabs(g * qw[wi(i, j, ci, co)]);
-                  ref_dw[wi(i, j, ci, co)] += qx[xi(bn, r + i, c + j, ci)] * g;
-                  sum_dw[wi(i, j, ci, co)] += std::fabs(qx[xi(bn, r + i, c + j, ci)] * g);
-                }
-            double const product = mpx::detail::to_double(mpx::cast<fp8_storage>(static_cast<float>(ref)));
-            fy.check(mpx::detail::to_double(got_y[yi(bn, r, c, co)]),
-                     product + mpx::detail::to_double(b[static_cast<std::size_t>(co)]), sum + std::fabs(product), patch);
-          }
+    auto const ref = mpx_test::reference::conv2d({n, h, wd, cin, kh, kw, cout}, qx, qw, qdy);
+    for (std::size_t i = 0; i < ref.y.size(); ++i) {
+      double const product = mpx::detail::to_double(mpx::cast<fp8_storage>(static_cast<float>(ref.y[i])));
+      double const bias = mpx::detail::to_double(b[i % static_cast<std::size_t>(cout)]);
+      fy.check(mpx::detail::to_double(got_y[i]), product + bias, ref.y_abs[i] + std::fabs(product), patch);
+    }
     // dx: the column gradients are rounded to bfloat16 before col2im sums them (one more
     // 2^-8 per term): allowed as a bfloat16 rounding of the sum of |terms|.
-    for (std::size_t i = 0; i < ref_dx.size(); ++i)
-      fdx.check(mpx::detail::to_double(got_dx[i]), ref_dx[i], sum_dx[i], mpx::fp8_gemm_padded_extent(cout) + kh * kw,
+    for (std::size_t i = 0; i < ref.dx.size(); ++i)
+      fdx.check(mpx::detail::to_double(got_dx[i]), ref.dx[i], ref.dx_abs[i], mpx::fp8_gemm_padded_extent(cout) + kh * kw,
                 std::ldexp(1.0, -8));
-    for (std::size_t i = 0; i < ref_dw.size(); ++i) fdw.check(mpx::detail::to_double(got_dw[i]), ref_dw[i], sum_dw[i], pixels);
+    for (std::size_t i = 0; i < ref.dw.size(); ++i)
+      fdw.check(mpx::detail::to_double(got_dw[i]), ref.dw[i], ref.dw_abs[i], pixels);
     fy.require();
     fdx.require();
     fdw.require();

@@ -19,8 +19,11 @@
 //   norms   as tests/kernels/test_norm.cpp with k = n + 40 roundings for a statistic of n
 //           values.
 //   activation, softmax: one rounding u_T |ref| plus a few dozen float roundings.
-#include "../support/activation_reference.hpp"
+#include "../support/reference/activation.hpp"
 #include "../support/nn_reference.hpp"
+#include "../support/reference/matmul.hpp"
+#include "../support/reference/normalization.hpp"
+#include "../support/reference/softmax.hpp"
 
 #include <mpx/layers/activation_layer.hpp>
 #include <mpx/layers/batch_norm.hpp>
@@ -100,74 +103,38 @@ void poison_ref(Exec const& exec, mpx::tensor_ref<Space> const& ref) {
 
 // ---- float64 references ----
 
-double act_forward(mpx::activation a, double x) { return mpx_test::reference_of(a).f(x); }
-double act_derivative(mpx::activation a, double x) { return mpx_test::reference_of(a).df(x); }
+double act_forward(mpx::activation a, double x) { return mpx_test::reference::activation_of(a).f(x); }
+double act_derivative(mpx::activation a, double x) { return mpx_test::reference::activation_of(a).df(x); }
 
-//! y = act(x W + b) over [rows, in] x [in, units] and its gradients for the loss sum(dy * y).
+//! y = act(x W + b) over [rows, in] x [in, units] and its gradients for the loss sum(dy * y);
+//! z_abs: the sum of |x_ik W_kj| of each z = x W.
 struct dense_reference {
-  std::vector<double> z, y, dz, dw, db, dx;
+  std::vector<double> z, z_abs, y, dz, dw, db, dx;
 };
 dense_reference reference_dense(std::vector<double> const& x, std::vector<double> const& w,
                                 std::vector<double> const& b, std::vector<double> const& dy, std::size_t rows,
                                 std::size_t in, std::size_t units, mpx::activation a) {
-  dense_reference r{std::vector<double>(rows * units), std::vector<double>(rows * units),
-                    std::vector<double>(rows * units), std::vector<double>(in * units), std::vector<double>(units),
-                    std::vector<double>(rows * in)};
+  namespace ref = mpx_test::reference;
+  auto z = ref::matmul_with_magnitudes(x, w, rows, in, units);
+  dense_reference r{std::move(z.c), std::move(z.magnitude), std::vector<double>(rows * units),
+                    std::vector<double>(rows * units), {}, {}, {}};
   for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < units; ++j) {
-      double z = 0;
-      for (std::size_t k = 0; k < in; ++k) z += x[i * in + k] * w[k * units + j];
       std::size_t const o = i * units + j;
-      r.z[o] = z;
-      r.y[o] = act_forward(a, z + b[j]);
-      r.dz[o] = dy[o] * act_derivative(a, z + b[j]);
-      r.db[j] += r.dz[o];
-      for (std::size_t k = 0; k < in; ++k) {
-        r.dw[k * units + j] += x[i * in + k] * r.dz[o];
-        r.dx[i * in + k] += r.dz[o] * w[k * units + j];
-      }
+      r.y[o] = act_forward(a, r.z[o] + b[j]);
+      r.dz[o] = dy[o] * act_derivative(a, r.z[o] + b[j]);
     }
+  r.dw = ref::matmul(x, r.dz, in, rows, units, true, false);
+  r.db = ref::column_sums(r.dz, units);
+  r.dx = ref::matmul(r.dz, w, rows, units, in, false, true);
   return r;
 }
 
 //! Normalisation of x [rows, cols] with gamma, beta per column: over each column (batch
-//! norm) or each row (layer norm); and its gradients for the loss sum(dy * y).
-struct norm_reference {
-  std::vector<double> y, xhat, dx, dgamma, dbeta, mean, var, rstd;
-};
-norm_reference reference_norm(std::vector<double> const& x, std::vector<double> const& dy,
-                              std::vector<double> const& gamma, std::vector<double> const& beta, std::size_t rows,
-                              std::size_t cols, bool per_column, double eps) {
-  std::size_t const groups = per_column ? cols : rows, n = per_column ? rows : cols;
-  auto at = [&](std::size_t g, std::size_t e) { return per_column ? e * cols + g : g * cols + e; };
-  norm_reference r{std::vector<double>(x.size()), std::vector<double>(x.size()), std::vector<double>(x.size()),
-                   std::vector<double>(cols),     std::vector<double>(cols),     std::vector<double>(groups),
-                   std::vector<double>(groups),   std::vector<double>(groups)};
-  for (std::size_t g = 0; g < groups; ++g) {
-    double s = 0, q = 0;
-    for (std::size_t e = 0; e < n; ++e) s += x[at(g, e)];
-    double const m = s / static_cast<double>(n);
-    for (std::size_t e = 0; e < n; ++e) q += (x[at(g, e)] - m) * (x[at(g, e)] - m);
-    r.mean[g] = m;
-    r.var[g] = q / static_cast<double>(n);
-    r.rstd[g] = 1 / std::sqrt(r.var[g] + eps);
-    double sa = 0, sb = 0;
-    for (std::size_t e = 0; e < n; ++e) {
-      std::size_t const i = at(g, e), j = i % cols;
-      r.xhat[i] = (x[i] - m) * r.rstd[g];
-      r.y[i] = r.xhat[i] * gamma[j] + beta[j];
-      sa += dy[i] * gamma[j];
-      sb += dy[i] * gamma[j] * r.xhat[i];
-      r.dgamma[j] += dy[i] * r.xhat[i];
-      r.dbeta[j] += dy[i];
-    }
-    for (std::size_t e = 0; e < n; ++e) {
-      std::size_t const i = at(g, e), j = i % cols;
-      r.dx[i] = r.rstd[g] * (dy[i] * gamma[j] - sa / static_cast<double>(n) - r.xhat[i] * sb / static_cast<double>(n));
-    }
-  }
-  return r;
-}
+//! norm) or each row (layer norm); and its gradients for the loss sum(dy * y)
+//! (tests/support/reference/normalization.hpp).
+using norm_reference = mpx_test::reference::matrix_normalization;
+using mpx_test::reference::normalize_matrix;
 
 // ---- dense ----
 
@@ -236,8 +203,7 @@ void check_dense(Exec const& exec, mpx::activation a, dense_case const& c, std::
   for (std::size_t i = 0; i < rows; ++i)
     for (std::size_t j = 0; j < units; ++j) {
       std::size_t const o = i * units + j;
-      double s = 0;
-      for (std::size_t k = 0; k < in; ++k) s += std::fabs(xd[i * in + k] * w[k * units + j]);
+      double const s = r.z_abs[o];
       double const z = r.z[o], pre = z + b[j];
       double const d = uT * std::fabs(z) + static_cast<double>(in + 4) * ua * s + uf * (std::fabs(z) + std::fabs(b[j])) + tiny;
       fy.check(o, to_d(got_y[o]), r.y[o],
@@ -289,7 +255,7 @@ struct norm_bounds {
   double k_stat, k_param;
 };
 
-//! Checks y, dx, dgamma, dbeta of a normalisation against reference_norm (bounds of
+//! Checks y, dx, dgamma, dbeta of a normalisation against normalize_matrix (bounds of
 //! tests/kernels/test_norm.cpp).
 template <class T>
 void check_norm(std::string const& what, std::vector<double> const& x, std::vector<double> const& dy,
@@ -309,26 +275,27 @@ void check_norm(std::string const& what, std::vector<double> const& x, std::vect
       std::size_t const i = at(g, e), j = i % cols;
       xmax = std::max(xmax, std::fabs(x[i]));
       mg += std::fabs(dy[i] * gamma[j]) / static_cast<double>(n);
-      mgx += std::fabs(dy[i] * gamma[j] * r.xhat[i]) / static_cast<double>(n);
+      mgx += std::fabs(dy[i] * gamma[j] * r.forward.xhat[i]) / static_cast<double>(n);
     }
-    double const kappa = xmax * r.rstd[g];
+    double const kappa = xmax * r.forward.rstd[g];
     double const scale = 4 * k.k_stat * uf * (1 + kappa);
     for (std::size_t e = 0; e < n; ++e) {
       std::size_t const i = at(g, e), j = i % cols;
-      fy.check(i, to_d(got_y[i]), r.y[i],
-               uT * std::fabs(r.y[i]) + scale * (std::fabs(gamma[j]) + 1) + std::fabs(beta[j]) * uf);
-      fdx.check(i, to_d(got_dx[i]), r.dx[i],
-                uT * std::fabs(r.dx[i]) +
-                    scale * r.rstd[g] * (std::fabs(dy[i] * gamma[j]) + mg + (std::fabs(r.xhat[i]) + 1) * mgx) +
+      fy.check(i, to_d(got_y[i]), r.forward.y[i],
+               uT * std::fabs(r.forward.y[i]) + scale * (std::fabs(gamma[j]) + 1) + std::fabs(beta[j]) * uf);
+      fdx.check(i, to_d(got_dx[i]), r.backward.dx[i],
+                uT * std::fabs(r.backward.dx[i]) +
+                    scale * r.forward.rstd[g] *
+                        (std::fabs(dy[i] * gamma[j]) + mg + (std::fabs(r.forward.xhat[i]) + 1) * mgx) +
                     mpx_test::min_subnormal<T>());
       abs_dy[j] += std::fabs(dy[i]);
-      abs_dyx[j] += std::fabs(dy[i]) * (1 + std::fabs(r.xhat[i])) * (1 + kappa);
-      nonzero += std::fabs(r.y[i]) + std::fabs(r.dx[i]);
+      abs_dyx[j] += std::fabs(dy[i]) * (1 + std::fabs(r.forward.xhat[i])) * (1 + kappa);
+      nonzero += std::fabs(r.forward.y[i]) + std::fabs(r.backward.dx[i]);
     }
   }
   for (std::size_t j = 0; j < cols; ++j) {
-    fdg.check(j, got_dgamma[j], r.dgamma[j], 4 * (k.k_param + k.k_stat) * uf * abs_dyx[j]);
-    fdb.check(j, got_dbeta[j], r.dbeta[j], k.k_param * uf * abs_dy[j]);
+    fdg.check(j, got_dgamma[j], r.backward.dgamma[j], 4 * (k.k_param + k.k_stat) * uf * abs_dyx[j]);
+    fdb.check(j, got_dbeta[j], r.backward.dbeta[j], k.k_param * uf * abs_dy[j]);
   }
   REQUIRE(nonzero > 0);
   MPX_REQUIRE_WITHIN(fy);
@@ -393,7 +360,7 @@ void check_batch_norm_layer(Exec const& exec, norm_case const& c, std::uint64_t 
   layer.backward(exec, cview(x), cview(y), cview(dy), mview(dx));
 
   auto const xd = widen(xs), dyd = widen(dys), gd = widen(gamma), bd = widen(beta);
-  auto const r = reference_norm(xd, dyd, gd, bd, rows, cols, true, config.eps);
+  auto const r = normalize_matrix(xd, dyd, gd, bd, rows, cols, true, config.eps);
   double const k = static_cast<double>(rows + 40);
   auto const got_dgamma = fetch<float>(exec, params[0].gradient);
   auto const got_dbeta = fetch<float>(exec, params[1].gradient);
@@ -416,8 +383,8 @@ void check_batch_norm_layer(Exec const& exec, norm_case const& c, std::uint64_t 
   for (std::size_t j = 0; j < cols; ++j) {
     double xmax = 0;
     for (std::size_t i = 0; i < rows; ++i) xmax = std::max(xmax, std::fabs(xd[i * cols + j]));
-    double const unbiased = r.var[j] * static_cast<double>(rows) / static_cast<double>(rows - 1);
-    running.check(j, rm[j], m * mean0[j] + (1 - m) * r.mean[j], 8 * k * uf * (std::fabs(mean0[j]) + xmax));
+    double const unbiased = r.forward.var[j] * static_cast<double>(rows) / static_cast<double>(rows - 1);
+    running.check(j, rm[j], m * mean0[j] + (1 - m) * r.forward.mean[j], 8 * k * uf * (std::fabs(mean0[j]) + xmax));
     running.check(cols + j, rv[j], m * var0[j] + (1 - m) * unbiased,
                   8 * k * uf * (std::fabs(var0[j]) + xmax * xmax + 1));
   }
@@ -479,7 +446,7 @@ void check_layer_norm_layer(Exec const& exec, norm_case const& c, std::uint64_t 
   layer.backward(exec, cview(x), cview(y), cview(dy), mview(dx));
 
   auto const xd = widen(xs), dyd = widen(dys), gd = widen(gamma), bd = widen(beta);
-  auto const r = reference_norm(xd, dyd, gd, bd, rows, cols, false, config.eps);
+  auto const r = normalize_matrix(xd, dyd, gd, bd, rows, cols, false, config.eps);
   auto const got_dgamma = fetch<float>(exec, params[0].gradient);
   auto const got_dbeta = fetch<float>(exec, params[1].gradient);
   check_norm<T>("layer_norm " + std::string(mpx::dtype_name<T>), xd, dyd, gd, bd, r, rows, cols, false,
@@ -930,23 +897,26 @@ TEMPLATE_LIST_TEST_CASE("the softmax layer normalises the last axis, and its bac
     double const uT = mpx_test::unit_roundoff<T>(), tiny = mpx_test::min_subnormal<T>();
     std::string const what = "softmax " + std::string(mpx::dtype_name<T>);
     mpx_test::bound_checker fy(what + " y"), fdx(what + " dx");
+    auto const row_of = [&](auto const& v, std::size_t r) {
+      std::vector<double> out(cols);
+      for (std::size_t j = 0; j < cols; ++j) out[j] = to_d(v[r * cols + j]);
+      return out;
+    };
     for (std::size_t r = 0; r < rows; ++r) {
-      double mx = -INFINITY, sum = 0, dot = 0, dot_abs = 0;
-      for (std::size_t j = 0; j < cols; ++j) mx = std::max(mx, to_d(xs[r * cols + j]));
-      for (std::size_t j = 0; j < cols; ++j) sum += std::exp(to_d(xs[r * cols + j]) - mx);
+      auto const y_ref = mpx_test::reference::softmax_row(row_of(xs, r));
+      // The backward pass is a function of the forward's (rounded) output.
+      auto const y_got = row_of(got_y, r), dy_row = row_of(dys, r);
+      auto const back = mpx_test::reference::softmax_backward_row(y_got, dy_row);
       for (std::size_t j = 0; j < cols; ++j) {
         std::size_t const i = r * cols + j;
-        double const ref = std::exp(to_d(xs[i]) - mx) / sum;
+        double const ref = y_ref[j];
         fy.check(i, to_d(got_y[i]), ref, uT * ref + 64 * uf * ref + tiny);
-        // The backward pass is a function of the forward's (rounded) output.
-        dot += to_d(dys[i]) * to_d(got_y[i]);
-        dot_abs += std::fabs(to_d(dys[i]) * to_d(got_y[i]));
       }
       for (std::size_t j = 0; j < cols; ++j) {
         std::size_t const i = r * cols + j;
-        double const yv = to_d(got_y[i]), ref = yv * (to_d(dys[i]) - dot);
+        double const yv = y_got[j], ref = back.dx[j];
         fdx.check(i, to_d(got_dx[i]), ref,
-                  uT * std::fabs(ref) + 8 * static_cast<double>(cols + 8) * uf * yv * (std::fabs(to_d(dys[i])) + dot_abs) + tiny);
+                  uT * std::fabs(ref) + 8 * static_cast<double>(cols + 8) * uf * yv * (std::fabs(dy_row[j]) + back.abs_dot) + tiny);
       }
     }
     MPX_REQUIRE_WITHIN(fy);

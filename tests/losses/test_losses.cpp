@@ -8,6 +8,7 @@
 //   loss      |L - ref| <= (4 sqrt(n) + k) u_f (|ref| + mean |term magnitudes|)
 //   gradient  |g - ref| <= u_T |ref| + k u_f (scale / n) + min_subnormal_T
 #include "../support/nn_reference.hpp"
+#include "../support/reference/softmax.hpp"
 
 #include <algorithm>
 #include <array>
@@ -21,12 +22,9 @@ using mpx_test::uf;
 // float64 references.
 double ref_bce(double x, double z) { return std::max(x, 0.0) - x * z + std::log1p(std::exp(-std::fabs(x))); }
 double ref_bce_grad(double x, double z) { return 1 / (1 + std::exp(-x)) - z; }
-double ref_ce_row(std::vector<double> const& x, int label) {
-  double m = -INFINITY, s = 0;
-  for (double v : x) m = std::max(m, v);
-  for (double v : x) s += std::exp(v - m);
-  return std::log(s) + m - x[static_cast<std::size_t>(label)];
-}
+// Cross-entropy and softmax: tests/support/reference/softmax.hpp.
+using mpx_test::reference::cross_entropy_row;
+using mpx_test::reference::softmax_row;
 
 template <class Exec>
 auto scale_in(Exec const& exec, float value) {
@@ -44,14 +42,11 @@ TEST_CASE("the float64 loss references agree with finite differences", "[losses]
     }
   auto const x = mpx_test::random_values<double>(9, -4, 4, 5);
   for (std::size_t i = 0; i < x.size(); ++i) {
-    double m = -INFINITY, s = 0;
-    for (double v : x) m = std::max(m, v);
-    for (double v : x) s += std::exp(v - m);
-    double const analytic = std::exp(x[i] - m) / s - (i == 4 ? 1 : 0);
+    double const analytic = softmax_row(x)[i] - (i == 4 ? 1 : 0);
     auto f = [&](double v) {
       auto xs = x;
       xs[i] = v;
-      return ref_ce_row(xs, 4);
+      return cross_entropy_row(xs, 4);
     };
     INFO("i=" << i);
     REQUIRE(std::fabs(mpx_test::finite_difference(f, x[i]) - analytic) <= 1e-8);
@@ -88,13 +83,12 @@ TEMPLATE_LIST_TEST_CASE("sparse categorical cross-entropy matches float64, with 
         for (std::size_t r = 0; r < rows; ++r) {
           std::vector<double> row(classes);
           for (std::size_t c = 0; c < classes; ++c) row[c] = to_d(x[r * classes + c]);
-          total += ref_ce_row(row, labels[r]);
-          double m = -INFINITY, sum = 0;
-          for (double v : row) m = std::max(m, v);
-          for (double v : row) sum += std::exp(v - m);
+          total += cross_entropy_row(row, labels[r]);
+          auto const probabilities = softmax_row(row);
+          double const m = mpx_test::reference::softmax_statistics_of(row).max;
           for (std::size_t c = 0; c < classes; ++c) {
             double const ref = mpx_test::representable_in<T>(
-                (std::exp(row[c] - m) / sum - (static_cast<std::int32_t>(c) == labels[r] ? 1 : 0)) * factor);
+                (probabilities[c] - (static_cast<std::int32_t>(c) == labels[r] ? 1 : 0)) * factor);
             gc.check(r * classes + c, to_d(g[r * classes + c]), ref,
                      mpx_test::unit_roundoff<T>() * std::fabs(ref) + (k + 2 * std::fabs(row[c] - m)) * uf * factor +
                          mpx_test::min_subnormal<T>());
@@ -148,7 +142,7 @@ TEMPLATE_LIST_TEST_CASE("per-token cross-entropy over sequences is the mean over
       for (std::size_t r = 0; r < rows; ++r) {
         std::vector<double> row(classes);
         for (std::size_t c = 0; c < classes; ++c) row[c] = to_d(x[r * classes + c]);
-        total += ref_ce_row(row, labels[r]);
+        total += cross_entropy_row(row, labels[r]);
       }
       double const ref_loss = total / static_cast<double>(rows);  // the mean over tokens, not over sequences
       double const k = static_cast<double>(classes) / 32 + 64;

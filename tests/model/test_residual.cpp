@@ -1,5 +1,6 @@
 // Residual blocks (model/residual.hpp): y = x + branch(x) as a layer of a sequential
 // model, forward and backward against a float64 reference, names, summary and training.
+#include "support/reference/matmul.hpp"
 #include "support/testing.hpp"
 
 #include <cmath>
@@ -16,27 +17,10 @@ struct residual_reference {
   std::vector<double> y, dw0, db0, dw1, db1, dw2, db2;
 
   void run(std::vector<double> const& x, std::vector<double> const& dy) {
-    auto matmul = [](std::vector<double> const& a, std::vector<double> const& b, std::size_t rows, std::size_t inner,
-                     std::size_t cols) {
-      std::vector<double> c(rows * cols, 0.0);
-      for (std::size_t r = 0; r < rows; ++r)
-        for (std::size_t k = 0; k < inner; ++k)
-          for (std::size_t j = 0; j < cols; ++j) c[r * cols + j] += a[r * inner + k] * b[k * cols + j];
-      return c;
-    };
-    auto transpose = [](std::vector<double> const& a, std::size_t rows, std::size_t cols) {
-      std::vector<double> t(a.size());
-      for (std::size_t r = 0; r < rows; ++r)
-        for (std::size_t j = 0; j < cols; ++j) t[j * rows + r] = a[r * cols + j];
-      return t;
-    };
+    using mpx_test::reference::column_sums;
+    using mpx_test::reference::matmul;
     auto add_bias = [](std::vector<double>& a, std::vector<double> const& b) {
       for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i % b.size()];
-    };
-    auto column_sums = [](std::vector<double> const& a, std::size_t cols) {
-      std::vector<double> s(cols, 0.0);
-      for (std::size_t i = 0; i < a.size(); ++i) s[i % cols] += a[i];
-      return s;
     };
     auto z0 = matmul(x, w0, n, d, d);
     add_bias(z0, b0);
@@ -47,15 +31,15 @@ struct residual_reference {
     add_bias(y, b2);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] += z0[i];
     // backward
-    dw2 = matmul(transpose(a1, n, h), dy, h, n, d);
+    dw2 = matmul(a1, dy, h, n, d, true);
     db2 = column_sums(dy, d);
-    auto dz1 = matmul(dy, transpose(w2, h, d), n, d, h);
+    auto dz1 = matmul(dy, w2, n, d, h, false, true);
     for (std::size_t i = 0; i < dz1.size(); ++i) dz1[i] *= 1 - a1[i] * a1[i];
-    dw1 = matmul(transpose(z0, n, d), dz1, d, n, h);
+    dw1 = matmul(z0, dz1, d, n, h, true);
     db1 = column_sums(dz1, h);
-    auto dz0 = matmul(dz1, transpose(w1, d, h), n, h, d);
+    auto dz0 = matmul(dz1, w1, n, h, d, false, true);
     for (std::size_t i = 0; i < dz0.size(); ++i) dz0[i] += dy[i];  // the identity path
-    dw0 = matmul(transpose(x, n, d), dz0, d, n, d);
+    dw0 = matmul(x, dz0, d, n, d, true);
     db0 = column_sums(dz0, d);
   }
 };

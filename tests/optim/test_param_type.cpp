@@ -163,8 +163,7 @@ TEMPLATE_LIST_TEST_CASE("param_type: without masters SGD and Adam match float64 
     }
   };
   for (bool adam : {false, true}) {
-    body(mpx::bfloat16{}, adam);
-    body(mpx::half{}, adam);
+    mpx_test::for_each_dtype_in<mpx_test::dtypes16>([&](auto tag) { body(tag, adam); });
   }
 }
 
@@ -249,8 +248,7 @@ TEMPLATE_LIST_TEST_CASE("param_type: stochastic rounding is reproducible, the sa
     INFO("mean rounding error " << bias << " gaps");
     CHECK(std::abs(bias) < 0.03);
   };
-  body(mpx::bfloat16{});
-  body(mpx::half{});
+  mpx_test::for_each_dtype_in<mpx_test::dtypes16>(body);
 }
 
 #if MPX_HAS_CUDA

@@ -20,6 +20,7 @@
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -41,14 +42,49 @@ using executors = std::tuple<mpx::cuda_executor>;
 using executors = std::tuple<mpx::host_executor>;
 #endif
 
-using dtypes = std::tuple<mpx::half, mpx::bfloat16, float>;
+// The dtype lists the cases run over, filtered from mpx::dtype_list, so a dtype added
+// there reaches every case that its width admits without editing a test.
+namespace detail {
+template <template <class> class Keep, class List>
+struct dtypes_where;
+template <template <class> class Keep>
+struct dtypes_where<Keep, mpx::type_list<>> {
+  using type = std::tuple<>;
+};
+template <template <class> class Keep, class T, class... Rest>
+struct dtypes_where<Keep, mpx::type_list<T, Rest...>> {
+  using rest = typename dtypes_where<Keep, mpx::type_list<Rest...>>::type;
+  using type = std::conditional_t<Keep<T>::value,
+                                  decltype(std::tuple_cat(std::declval<std::tuple<T>>(), std::declval<rest>())), rest>;
+};
+template <class T>
+struct is_storage_dtype : std::bool_constant<!mpx::dtype8<T>> {};
+template <class T>
+struct is_dtype16 : std::bool_constant<mpx::dtype16<T>> {};
+template <class T>
+struct is_dtype8 : std::bool_constant<mpx::dtype8<T>> {};
+}  // namespace detail
 
-//! Calls f(T{}) for T = half, bfloat16, float: a case body written once per dtype.
+//! The dtypes of mpx::dtype_list that Keep<T>::value admits, in its order, as a
+//! std::tuple (a Catch2 TEMPLATE_LIST_TEST_CASE list).
+template <template <class> class Keep>
+using dtypes_where = typename detail::dtypes_where<Keep, mpx::dtype_list>::type;
+//! The 16- and 32-bit dtypes, those tensors store activations in (half, bfloat16, float).
+using dtypes = dtypes_where<detail::is_storage_dtype>;
+//! The 16-bit dtypes (half, bfloat16).
+using dtypes16 = dtypes_where<detail::is_dtype16>;
+//! The fp8 dtypes (float8_e4m3, float8_e5m2).
+using dtypes8 = dtypes_where<detail::is_dtype8>;
+
+//! Calls f(T{}) for every T of the tuple List: a case body written once per dtype.
+template <class List, class F>
+void for_each_dtype_in(F&& f) {
+  [&]<class... Ts>(std::type_identity<std::tuple<Ts...>>) { (f(Ts{}), ...); }(std::type_identity<List>{});
+}
+//! Calls f(T{}) for T = half, bfloat16, float (mpx_test::dtypes).
 template <class F>
 void for_each_dtype(F&& f) {
-  f(mpx::half{});
-  f(mpx::bfloat16{});
-  f(float{});
+  for_each_dtype_in<dtypes>(f);
 }
 
 //! The seed every random input derives from; fixed, so a failure reproduces.
