@@ -10,6 +10,7 @@
 #include <mpx/exec/for_each.hpp>
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/column_reduce.hpp>
+#include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/max_pool.hpp>
 #include <mpx/losses/mean_squared_error.hpp>
 
@@ -19,21 +20,24 @@
 
 namespace test_dispatch {
 
-//! Writes the row's sum and maximum once per row and, for every column, its index plus
-//! the sum (so a column written twice, or not at all, shows).
+//! Writes the row's sum, sum of squares and maximum once per row and, for every column,
+//! its index plus the sum (so a column written twice, or not at all, shows).
 struct row_probe {
   float const* x;
   float* y;
   float* sums;
+  float* squares;
   float* maxima;
   std::size_t cols;
   template <class Lanes>
   MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
     float const* xr = x + r * cols;
-    float const s = lanes.reduce(cols, mpx::detail::sum_float{}, [&](std::size_t c) { return xr[c]; });
-    float const m = lanes.reduce(cols, mpx::detail::max_float{}, [&](std::size_t c) { return xr[c]; });
+    float const s = lanes.reduce(cols, mpx::lane_sum{}, [&](std::size_t c) { return xr[c]; });
+    float const q = lanes.reduce(cols, mpx::lane_sum{}, [&](std::size_t c) { return xr[c] * xr[c]; });
+    float const m = lanes.reduce(cols, mpx::lane_max{}, [&](std::size_t c) { return xr[c]; });
     lanes.once([&] {
       sums[r] = s;
+      squares[r] = q;
       maxima[r] = m;
     });
     lanes.for_each(cols, [&](std::size_t c) { y[r * cols + c] = static_cast<float>(c) + s; });
@@ -62,20 +66,24 @@ TEMPLATE_LIST_TEST_CASE("for_each_row visits every column once, with exact sums 
     auto xd = mpx_test::upload(exec, x);
     auto y = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows * cols)});
     auto sums = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
+    auto squares = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
     auto maxima = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
     mpx::for_each_row(exec, rows, cols,
-                              test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
+                      test_dispatch::row_probe{xd.data(), y.data(), sums.data(), squares.data(), maxima.data(), cols});
     auto const got_y = mpx_test::download(exec, y);
     auto const got_sums = mpx_test::download(exec, sums);
+    auto const got_squares = mpx_test::download(exec, squares);
     auto const got_maxima = mpx_test::download(exec, maxima);
     INFO("cols=" << cols);
     for (std::size_t r = 0; r < rows; ++r) {
-      double s = 0.0, m = -1e30;
+      double s = 0.0, q = 0.0, m = -1e30;
       for (std::size_t c = 0; c < cols; ++c) {
         s += x[r * cols + c];
+        q += static_cast<double>(x[r * cols + c]) * x[r * cols + c];
         m = std::max(m, static_cast<double>(x[r * cols + c]));
       }
       REQUIRE(got_sums[r] == s);  // integers: every order of addition is exact
+      REQUIRE(got_squares[r] == q);
       REQUIRE(got_maxima[r] == m);
       for (std::size_t c = 0; c < cols; ++c) REQUIRE(got_y[r * cols + c] == static_cast<float>(c) + got_sums[r]);
     }
@@ -92,27 +100,34 @@ TEMPLATE_LIST_TEST_CASE("one body, the same bits: row, item and column reduction
     for (std::size_t i = 0; i < n; ++i) v[i] = std::ldexp(v[i], static_cast<int>(i % 23) - 11);
     return v;
   };
+  // Rows longer than a warp and a block; more items than the GPU's 1024 x 256 threads
+  // (so each thread folds several: 600 x 500); sums of products (a fused multiply-add
+  // would change their bits).
   for (auto [rows, cols] : {std::pair<std::size_t, std::size_t>{1, 1}, {3, 1000}, {200, 37}, {5, 1500},
-                            {4099, 3}, {9, 20000}}) {
+                            {4099, 3}, {9, 20000}, {600, 500}}) {
     INFO("rows=" << rows << " cols=" << cols);
     std::size_t const n = rows * cols;
     auto const x = values(n, 1);
     auto const t = values(n, 2);
     mpx::shape const s{static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
 
-    // Rows: the lanes' sums.
+    // Rows: the lanes' sums, of values and of their squares.
     auto run_rows = [&](auto const& e) {
       auto xd = mpx_test::upload(e, x);
       auto y = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(n)});
       auto sums = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
+      auto squares = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
       auto maxima = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(rows)});
       mpx::for_each_row(e, rows, cols,
-                                test_dispatch::row_probe{xd.data(), y.data(), sums.data(), maxima.data(), cols});
-      return mpx_test::download(e, sums);
+                        test_dispatch::row_probe{xd.data(), y.data(), sums.data(), squares.data(), maxima.data(), cols});
+      auto out = mpx_test::download(e, sums);
+      auto const q = mpx_test::download(e, squares);
+      out.insert(out.end(), q.begin(), q.end());
+      return out;
     };
     CHECK(mpx_test::first_mismatch(run_rows(exec), run_rows(host)).empty());
 
-    // Items: a pointwise loss's mean and gradient (plain arithmetic: no exp or log).
+    // Items: a pointwise loss's mean ((p - t)^2 summed) and gradient (no exp or log).
     auto run_loss = [&](auto const& e) {
       auto p = mpx_test::upload(e, x, s);
       auto q = mpx_test::upload(e, t, s);
@@ -125,12 +140,29 @@ TEMPLATE_LIST_TEST_CASE("one body, the same bits: row, item and column reduction
     };
     CHECK(mpx_test::first_mismatch(run_loss(exec), run_loss(host)).empty());
 
-    // Columns: column_sum.
+    // Columns: column_sum, and layer norm's parameter gradients (sums of dy * xhat).
     auto run_columns = [&](auto const& e) {
       auto xd = mpx_test::upload(e, x, s);
-      auto y = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(cols)});
+      auto dy = mpx_test::upload(e, t, s);
+      auto const c = static_cast<std::int64_t>(cols);
+      auto const r = static_cast<std::int64_t>(rows);
+      auto y = mpx_test::poisoned<float>(e, {c});
       mpx::column_sum(e, xd, y);
-      return mpx_test::download(e, y);
+      auto gamma = mpx_test::upload(e, values(cols, 3));
+      auto beta = mpx_test::upload(e, values(cols, 4));
+      auto normed = mpx_test::poisoned<float>(e, s);
+      auto mean = mpx_test::poisoned<float>(e, {r});
+      auto rstd = mpx_test::poisoned<float>(e, {r});
+      mpx::layer_norm_forward(e, xd, gamma, beta, normed, mean, rstd);
+      auto dx = mpx_test::poisoned<float>(e, s);
+      auto dgamma = mpx_test::poisoned<float>(e, {c});
+      auto dbeta = mpx_test::poisoned<float>(e, {c});
+      mpx::layer_norm_backward(e, xd, dy, gamma, mean, rstd, dx, dgamma, dbeta);
+      auto out = mpx_test::download(e, y);  // then the row statistics and the column sums of products
+      for (auto const& part : {mpx_test::download(e, mean), mpx_test::download(e, rstd), mpx_test::download(e, dgamma),
+                               mpx_test::download(e, dbeta)})
+        out.insert(out.end(), part.begin(), part.end());
+      return out;
     };
     CHECK(mpx_test::first_mismatch(run_columns(exec), run_columns(host)).empty());
   }

@@ -37,4 +37,21 @@ MPX_HD inline float mul_rn(float a, float b) noexcept {
 #endif
 }
 
+//! a + b rounded on its own: neither operand's product (if it is one) is fused into the
+//! addition, on host and device alike. Sums written with it (the reductions' combining
+//! operations) add exactly the values their terms round to, so the host's sums and the
+//! GPU's agree bit for bit when they add in the same order.
+MPX_HD inline float add_rn(float a, float b) noexcept {
+#if MPX_DEVICE_PASS
+  return __fadd_rn(a, b);  // documented never to be merged into a multiply-add
+#else
+#if defined(__FP_FAST_FMAF) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(a), "+x"(b));  // opaque operands: nothing left to fuse with
+#elif defined(__FP_FAST_FMAF) && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(a), "+w"(b));
+#endif
+  return a + b;
+#endif
+}
+
 }  // namespace mpx

@@ -9,6 +9,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/math.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
@@ -52,6 +53,14 @@ constexpr column_chunks column_chunking(std::size_t rows, std::size_t cols) noex
   return {std::max<std::size_t>(1, (rows + per_chunk - 1) / per_chunk), per_chunk};
 }
 
+//! a + b for the column sums: mpx::add_rn for float (a term that is a product is rounded
+//! before it is added, on the GPU too, so the host and the GPU agree bit for bit).
+template <class Acc>
+MPX_HD inline Acc column_add(Acc a, Acc b) noexcept {
+  if constexpr (std::is_same_v<Acc, float>) return add_rn(a, b);
+  else return a + b;
+}
+
 //! The host column reduction's scratch (host_scratch), slot by slot.
 struct column_scratch {};
 enum column_scratch_slot : std::size_t { column_total_slot, column_lanes_slot, column_row_slot };
@@ -74,19 +83,19 @@ void host_column_reduce(Terms const& terms, Finish const& finish, std::size_t ro
       Acc* lane = lanes + ((r - r0) % column_tile_rows) * width;
       if constexpr (column_row_terms<Terms, Acc>) {
         terms.row(r, row);
-        for (std::size_t i = 0; i < width; ++i) lane[i] += row[i];
+        for (std::size_t i = 0; i < width; ++i) lane[i] = column_add(lane[i], row[i]);
       } else {
         for (std::size_t j = 0; j < cols; ++j) {
           Acc t[N] = {};
           terms(r, j, t);
-          for (int k = 0; k < N; ++k) lane[k * cols + j] += t[k];
+          for (int k = 0; k < N; ++k) lane[k * cols + j] = column_add(lane[k * cols + j], t[k]);
         }
       }
     }
     for (std::size_t i = 0; i < width; ++i) {
       Acc chunk = Acc{};
-      for (int y = 0; y < column_tile_rows; ++y) chunk += lanes[y * width + i];
-      total[i] += chunk;
+      for (int y = 0; y < column_tile_rows; ++y) chunk = column_add(chunk, lanes[y * width + i]);
+      total[i] = column_add(total[i], chunk);
     }
   }
   for (std::size_t j = 0; j < cols; ++j) {
@@ -119,7 +128,7 @@ __global__ void __launch_bounds__(column_tile * column_tile_rows)
       for (int k = 0; k < N; ++k) t[k] = Acc{};
       terms(r, j, t);
       MPX_UNROLL
-      for (int k = 0; k < N; ++k) acc[k] += t[k];
+      for (int k = 0; k < N; ++k) acc[k] = column_add(acc[k], t[k]);
     }
   }
   MPX_UNROLL
@@ -130,7 +139,7 @@ __global__ void __launch_bounds__(column_tile * column_tile_rows)
     for (int k = 0; k < N; ++k) {
       Acc t = Acc{};
       MPX_UNROLL
-      for (int y = 0; y < column_tile_rows; ++y) t += sums[k][y][threadIdx.x];
+      for (int y = 0; y < column_tile_rows; ++y) t = column_add(t, sums[k][y][threadIdx.x]);
       partials[(static_cast<std::size_t>(k) * chunks + blockIdx.y) * cols + j] = t;
     }
   }
@@ -146,7 +155,8 @@ __global__ void __launch_bounds__(block_size)
     MPX_UNROLL
     for (int k = 0; k < N; ++k) {
       Acc t = Acc{};
-      for (std::size_t c = 0; c < chunks; ++c) t += partials[(static_cast<std::size_t>(k) * chunks + c) * cols + j];
+      for (std::size_t c = 0; c < chunks; ++c)
+        t = column_add(t, partials[(static_cast<std::size_t>(k) * chunks + c) * cols + j]);
       s[k] = t;
     }
     finish(j, s);

@@ -118,9 +118,15 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
 }
 
 //! body(lanes, r) for every row r in [0, rows) of `cols` columns (see exec/lanes.hpp).
+//! cols, and every n the body gives lanes.reduce or lanes.for_each, is at most
+//! detail::max_row_cols (2^31 - 1025; more is an mpx::invalid_argument). Every lane of a
+//! row must reach each lanes.reduce: not under a condition that depends on the lane,
+//! nor inside lanes.for_each or lanes.once (on the GPU that deadlocks a block's row).
 template <executor Exec, class Body>
 void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size_t cols, Body const& body) {
   static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
+  if (cols > detail::max_row_cols)
+    detail::fail<invalid_argument>("for_each_row", "rows of more than 2^31 - 1025 elements are not supported");
   if (rows == 0) return;
   bool const by_warp = detail::lanes_for_row(cols) == detail::warp_size;
   if constexpr (is_host_executor_v<Exec>) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <mpx/core/config.hpp>
+#include <mpx/core/math.hpp>
 
 #include <cstddef>
 #include <cstring>
@@ -19,10 +20,13 @@ namespace mpx::detail {
 MPX_HD inline float max_keeping_nan(float a, float b) noexcept { return (a > b || a != a) ? a : b; }
 
 //! The combining operations of the reductions below, with their neutral elements.
+//! Sums add with mpx::add_rn: a term that is a product (x * x, dy * y) is rounded before
+//! it is added, on the GPU too, where nvcc would otherwise fuse it into an FMA, so the
+//! host's sums and the GPU's have the same bits.
 struct sum_float {
   using value_type = float;
   MPX_HD static float identity() noexcept { return 0.0f; }
-  MPX_HD float operator()(float a, float b) const noexcept { return a + b; }
+  MPX_HD float operator()(float a, float b) const noexcept { return add_rn(a, b); }
 };
 struct max_float {
   using value_type = float;
@@ -45,7 +49,7 @@ struct sum_float_pair {
   using value_type = float_pair;
   MPX_HD static float_pair identity() noexcept { return {0.0f, 0.0f}; }
   MPX_HD float_pair operator()(float_pair a, float_pair b) const noexcept {
-    return {a.first + b.first, a.second + b.second};
+    return {add_rn(a.first, b.first), add_rn(a.second, b.second)};
   }
 };
 
@@ -54,16 +58,15 @@ inline constexpr int warp_size = 32;
 // ---- the host's emulation ---------------------------------------------------------
 
 //! The butterfly a warp's shuffles perform, on 32 slots: at each step slot l becomes
-//! op(v[l], v[l ^ offset]); the result is every slot's (slot 0's is returned).
+//! op(v[l], v[l ^ offset]). Lane 0's result is returned, and only the 31 combinations
+//! it depends on are made (at step `offset`, slots l < offset, whose partner l ^ offset
+//! is l + offset), with the operands in the GPU's order.
 template <class T, class Op>
 MPX_HD T host_warp_all_reduce(T const* lanes, Op op) {
   T v[warp_size];
   for (int l = 0; l < warp_size; ++l) v[l] = lanes[l];
-  for (int offset = warp_size / 2; offset > 0; offset >>= 1) {
-    T next[warp_size];
-    for (int l = 0; l < warp_size; ++l) next[l] = op(v[l], v[l ^ offset]);
-    for (int l = 0; l < warp_size; ++l) v[l] = next[l];
-  }
+  for (int offset = warp_size / 2; offset > 0; offset >>= 1)
+    for (int l = 0; l < offset; ++l) v[l] = op(v[l], v[l + offset]);
   return v[0];
 }
 
@@ -102,7 +105,9 @@ __device__ __forceinline__ T shuffle_xor(T v, int offset) {
 }
 
 //! Combines v over the 32 lanes of a warp (all lanes active). A butterfly: lane l
-//! combines v[l] and v[l ^ o], so a commutative op leaves every lane the same bits.
+//! combines v[l] and v[l ^ o]. Every lane ends with the same value; the bits agree too
+//! for sums, and for the maximum except the sign of a zero or a NaN's payload (lane 0's
+//! value is the host's).
 template <class T, class Op>
 __device__ __forceinline__ T warp_all_reduce(T v, Op op) {
   MPX_UNROLL

@@ -82,31 +82,33 @@ __global__ void __launch_bounds__(item_block_threads)
 }
 #endif
 
-//! The host's items' values (host_scratch).
-struct item_values {};
+//! The host's per-thread (per-warp) accumulators (host_scratch).
+struct item_accumulators {};
 
-//! The host's emulation of both levels, over the items' values in order.
-template <item_kind Kind, class Op>
-typename Op::value_type host_combine_items(Op op, typename Op::value_type const* values, std::size_t n,
-                                           typename Op::value_type* partials) {
+//! The host's emulation of both levels: item i goes to the accumulator of the GPU
+//! thread (or warp) that folds it, i % stride, in increasing order as there; then each
+//! block's threads are combined as block_all_reduce does, then the partials as the
+//! finishing block does.
+template <item_kind Kind, class Op, class Items>
+typename Op::value_type host_reduce_items(Op op, std::size_t n, Items const& item, typename Op::value_type* partials) {
   using T = typename Op::value_type;
   std::size_t const blocks = item_blocks<Kind>(n);
   constexpr std::size_t per_block = items_per_block<Kind>();
   std::size_t const stride = blocks * per_block;
+  T* acc = host_scratch<T, item_accumulators, 0>(stride);  // at most 262,144 values
+  for (std::size_t k = 0; k < stride; ++k) acc[k] = Op::identity();
+  for (std::size_t i = 0; i < n; ++i) acc[i % stride] = op(acc[i % stride], item(i));
   T slot[item_block_threads];
   for (std::size_t b = 0; b < blocks; ++b) {
     for (int t = 0; t < item_block_threads; ++t) slot[t] = Op::identity();
-    for (std::size_t k = 0; k < per_block; ++k) {
-      T acc = Op::identity();
-      for (std::size_t i = b * per_block + k; i < n; i += stride) acc = op(acc, values[i]);
-      slot[Kind == item_kind::element ? k : k * warp_size] = acc;  // a row's value sits at its warp's lane 0
-    }
+    for (std::size_t k = 0; k < per_block; ++k)  // a row's value sits at its warp's lane 0
+      slot[Kind == item_kind::element ? k : k * warp_size] = acc[b * per_block + k];
     partials[b] = host_block_all_reduce<item_block_threads>(slot, op);
   }
   for (int t = 0; t < item_block_threads; ++t) {
-    T acc = Op::identity();
-    for (std::size_t i = static_cast<std::size_t>(t); i < blocks; i += item_block_threads) acc = op(acc, partials[i]);
-    slot[t] = acc;
+    T total = Op::identity();
+    for (std::size_t i = static_cast<std::size_t>(t); i < blocks; i += item_block_threads) total = op(total, partials[i]);
+    slot[t] = total;
   }
   return host_block_all_reduce<item_block_threads>(slot, op);
 }
@@ -120,16 +122,13 @@ void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body 
                   typename Op::value_type* partials) {
   static_assert(std::is_trivially_copyable_v<Body> && std::is_trivially_copyable_v<Finish>,
                 "mpx: a body is copied to the GPU: pointers and sizes only");
-  using T = typename Op::value_type;
   if constexpr (is_host_executor_v<Exec>) {
-    T* values = host_scratch<T, item_values, 0>(n);
     if constexpr (Kind == item_kind::element) {
-      for (std::size_t i = 0; i < n; ++i) values[i] = body(i);
+      finish(host_reduce_items<Kind>(op, n, body, partials));
     } else {
       host_lanes<warp_size> const lanes{};
-      for (std::size_t r = 0; r < n; ++r) values[r] = body(lanes, r);
+      finish(host_reduce_items<Kind>(op, n, [&](std::size_t r) { return body(lanes, r); }, partials));
     }
-    finish(host_combine_items<Kind>(op, values, n, partials));
   } else {
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>(item_blocks<Kind>(n));

@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(embedding_columns_per_block)
 template <class Exec, class I, class W, class P, class Y>
 void embedding_forward_impl(Exec const& exec, embedding_gather<I, W, P, Y> const& f,
                             std::size_t tokens) {
+  if (tokens * f.width == 0) return;
   check_on_host(exec, [&] { require_ids_in_range("embedding_forward", f.ids, tokens, f.vocab); });
   for_each_index(exec, tokens * f.width, f);
 }

@@ -5,6 +5,7 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/math.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/memory_space.hpp>
@@ -50,7 +51,7 @@ struct loss_sum {
   using value_type = loss_partial;
   MPX_HD static loss_partial identity() noexcept { return {0.0f, 0u, no_bad_label}; }
   MPX_HD loss_partial operator()(loss_partial a, loss_partial b) const noexcept {
-    return {a.sum + b.sum, 0u, a.first_bad < b.first_bad ? a.first_bad : b.first_bad};
+    return {add_rn(a.sum, b.sum), 0u, a.first_bad < b.first_bad ? a.first_bad : b.first_bad};
   }
 };
 
