@@ -7,19 +7,19 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/math.hpp>
+#include <mpx/core/philox.hpp>
+#include <mpx/core/policy.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/core/policy.hpp>
-#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
 #include <mpx/optim/learning_rate.hpp>
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
@@ -348,11 +348,11 @@ class optimizer_core {
   //! step count, values, master weights (when kept), the rounding and its seed, and
   //! slots. Synchronises a cuda_executor.
   void save(Exec const& exec, checkpoint_writer& out) const {
-    out.add("optimizer/kind", as_bytes("mpx::" + kind_));
+    out.add("optimizer/kind", text_bytes("mpx::" + kind_));
     std::string const listing = parameter_listing();
-    out.add("optimizer/parameters", as_bytes(listing));
-    out.add("optimizer/state", as_bytes(state_listing()));
-    out.add("optimizer/master weights", as_bytes(master_listing()));
+    out.add("optimizer/parameters", text_bytes(listing));
+    out.add("optimizer/state", text_bytes(state_listing()));
+    out.add("optimizer/master weights", text_bytes(master_listing()));
     if (master_options_.stochastic_rounding) out.add_value("optimizer/rounding seed", master_options_.seed);
     out.add_value("optimizer/steps", steps(exec));
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -387,11 +387,11 @@ class optimizer_core {
   //! rounding seed is restored from the file, so the resumed run draws as the saved one would.
   template <class LastCheck>
   void load(Exec const& exec, checkpoint_reader const& in, LastCheck&& last_check) {
-    check_section_text(in, "optimizer/kind", "mpx::" + kind_, "optimizer");
-    check_section_text(in, "optimizer/parameters", parameter_listing(), "parameter list");
-    check_section_text(in, "optimizer/state", state_listing(), "state kept per parameter");
+    in.require_text("optimizer/kind", "mpx::" + kind_, "optimizer");
+    in.require_text("optimizer/parameters", parameter_listing(), "parameter list");
+    in.require_text("optimizer/state", state_listing(), "state kept per parameter");
     // Files written before master weights became optional always kept them.
-    std::string const saved_masters = in.contains("optimizer/master weights") ? section_text(in, "optimizer/master weights")
+    std::string const saved_masters = in.contains("optimizer/master weights") ? in.text("optimizer/master weights")
                                                                                : std::string(master_listing_float32);
     if (saved_masters != master_listing())
       in.refuse("it was saved by an optimizer with master weights \"" + saved_masters + "\"; this one has \"" +
@@ -501,42 +501,21 @@ class optimizer_core {
       s += p.name + " " + std::string(to_string(p.value.dtype())) + " " + p.value.shape().to_string() + "\n";
     return s;
   }
-  static std::span<std::byte const> as_bytes(std::string const& s) noexcept {
-    return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
-  }
-  static std::string section_text(checkpoint_reader const& in, std::string const& name) {
-    auto const got = in.section(name);
-    return std::string(reinterpret_cast<char const*>(got.data()), got.size());
-  }
-  static void check_section_text(checkpoint_reader const& in, std::string const& name, std::string const& expected,
-                                 std::string_view what) {
-    std::string const got = section_text(in, name);
-    if (got != expected)
-      in.refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" + got + "\nexpected:\n" +
-                expected);
-  }
+  // The bytes of a tensor of the executor's memory, and back: exec/copy.hpp's rules.
   static std::vector<std::byte> download_bytes(Exec const& exec, void const* from, std::size_t bytes) {
     std::vector<std::byte> out(bytes);
     if (bytes == 0) return out;
-    if constexpr (is_host_executor_v<Exec>) {
-      std::memcpy(out.data(), from, bytes);
-    } else {
-#if MPX_HAS_CUDA_RUNTIME
-      MPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), from, bytes, cudaMemcpyDeviceToHost, exec.stream()));
-      exec.synchronize();
-#endif
-    }
+    shape const flat{static_cast<std::int64_t>(bytes)};
+    copy(exec, tensor_view<std::byte const, space>(static_cast<std::byte const*>(from), flat),
+         tensor_view<std::byte, host_space>(out.data(), flat));
+    exec.synchronize();
     return out;
   }
-  static void upload_bytes([[maybe_unused]] Exec const& exec, void* to, std::span<std::byte const> from) {
+  static void upload_bytes(Exec const& exec, void* to, std::span<std::byte const> from) {
     if (from.empty()) return;
-    if constexpr (is_host_executor_v<Exec>) {
-      std::memcpy(to, from.data(), from.size());
-    } else {
-#if MPX_HAS_CUDA_RUNTIME
-      MPX_CUDA_CHECK(cudaMemcpyAsync(to, from.data(), from.size(), cudaMemcpyHostToDevice, exec.stream()));
-#endif
-    }
+    shape const flat{static_cast<std::int64_t>(from.size())};
+    copy(exec, tensor_view<std::byte const, host_space>(from.data(), flat),
+         tensor_view<std::byte, space>(static_cast<std::byte*>(to), flat));
   }
 
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
@@ -15,7 +16,6 @@
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/row_reduce.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
 
 #include <cmath>
 #include <cstddef>
@@ -367,15 +367,14 @@ class fp8_tensor_scale {
   //! Adds this state to a checkpoint as sections "<name>/format" and "<name>/state"
   //! (save it with the optimizer's state). Synchronises.
   void save(Exec const& exec, detail::checkpoint_writer& out, std::string const& name) const {
-    out.add(name + "/format", format_bytes());
+    out.add(name + "/format", detail::text_bytes(dtype_traits<Format>::name));
     out.add_value(name + "/state", values(exec));
   }
   //! Restores a state saved by save() under `name`. Refuses, with mpx::checkpoint_error
   //! and before changing anything, another format, another history length, and a state
   //! no update could have made (see impossible()).
   void load(Exec const& exec, detail::checkpoint_reader const& in, std::string const& name) {
-    auto const format = in.section(name + "/format");
-    std::string const saved(reinterpret_cast<char const*>(format.data()), format.size());
+    std::string const saved = in.text(name + "/format");
     if (saved != dtype_traits<Format>::name)
       in.refuse("its fp8 scale '" + name + "' is for " + saved + ", this one for " +
                 std::string(dtype_traits<Format>::name) + "; nothing was loaded");
@@ -427,10 +426,6 @@ class fp8_tensor_scale {
     v.inverse_scale = 1.0f / initial_scale;
     v.history_length = history_length;
     return v;
-  }
-  static std::span<std::byte const> format_bytes() noexcept {
-    auto const n = dtype_traits<Format>::name;
-    return {reinterpret_cast<std::byte const*>(n.data()), n.size()};
   }
 
   resident<fp8_scale_values, space> values_;
