@@ -17,3 +17,4 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/core/splitmix64.hpp>
+#include <mpx/core/stochastic_round.hpp>
