@@ -112,8 +112,8 @@ enum class fp8_cast_pass {
   record_only,      //!< folds |x|'s maximum into the step amax, writes nothing (current scaling's first pass)
   cast_only,        //!< writes the cast, records nothing (current scaling's second pass, after its update)
 };
-constexpr bool fp8_pass_writes(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::record_only; }
-constexpr bool fp8_pass_records(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::cast_only; }
+MPX_HD constexpr bool fp8_pass_writes(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::record_only; }
+MPX_HD constexpr bool fp8_pass_records(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::cast_only; }
 
 #if MPX_HAS_CUDA
 //! A grid-stride pass over x: writes out (unless Pass is record_only) and records the
