@@ -10,7 +10,11 @@
 #include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/fnv1a.hpp>
+#include <mpx/core/host_vector.hpp>
 #include <mpx/core/math.hpp>
+#include <mpx/core/philox.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/core/splitmix64.hpp>
+#include <mpx/core/stochastic_round.hpp>

@@ -19,7 +19,7 @@
 #include <mpx/layers/layer_norm.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 
 #include <csignal>
 #include <cstddef>

@@ -6,7 +6,7 @@
 #include "../support/testing.hpp"
 
 #include <mpx/optim/adam.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
 #include <mpx/optim/sgd.hpp>
 #include <mpx/scaling/loss_scaler.hpp>

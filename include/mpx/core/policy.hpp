@@ -6,7 +6,6 @@
 #pragma once
 
 #include <mpx/core/dtype.hpp>
-#include <mpx/core/error.hpp>
 
 #include <array>
 #include <concepts>

@@ -7,7 +7,6 @@
 
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
-#include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor_ref.hpp>
 
 #include <chrono>

@@ -12,12 +12,12 @@
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/core/fnv1a.hpp>
 #include <mpx/dist/communicator.hpp>
 #include <mpx/dist/replica_hooks.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/elementwise.hpp>
-#include <mpx/optim/checkpoint_file.hpp>  // detail::fnv1a, for fingerprints
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 

@@ -6,14 +6,12 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/convert_span.hpp>
-#include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
-#include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/exec/columns.hpp>
 #include <mpx/kernels/elementwise.hpp>

@@ -1,13 +1,13 @@
-// Dropout with a counter-based generator: Philox4x32-10 (Salmon et al., SC'11, as in
-// Random123, cuRAND and PyTorch) is an MPX_HD function, so the host and the GPU draw the
-// same mask bit for bit from (seed, offset, element index), and backward can regenerate
-// the mask instead of storing it.
+// Dropout with a counter-based generator: Philox4x32-10 (core/philox.hpp) is an MPX_HD
+// function, so the host and the GPU draw the same mask bit for bit from (seed, offset,
+// element index), and backward can regenerate the mask instead of storing it.
 #pragma once
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/philox.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/launch.hpp>
@@ -21,34 +21,6 @@
 #include <type_traits>
 
 namespace mpx {
-
-//! Philox's 128-bit counter, four 32-bit words (word 0 least significant).
-struct philox_counter {
-  std::uint32_t v[4];
-};
-//! Philox's 64-bit key, two 32-bit words.
-struct philox_key {
-  std::uint32_t v[2];
-};
-
-//! Philox4x32 with 10 rounds: four random 32-bit words for a (counter, key). Matches
-//! Random123's philox4x32_10 known-answer vectors on host and device.
-MPX_HD constexpr philox_counter philox4x32_10(philox_counter ctr, philox_key key) noexcept {
-  constexpr std::uint32_t m0 = 0xD2511F53u, m1 = 0xCD9E8D57u;
-  constexpr std::uint32_t w0 = 0x9E3779B9u, w1 = 0xBB67AE85u;
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      key.v[0] += w0;
-      key.v[1] += w1;
-    }
-    std::uint64_t const p0 = static_cast<std::uint64_t>(m0) * ctr.v[0];
-    std::uint64_t const p1 = static_cast<std::uint64_t>(m1) * ctr.v[2];
-    auto const hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
-    auto const hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
-    ctr = philox_counter{{hi1 ^ ctr.v[1] ^ key.v[0], lo1, hi0 ^ ctr.v[3] ^ key.v[1], lo0}};
-  }
-  return ctr;
-}
 
 //! Which elements dropout keeps and how much it scales them by.
 struct dropout_options {
@@ -100,51 +72,57 @@ inline dropout_mask_source make_mask_source(std::string_view op, dropout_options
           static_cast<std::uint32_t>(o.offset), static_cast<std::uint32_t>(o.offset >> 32), threshold, o.offset_step};
 }
 
-// Mode: 0 forward writing the mask, 1 forward without it, 2 backward regenerating the
-// mask, 3 backward from a stored mask (no generator). y = x * (kept ? scale : 0), so a
-// NaN in x stays NaN even where it is dropped.
-template <int Mode, class In, class Out>
+//! The four passes of the dropout kernel. Each computes y = x * (kept ? scale : 0), so a
+//! NaN in x stays NaN even where it is dropped; they differ in where `kept` comes from.
+enum class dropout_pass {
+  forward_writing_mask,  //!< draws the mask and stores it (uint8, 0 or 1)
+  forward,               //!< draws the mask, stores nothing
+  backward_redrawn,      //!< draws the forward pass's mask again from the same options
+  backward_from_mask,    //!< reads a stored mask; no generator
+};
+
+template <dropout_pass Pass, class In, class Out>
 MPX_HD inline void dropout_group(dropout_mask_source const& src, In const* in, Out* out, std::uint8_t* mask_out,
                                  std::uint8_t const* mask_in, float scale, std::size_t group, std::size_t n) {
   std::size_t const base = group * 4;
   philox_counter r{};
-  if constexpr (Mode != 3) r = src.draw(group);
+  if constexpr (Pass != dropout_pass::backward_from_mask) r = src.draw(group);
   MPX_UNROLL
   for (int k = 0; k < 4; ++k) {
     std::size_t const i = base + static_cast<std::size_t>(k);
     if (i < n) {
       bool kept;
-      if constexpr (Mode == 3) kept = mask_in[i] != 0;
+      if constexpr (Pass == dropout_pass::backward_from_mask) kept = mask_in[i] != 0;
       else kept = src.keep(r.v[k]);
-      if constexpr (Mode == 0) mask_out[i] = kept ? 1 : 0;
+      if constexpr (Pass == dropout_pass::forward_writing_mask) mask_out[i] = kept ? 1 : 0;
       out[i] = cast<Out>(cast<float>(in[i]) * (kept ? scale : 0.0f));
     }
   }
 }
 
 #if MPX_HAS_CUDA
-template <int Mode, class In, class Out>
+template <dropout_pass Pass, class In, class Out>
 __global__ void __launch_bounds__(block_size)
     dropout_kernel(dropout_mask_source source, In const* in, Out* out, std::uint8_t* mask_out,
                    std::uint8_t const* mask_in, float scale, std::size_t groups, std::size_t n) {
   dropout_mask_source const src = source.resolved();
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
-    dropout_group<Mode>(src, in, out, mask_out, mask_in, scale, g, n);
+    dropout_group<Pass>(src, in, out, mask_out, mask_in, scale, g, n);
 }
 #endif
 
-template <int Mode, class Exec, class In, class Out>
+template <dropout_pass Pass, class Exec, class In, class Out>
 void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& src, In const* in, Out* out,
                  std::uint8_t* mask_out, std::uint8_t const* mask_in, float scale, std::size_t n) {
   if (n == 0) return;
   std::size_t const groups = (n + 3) / 4;
   if constexpr (is_host_executor_v<Exec>) {
     auto const resolved = src.resolved();
-    for (std::size_t g = 0; g < groups; ++g) dropout_group<Mode>(resolved, in, out, mask_out, mask_in, scale, g, n);
+    for (std::size_t g = 0; g < groups; ++g) dropout_group<Pass>(resolved, in, out, mask_out, mask_in, scale, g, n);
   } else {
 #if MPX_HAS_CUDA
-    dropout_kernel<Mode><<<grid_for(groups), block_size, 0, exec.stream()>>>(src, in, out, mask_out, mask_in, scale,
+    dropout_kernel<Pass><<<grid_for(groups), block_size, 0, exec.stream()>>>(src, in, out, mask_out, mask_in, scale,
                                                                               groups, n);
     MPX_CUDA_CHECK_LAUNCH("mpx::dropout_kernel");
 #else
@@ -210,7 +188,7 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
   detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
   auto const src = detail::make_mask_source("dropout_forward", options);
-  detail::dropout_run<1>(exec, src, xv.data(), yv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
+  detail::dropout_run<detail::dropout_pass::forward>(exec, src, xv.data(), yv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
                          xv.size());
 }
 
@@ -227,7 +205,7 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
   detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
   detail::require_same_shape("dropout_forward", xv.shape(), mv.shape());
   auto const src = detail::make_mask_source("dropout_forward", options);
-  detail::dropout_run<0>(exec, src, xv.data(), yv.data(), mv.data(), nullptr, detail::dropout_scale(options.rate),
+  detail::dropout_run<detail::dropout_pass::forward_writing_mask>(exec, src, xv.data(), yv.data(), mv.data(), nullptr, detail::dropout_scale(options.rate),
                          xv.size());
 }
 
@@ -241,7 +219,7 @@ void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy,
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
   detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
   auto const src = detail::make_mask_source("dropout_backward", options);
-  detail::dropout_run<2>(exec, src, dyv.data(), dxv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
+  detail::dropout_run<detail::dropout_pass::backward_redrawn>(exec, src, dyv.data(), dxv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
                          dyv.size());
 }
 
@@ -259,7 +237,7 @@ void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy,
   detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
   detail::require_same_shape("dropout_backward", dyv.shape(), mv.shape());
   auto const src = detail::make_mask_source("dropout_backward", options);
-  detail::dropout_run<3>(exec, src, dyv.data(), dxv.data(), nullptr, mv.data(), detail::dropout_scale(options.rate),
+  detail::dropout_run<detail::dropout_pass::backward_from_mask>(exec, src, dyv.data(), dxv.data(), nullptr, mv.data(), detail::dropout_scale(options.rate),
                          dyv.size());
 }
 

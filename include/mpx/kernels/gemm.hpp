@@ -9,6 +9,7 @@
 #include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/host_vector.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
@@ -231,12 +232,6 @@ struct strided_matrix {
   std::int64_t rs, cs;
   [[nodiscard]] float at(std::int64_t i, std::int64_t j) const { return widen_to_float_fast(p[i * rs + j * cs]); }
 };
-
-#if defined(__GNUC__)
-// Four floats as one SSE register: GCC at -O2 does not vectorise plain loops here (its
-// "very cheap" cost model), and the micro-kernel is where all the time goes.
-using float4_vector = float __attribute__((vector_size(16)));
-#endif
 
 //! acc[rows x cols] (+)= the MR x NR tile of ap (kc x MR) times bp (kc x NR).
 inline void gemm_micro_kernel(std::int64_t kc, float const* __restrict ap, float const* __restrict bp,

@@ -4,17 +4,17 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
-#include <mpx/core/convert_span.hpp>
 #include <mpx/core/config.hpp>
+#include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/host_vector.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/gemm.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -119,19 +119,6 @@ MPX_HD inline pool_window window_of(pool_geometry const& g, std::int64_t oh, std
 
 // ---- host -----------------------------------------------------------------------------
 
-#if defined(__GNUC__)
-// Four channels at a time in SSE registers (GCC/Clang vector types, as gemm.hpp's
-// micro-kernel): GCC at -O2 does not vectorise the plain channel loop, and the scan is
-// most of a pooling layer's time.
-using int4_vector = std::int32_t __attribute__((vector_size(16)));
-
-inline float4_vector load_float4(float const* p) noexcept {
-  float4_vector v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-#endif
-
 //! For every channel of window `win` of one image (image points at its [H, W, C]
 //! block, of fewer than 2^31 elements, as floats): at[ch] = the offset in the image of
 //! the element the window selects in channel ch. The channel loop is innermost:
@@ -143,6 +130,8 @@ inline void host_window_select(pool_geometry const& g, float const* image, pool_
   auto const first = static_cast<std::int32_t>((win.h0 * g.w + win.w0) * c);
   std::int64_t ch = 0;
 #if defined(__GNUC__)
+  // Four channels at a time in SSE registers (core/host_vector.hpp): the scan is most of
+  // a pooling layer's time.
   for (; ch + 4 <= c; ch += 4) {
     int4_vector const lanes = {0, 1, 2, 3};
     float4_vector best = load_float4(image + first + ch);

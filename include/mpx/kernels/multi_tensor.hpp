@@ -8,7 +8,6 @@
 
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
-#include <mpx/exec/launch.hpp>
 
 #include <array>
 #include <cstddef>

@@ -16,7 +16,6 @@
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/kernels/activation.hpp>
 #include <mpx/optim/parameter.hpp>
 
 #include <concepts>

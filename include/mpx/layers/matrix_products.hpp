@@ -9,6 +9,7 @@
 // the host runs the same calls and refuses what the GPU would.
 #pragma once
 
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
@@ -17,7 +18,6 @@
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/layer.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
 #include <mpx/scaling/fp8_scaling.hpp>
 
 #include <algorithm>

@@ -1,17 +1,15 @@
 // Saving and loading a sequential model's weights (and its layers' non-trainable state,
 // such as batch norm's running statistics), safely: the file is versioned and
-// checksummed and written atomically (optim/checkpoint_file.hpp), and a load checks
+// checksummed and written atomically (core/checkpoint_file.hpp), and a load checks
 // every tensor's name, dtype and shape before it writes any, so a refused file leaves
 // the model as it was. A whole training run (this file, the optimizer with its loss
 // scaler, the layers' counters, the position in the data) is saved and resumed by
 // save_training_state / load_training_state (model/training_state.hpp).
 #pragma once
 
-#include <mpx/core/error.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/tensor_ref.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
-#include <mpx/optim/parameter.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -46,7 +44,7 @@ void save_model(Exec const& exec, Model& model, std::filesystem::path const& pat
   detail::checkpoint_writer out("mpx::sequential");
   for (auto const& [name, t] : detail::model_tensors<Space>(model)) {
     std::string const header = detail::describe_tensor(t.dtype(), t.shape());
-    out.add(name + "#type", std::span<std::byte const>(reinterpret_cast<std::byte const*>(header.data()), header.size()));
+    out.add(name + "#type", detail::text_bytes(header));
     std::vector<std::byte> bytes(t.size_bytes());
     tensor_view<std::byte const, Space> src(static_cast<std::byte const*>(t.data()), shape{static_cast<std::int64_t>(bytes.size())});
     copy(exec, src, tensor_view<std::byte, host_space>(bytes.data(), src.shape()));
@@ -83,8 +81,7 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
       missing.push_back(name);
       continue;
     }
-    auto const header = in.section(name + "#type");
-    std::string const saved(reinterpret_cast<char const*>(header.data()), header.size());
+    std::string const saved = in.text(name + "#type");
     std::string const here = detail::describe_tensor(t.dtype(), t.shape());
     if (saved != here)
       in.refuse("its '" + name + "' is " + saved + " but this model's is " + here + "; nothing was loaded");

@@ -14,11 +14,11 @@
 #include <mpx/core/error.hpp>
 #include <mpx/dist/replica_hooks.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
+#include <mpx/kernels/step_record.hpp>
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
@@ -38,16 +38,6 @@
 
 namespace mpx {
 
-//! What one training step leaves behind, read with classifier_trainer::history().
-struct step_record {
-  float loss = 0;                 //!< mean cross-entropy of the batch (unscaled)
-  float loss_scale = 0;           //!< the scale the step's gradients were computed with
-  std::uint32_t skipped = 0;      //!< 1 when a gradient was NaN or inf and the update was skipped
-  std::uint32_t correct = 0;      //!< samples whose arg-max logit was the label
-  std::uint32_t samples = 0;      //!< batch size
-  float gradient_norm = 0;        //!< global L2 norm of the unscaled gradients
-};
-
 namespace detail {
 
 //! A value that tells a batch's element types apart (float images, half images, int32
@@ -59,85 +49,13 @@ constexpr void const* batch_type_key() noexcept {
   return &batch_type_tag<T>;
 }
 
-//! Index of the largest of n values, the first on ties (-inf included); -1, which no
-//! label equals, when the row holds a NaN (a diverged model predicts nothing) or is empty.
-template <class T>
-MPX_HD std::int32_t argmax_row(T const* row, std::int64_t n) {
-  if (n <= 0) return -1;
-  std::int32_t best = 0;
-  float bv = cast<float>(row[0]);
-  if (bv != bv) return -1;
-  for (std::int64_t j = 1; j < n; ++j) {
-    float const v = cast<float>(row[j]);
-    if (v != v) return -1;
-    if (v > bv) {
-      bv = v;
-      best = static_cast<std::int32_t>(j);
-    }
-  }
-  return best;
-}
-
-//! Whether a row of logits predicts `label` (never when argmax_row gives -1).
-template <class T>
-MPX_HD bool predicts(T const* row, std::int64_t n, std::int32_t label) {
-  std::int32_t const best = argmax_row(row, n);
-  return best >= 0 && best == label;
-}
-
-//! Fills a step's record from the loss, the scale, the check's verdict and the batch
-//! size; `correct` (counted before) is kept. `scale` may point into *out.
-template <class T>
-MPX_HD void write_step_record(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
-                              std::uint32_t samples) {
-  out->loss = *loss;
-  out->loss_scale = *scale;
-  out->skipped = s->found_nonfinite ? 1u : 0u;
-  out->samples = samples;
-  out->gradient_norm = s->norm;
-}
-
-#if MPX_HAS_CUDA
-template <class T>
-__global__ void count_correct_kernel(T const* logits, std::int32_t const* labels, std::int64_t rows, std::int64_t cols,
-                                     step_record* out) {
-  // Grid-stride: any number of rows fits a grid sized to the device.
-  std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += stride)
-    if (predicts(logits + r * cols, cols, labels[r])) atomicAdd(&out->correct, 1u);
-}
-template <class T>
-__global__ void step_record_kernel(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
-                                   std::uint32_t samples) {
-  write_step_record<T>(out, loss, scale, s, samples);
-}
-#endif
-
-//! Writes *out (in the executor's space) as the last act of a training step; see
-//! write_step_record. Enqueued only on a cuda_executor. (A function of its own so that
-//! the record's kernel can be tested without a trainer.)
-template <executor Exec>
-void record_step([[maybe_unused]] Exec const& exec, step_record* out, float const* loss, float const* scale,
-                 gradient_summary const* summary, std::uint32_t samples) {
-  if constexpr (is_host_executor_v<Exec>) {
-    write_step_record<float>(out, loss, scale, summary, samples);
-  } else {
-#if MPX_HAS_CUDA
-    step_record_kernel<float><<<1, 1, 0, exec.stream()>>>(out, loss, scale, summary, samples);
-    MPX_CUDA_CHECK_LAUNCH("mpx::step_record_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
-}
-
 }  // namespace detail
 
 //! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label
 //! (the first of tied maxima; a row holding a NaN logit never counts). Sequences: logits
 //! [batch, tokens, classes] and labels [batch, tokens] count every token.
 template <executor Exec, class T, class Space = memory_space_t<Exec>>
-void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space> logits, tensor_view<std::int32_t const, Space> labels,
+void count_correct(Exec const& exec, tensor_view<T const, Space> logits, tensor_view<std::int32_t const, Space> labels,
                    step_record* record) {
   auto const rows = static_cast<std::int64_t>(labels.size());
   bool matches = logits.shape().rank() == labels.shape().rank() + 1;
@@ -147,20 +65,7 @@ void count_correct([[maybe_unused]] Exec const& exec, tensor_view<T const, Space
                                                         labels.shape().to_string() + " hold different batches");
   std::int64_t const cols = rows ? static_cast<std::int64_t>(logits.size()) / rows : 0;
   if (rows == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    for (std::int64_t r = 0; r < rows; ++r)
-      record->correct += detail::predicts(logits.data() + r * cols, cols, labels.data()[r]);
-  } else {
-#if MPX_HAS_CUDA
-    // One thread per row would need more than 2^31 - 1 blocks past 2^39 rows.
-    unsigned const blocks = detail::grid_for(static_cast<std::size_t>(rows));
-    detail::count_correct_kernel<<<blocks, detail::block_size, 0, exec.stream()>>>(logits.data(), labels.data(), rows,
-                                                                                   cols, record);
-    MPX_CUDA_CHECK_LAUNCH("mpx::count_correct_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::count_correct_pass(exec, logits.data(), labels.data(), rows, cols, record);
 }
 
 //! Trains a classifier (a sequential model whose output, or whose final softmax's input,

@@ -12,13 +12,13 @@
 // when the process died before the rename, the previous one.
 #pragma once
 
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/model_file.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -64,10 +64,6 @@ std::vector<std::pair<std::string, std::uint64_t*>> model_seeds(Model& model) {
     if constexpr (requires { layer.append_seeds(out); }) layer.append_seeds(out);
   });
   return out;
-}
-
-inline std::span<std::byte const> text_bytes(std::string const& s) noexcept {
-  return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
 }
 
 //! The number of the save after the one training_state.mpx names (1 when there is none
@@ -196,8 +192,7 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
   using Space = memory_space_t<Exec>;
   detail::checkpoint_reader const in(directory / detail::training_state_file, "mpx::training_state");
   auto file_name = [&](std::string const& section, std::string_view prefix) {
-    auto const bytes = in.section(section);
-    std::string name(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+    std::string name = in.text(section);
     if (!detail::is_save_file_name(name, prefix))
       in.refuse("its " + section + " is not a file name this library writes");
     return name;

@@ -6,10 +6,9 @@
 // no host synchronisation, so a whole step can be captured in a CUDA graph.
 #pragma once
 
-#include <mpx/core/error.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/kernels/elementwise.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
 #include <mpx/scaling/loss_scaler.hpp>
 
 #include <algorithm>
@@ -159,7 +158,7 @@ class loss_scale_optimizer {
   void save(Exec const& exec, std::filesystem::path const& path) const {
     detail::checkpoint_writer out("mpx::loss_scale_optimizer");
     optimizer_.save(exec, out);
-    out.add("scaler/kind", scaler_kind_bytes());
+    out.add("scaler/kind", detail::text_bytes(Scaler::kind));
     out.add_value("scaler/state", scaler_.state(exec));
     out.add_value("scaler/rule", scaler_.rule());
     out.commit(path);
@@ -172,11 +171,9 @@ class loss_scale_optimizer {
   template <class Exec>
   void load(Exec const& exec, std::filesystem::path const& path) {
     detail::checkpoint_reader in(path, "mpx::loss_scale_optimizer");
-    auto const kind = in.section("scaler/kind");
-    if (!std::ranges::equal(kind, scaler_kind_bytes()))
-      in.refuse("the checkpoint's loss scaler is a " +
-                std::string(reinterpret_cast<char const*>(kind.data()), kind.size()) + ", this one is a " +
-                std::string(Scaler::kind) + "; nothing was loaded");
+    if (std::string const kind = in.text("scaler/kind"); kind != Scaler::kind)
+      in.refuse("the checkpoint's loss scaler is a " + kind + ", this one is a " + std::string(Scaler::kind) +
+                "; nothing was loaded");
     // The state is restored; the rule (growth interval, bounds) stays this scaler's, so
     // a resumed run may change it. The saved rule is what the state must agree with.
     auto state = in.value<loss_scale_state>("scaler/state");
@@ -191,10 +188,6 @@ class loss_scale_optimizer {
   }
 
  private:
-  static std::span<std::byte const> scaler_kind_bytes() noexcept {
-    return {reinterpret_cast<std::byte const*>(Scaler::kind.data()), Scaler::kind.size()};
-  }
-
   Optimizer optimizer_;
   Scaler scaler_;
   loss_scale_optimizer_options options_;

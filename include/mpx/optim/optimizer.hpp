@@ -3,23 +3,22 @@
 // the executor, and one fused multi-tensor kernel per dtype per step that reads the
 // gradient check's verdict on the device, leaves everything untouched when it says skip,
 // and otherwise updates the weight in float and writes it back rounded to the storage
-// type (to nearest even, or stochastically). sgd.hpp and adam.hpp supply the update rules.
+// type (to nearest even, or stochastically). sgd.hpp and adam.hpp supply the update rules;
+// the kernel is kernels/optimizer_update.hpp.
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
-#include <mpx/core/math.hpp>
+#include <mpx/core/policy.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
 #include <mpx/exec/resident.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/core/policy.hpp>
-#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
-#include <mpx/optim/checkpoint_file.hpp>
+#include <mpx/kernels/optimizer_update.hpp>
 #include <mpx/optim/learning_rate.hpp>
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
@@ -71,166 +70,6 @@ constexpr master_weight_options master_weights_for(bool stochastic_rounding = fa
 }  // namespace mpx
 
 namespace mpx::detail {
-
-//! Rounds x to bfloat16 or half, up (in magnitude) with probability equal to its
-//! distance to the lower-magnitude neighbour over the gap between the neighbours;
-//! `random` is 32 uniform bits. Non-finite values and overflow round as cast does.
-template <class T>
-MPX_HD inline T stochastic_round(float x, std::uint32_t random) noexcept {
-  static_assert(std::is_same_v<T, bfloat16> || std::is_same_v<T, half>,
-                "mpx: stochastic rounding is defined for bfloat16 and half");
-  if constexpr (std::is_same_v<T, bfloat16>) {
-    std::uint32_t const u = bit_cast<std::uint32_t>(x);
-    if ((u & 0x7F80'0000u) == 0x7F80'0000u) return cast<bfloat16>(x);
-    // Adding r < 2^16 to the 16 bits dropped carries into the kept ones exactly when
-    // r >= 2^16 - dropped: probability dropped / 2^16. Carries reach inf only past max.
-    return from_bits<bfloat16>(static_cast<std::uint16_t>((u + (random & 0xFFFFu)) >> 16));
-  } else {
-    T const nearest = cast<T>(x);
-    float const n = cast<float>(nearest);
-    if (n == x || !(n - n == 0)) return nearest;  // exact, or overflowed to inf, or NaN
-    // The other neighbour is one code further from zero when |x| > |n|, one closer otherwise.
-    bool const beyond = (x < 0 ? -x : x) > (n < 0 ? -n : n);
-    T const other = from_bits<T>(static_cast<bits_t<T>>(beyond ? bits(nearest) + 1u : bits(nearest) - 1u));
-    float const o = cast<float>(other);
-    if (!(o - o == 0)) return nearest;  // the next code up is inf: x lies between max and the overflow threshold
-    float const lo = beyond ? n : o, hi = beyond ? o : n;  // lower and higher magnitude
-    float const p_up = (x - lo) / (hi - lo);               // both same sign: a ratio in (0, 1)
-    float const u = static_cast<float>(random >> 8) * 0x1p-24f;
-    return u < p_up ? (beyond ? other : nearest) : (beyond ? nearest : other);
-  }
-}
-
-//! How update_elements writes a 16-bit result back: to nearest even, or stochastically
-//! with Philox draws keyed by the seed and counted by (element, parameter, step).
-struct weight_rounding {
-  bool stochastic = false;
-  std::uint64_t seed = 0;
-  //! Index of the table's first parameter among the optimizer's parameters of its dtype,
-  //! dtype in the top byte: the `parameter` word of the counter.
-  std::uint32_t first_stream = 0;
-
-  //! 4 random words for elements 4q .. 4q + 3 of parameter `stream` at step `step`.
-  [[nodiscard]] MPX_HD philox_counter draws(std::uint64_t step, std::uint32_t stream, std::uint64_t q) const noexcept {
-    return philox4x32_10(
-        philox_counter{{static_cast<std::uint32_t>(q), static_cast<std::uint32_t>(q >> 32), stream,
-                        static_cast<std::uint32_t>(step)}},
-        philox_key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32) ^
-                                                          static_cast<std::uint32_t>(step >> 32)}});
-  }
-};
-
-//! The rounding of one table's updates: where its random draws start.
-struct rounding_position {
-  std::uint64_t step;     // the step being applied, 1, 2, ...
-  std::uint32_t stream;   // the parameter
-  std::size_t element0;   // index of value[0] within the parameter
-};
-
-//! Updates elements [i, i + N) of one parameter: the float master weight (the value
-//! itself for float parameters; none when master is null), the rule's slots, and the
-//! stored value.
-template <int N, class T, class Rule>
-MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants const& c, float factor, std::size_t i,
-                                   T* value, T const* gradient, float* master, float* const* slot,
-                                   weight_rounding const& rounding = {}, rounding_position const& at = {}) {
-  constexpr int slots = Rule::slots;
-  auto const g = *reinterpret_cast<aligned_vector<T, N> const*>(gradient + i);
-  aligned_vector<float, N> w;
-  if constexpr (std::is_same_v<T, float>) {
-    w = *reinterpret_cast<aligned_vector<float, N> const*>(value + i);
-  } else if (master) {
-    w = *reinterpret_cast<aligned_vector<float, N> const*>(master + i);
-  } else {
-    auto const v = *reinterpret_cast<aligned_vector<T, N> const*>(value + i);
-    MPX_UNROLL
-    for (int k = 0; k < N; ++k) w.v[k] = cast<float>(v.v[k]);
-  }
-  // Value-initialised: a slot the rule does not use (SGD without momentum) is never
-  // loaded, and is still copied below.
-  aligned_vector<float, N> s[slots > 0 ? slots : 1] = {};
-  for (int j = 0; j < slots; ++j)
-    if (rule.uses_slot(j)) s[j] = *reinterpret_cast<aligned_vector<float, N> const*>(slot[j] + i);
-  aligned_vector<T, N> out;
-  [[maybe_unused]] philox_counter r{};
-  MPX_UNROLL
-  for (int k = 0; k < N; ++k) {
-    float sk[slots > 0 ? slots : 1] = {};
-    for (int j = 0; j < slots; ++j) sk[j] = s[j].v[k];
-    rule(c, w.v[k], mul_rn(cast<float>(g.v[k]), factor), sk);
-    for (int j = 0; j < slots; ++j) s[j].v[k] = sk[j];
-    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, half>) {
-      if (rounding.stochastic) {
-        std::uint64_t const e = at.element0 + i + static_cast<std::size_t>(k);
-        if (k == 0 || e % 4 == 0) r = rounding.draws(at.step, at.stream, e / 4);
-        out.v[k] = stochastic_round<T>(w.v[k], r.v[e % 4]);
-        continue;
-      }
-    }
-    out.v[k] = cast<T>(w.v[k]);
-  }
-  for (int j = 0; j < slots; ++j)
-    if (rule.uses_slot(j)) *reinterpret_cast<aligned_vector<float, N>*>(slot[j] + i) = s[j];
-  if constexpr (!std::is_same_v<T, float>)
-    if (master) *reinterpret_cast<aligned_vector<float, N>*>(master + i) = w;
-  *reinterpret_cast<aligned_vector<T, N>*>(value + i) = out;
-}
-
-//! Pointers in a table row: value, gradient, master (the value for a float parameter,
-//! null for a 16-bit one without master weights), then the rule's slots.
-inline constexpr int fixed_lists = 3;
-
-template <class T, class Rule, int Lists>
-void host_optimizer_step(tensor_table<Lists> const& table, Rule const& rule, std::uint64_t steps,
-                         gradient_summary const* verdict, weight_rounding const& rounding = {}) {
-  if (verdict && verdict->found_nonfinite) return;
-  float const factor = verdict ? verdict->gradient_factor : 1.0f;
-  auto const c = rule.at(steps + 1);
-  for (std::uint32_t t = 0; t < table.count; ++t) {
-    float* slot[Lists - fixed_lists > 0 ? Lists - fixed_lists : 1];
-    for (int j = 0; j < Lists - fixed_lists; ++j) slot[j] = static_cast<float*>(table.data[fixed_lists + j][t]);
-    for (std::size_t i = 0; i < table.size[t]; ++i)
-      update_elements<1>(rule, c, factor, i, static_cast<T*>(table.data[0][t]), static_cast<T const*>(table.data[1][t]),
-                         static_cast<float*>(table.data[2][t]), slot, rounding,
-                         rounding_position{steps + 1, rounding.first_stream + t, 0});
-  }
-}
-
-#if MPX_HAS_CUDA
-template <class T, class Rule, int Lists>
-__global__ void __launch_bounds__(block_size)
-    optimizer_step_kernel(tensor_table<Lists> const table, Rule const rule, std::uint64_t const* __restrict__ steps,
-                          gradient_summary const* __restrict__ verdict, weight_rounding const rounding = {}) {
-  // The verdict is one value for the whole grid: every block returns, or none does.
-  if (verdict && verdict->found_nonfinite) return;
-  float const factor = verdict ? verdict->gradient_factor : 1.0f;
-  std::uint64_t const step = *steps + 1;
-  auto const c = rule.at(step);
-  chunk_location const loc = locate_chunk(table, blockIdx.x);
-  T* const value = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-  T const* const gradient = static_cast<T const*>(table.data[1][loc.tensor]) + loc.begin;
-  float* const master =
-      table.data[2][loc.tensor] ? static_cast<float*>(table.data[2][loc.tensor]) + loc.begin : nullptr;
-  constexpr int slots = Lists - fixed_lists;
-  float* slot[slots > 0 ? slots : 1];
-  bool aligned = vector_aligned<vector_width<T, float>>(value, gradient, master);
-  for (int j = 0; j < slots; ++j) {
-    slot[j] = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]) + loc.begin;
-    aligned = aligned && vector_aligned<vector_width<T, float>>(slot[j]);
-  }
-  // Several pointers: vectorised only when all start on a boundary (the float master and
-  // slots always do; a 16-bit value carved out of a packed buffer may not).
-  for_each_in_chunk<vector_width<T, float>>(loc.count, 0, aligned, [&](auto w, std::size_t i) {
-    update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot, rounding,
-                                        rounding_position{step, rounding.first_stream + loc.tensor, loc.begin});
-  });
-}
-
-template <class Counter>
-__global__ void advance_step_count_kernel(Counter* steps) {
-  ++*steps;
-}
-#endif
 
 //! The shared machinery of sgd, adam and adamw (see the header comment). Rule is the
 //! update rule: `slots` floats per element, `uses_slot(j)`, `at(step)` giving the
@@ -292,20 +131,13 @@ class optimizer_core {
   //! One plain step with the current gradients: no finiteness check, no clipping.
   void step(Exec const& exec) {
     apply(exec, nullptr);
-    if constexpr (is_host_executor_v<Exec>) {
-      ++*steps_.get();
-    } else {
-#if MPX_HAS_CUDA
-      advance_step_count_kernel<<<1, 1, 0, exec.stream()>>>(steps_.get());
-      MPX_CUDA_CHECK_LAUNCH("mpx::advance_step_count_kernel");
-#endif
-    }
+    advance_step_count(exec, steps_.get());
   }
 
   //! The update alone, reading `verdict` (may be null) on the executor: skipped entirely
   //! when it found a non-finite gradient, gradients multiplied by its gradient_factor
   //! (unscaling and clipping) otherwise. Does not advance the step count (the caller does, when applied).
-  void apply([[maybe_unused]] Exec const& exec, gradient_summary const* verdict) {
+  void apply(Exec const& exec, gradient_summary const* verdict) {
     require_slots();
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
       visit_dtype(all_dtypes[d], [&](auto t) {
@@ -313,18 +145,7 @@ class optimizer_core {
         weight_rounding rounding{master_options_.stochastic_rounding, master_options_.seed,
                                  static_cast<std::uint32_t>(d) << 24};
         for (auto const& table : plans_[d].tables) {
-          if constexpr (is_host_executor_v<Exec>) {
-            host_optimizer_step<T>(table, rule_, *steps_.get(), verdict, rounding);
-          } else {
-#if MPX_HAS_CUDA
-            if (table.blocks() == 0) continue;
-            optimizer_step_kernel<T><<<table.blocks(), block_size, 0, exec.stream()>>>(table, rule_, steps_.get(),
-                                                                                      verdict, rounding);
-            MPX_CUDA_CHECK_LAUNCH("mpx::optimizer_step_kernel");
-#else
-            kernels_need_nvcc<Exec>();
-#endif
-          }
+          optimizer_update_pass<T>(exec, table, rule_, steps_.get(), verdict, rounding);
           rounding.first_stream += table.count;
         }
       });
@@ -348,11 +169,11 @@ class optimizer_core {
   //! step count, values, master weights (when kept), the rounding and its seed, and
   //! slots. Synchronises a cuda_executor.
   void save(Exec const& exec, checkpoint_writer& out) const {
-    out.add("optimizer/kind", as_bytes("mpx::" + kind_));
+    out.add("optimizer/kind", text_bytes("mpx::" + kind_));
     std::string const listing = parameter_listing();
-    out.add("optimizer/parameters", as_bytes(listing));
-    out.add("optimizer/state", as_bytes(state_listing()));
-    out.add("optimizer/master weights", as_bytes(master_listing()));
+    out.add("optimizer/parameters", text_bytes(listing));
+    out.add("optimizer/state", text_bytes(state_listing()));
+    out.add("optimizer/master weights", text_bytes(master_listing()));
     if (master_options_.stochastic_rounding) out.add_value("optimizer/rounding seed", master_options_.seed);
     out.add_value("optimizer/steps", steps(exec));
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -387,11 +208,11 @@ class optimizer_core {
   //! rounding seed is restored from the file, so the resumed run draws as the saved one would.
   template <class LastCheck>
   void load(Exec const& exec, checkpoint_reader const& in, LastCheck&& last_check) {
-    check_section_text(in, "optimizer/kind", "mpx::" + kind_, "optimizer");
-    check_section_text(in, "optimizer/parameters", parameter_listing(), "parameter list");
-    check_section_text(in, "optimizer/state", state_listing(), "state kept per parameter");
+    in.require_text("optimizer/kind", "mpx::" + kind_, "optimizer");
+    in.require_text("optimizer/parameters", parameter_listing(), "parameter list");
+    in.require_text("optimizer/state", state_listing(), "state kept per parameter");
     // Files written before master weights became optional always kept them.
-    std::string const saved_masters = in.contains("optimizer/master weights") ? section_text(in, "optimizer/master weights")
+    std::string const saved_masters = in.contains("optimizer/master weights") ? in.text("optimizer/master weights")
                                                                                : std::string(master_listing_float32);
     if (saved_masters != master_listing())
       in.refuse("it was saved by an optimizer with master weights \"" + saved_masters + "\"; this one has \"" +
@@ -501,42 +322,21 @@ class optimizer_core {
       s += p.name + " " + std::string(to_string(p.value.dtype())) + " " + p.value.shape().to_string() + "\n";
     return s;
   }
-  static std::span<std::byte const> as_bytes(std::string const& s) noexcept {
-    return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
-  }
-  static std::string section_text(checkpoint_reader const& in, std::string const& name) {
-    auto const got = in.section(name);
-    return std::string(reinterpret_cast<char const*>(got.data()), got.size());
-  }
-  static void check_section_text(checkpoint_reader const& in, std::string const& name, std::string const& expected,
-                                 std::string_view what) {
-    std::string const got = section_text(in, name);
-    if (got != expected)
-      in.refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" + got + "\nexpected:\n" +
-                expected);
-  }
+  // The bytes of a tensor of the executor's memory, and back: exec/copy.hpp's rules.
   static std::vector<std::byte> download_bytes(Exec const& exec, void const* from, std::size_t bytes) {
     std::vector<std::byte> out(bytes);
     if (bytes == 0) return out;
-    if constexpr (is_host_executor_v<Exec>) {
-      std::memcpy(out.data(), from, bytes);
-    } else {
-#if MPX_HAS_CUDA_RUNTIME
-      MPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), from, bytes, cudaMemcpyDeviceToHost, exec.stream()));
-      exec.synchronize();
-#endif
-    }
+    shape const flat{static_cast<std::int64_t>(bytes)};
+    copy(exec, tensor_view<std::byte const, space>(static_cast<std::byte const*>(from), flat),
+         tensor_view<std::byte, host_space>(out.data(), flat));
+    exec.synchronize();
     return out;
   }
-  static void upload_bytes([[maybe_unused]] Exec const& exec, void* to, std::span<std::byte const> from) {
+  static void upload_bytes(Exec const& exec, void* to, std::span<std::byte const> from) {
     if (from.empty()) return;
-    if constexpr (is_host_executor_v<Exec>) {
-      std::memcpy(to, from.data(), from.size());
-    } else {
-#if MPX_HAS_CUDA_RUNTIME
-      MPX_CUDA_CHECK(cudaMemcpyAsync(to, from.data(), from.size(), cudaMemcpyHostToDevice, exec.stream()));
-#endif
-    }
+    shape const flat{static_cast<std::int64_t>(from.size())};
+    copy(exec, tensor_view<std::byte const, host_space>(from.data(), flat),
+         tensor_view<std::byte, space>(static_cast<std::byte*>(to), flat));
   }
 
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints

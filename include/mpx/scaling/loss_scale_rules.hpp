@@ -1,31 +1,18 @@
-// The state a loss scaler keeps where the executor computes, and the rules that update
-// it after each step. Plain data and MPX_HD functions, so the host and the GPU run the
-// same code and make the same decision at every step. Presets reproduce Keras's
-// LossScaleOptimizer and PyTorch's GradScaler (docs/loss_scaling.md states both rules).
+// The rules that update a loss scaler's state (mpx::loss_scale_state, defined in
+// kernels/loss_scale_update.hpp beside the pass that applies them) after each step.
+// Plain data and MPX_HD functions, so the host and the GPU run the same code and make
+// the same decision at every step. Presets reproduce Keras's LossScaleOptimizer and
+// PyTorch's GradScaler (docs/loss_scaling.md states both rules).
 #pragma once
 
 #include <mpx/core/config.hpp>
 #include <mpx/core/dtype.hpp>
+#include <mpx/kernels/loss_scale_update.hpp>
 
 #include <cstdint>
 #include <limits>
 
 namespace mpx {
-
-//! A scaler's state, updated once per step on the executor.
-struct loss_scale_state {
-  float scale = 1;                     //!< the factor the loss (and so every gradient) is multiplied by
-  std::int32_t good_steps = 0;         //!< finite steps since the scale last changed or overflowed
-  std::int32_t overflows_left = 1;     //!< non-finite steps still tolerated before backing off (hysteresis)
-  //! Always 0: the four bytes the alignment of applied_steps needs, named so that every
-  //! byte of a saved state is defined (two saves of the same state are the same bytes).
-  std::uint32_t unused = 0;
-  std::uint64_t applied_steps = 0;     //!< steps whose update was applied
-  std::uint64_t skipped_steps = 0;     //!< steps skipped because a gradient was NaN or ±inf
-  std::uint32_t overflows_at_minimum = 0;  //!< consecutive non-finite steps taken at the minimum scale
-  std::uint32_t last_step_skipped = 0;     //!< 1 when the latest step was skipped
-};
-static_assert(sizeof(loss_scale_state) == 40, "loss_scale_state has no padding: a checkpoint writes all of its bytes");
 
 //! A dynamic scale: grow after `growth_interval` finite steps in a row, back off when a
 //! step overflows, skip that step, stay within [min_scale, max_scale].

@@ -45,47 +45,6 @@ struct loss_scale_report {
 
 namespace detail {
 
-//! What the host polls without waiting: the step at which the latest run of overflows
-//! at the minimum reached report_after (consecutive == 0: no run has yet). Written by
-//! the device as one 16-byte store, once per run, at that step and never after: however
-//! late the host reads it, it reads that step's values, not a later step's.
-struct alignas(16) stuck_signal {
-  std::uint32_t consecutive;
-  std::uint32_t streak;  //!< identifies the run of overflows (the skipped count when it began)
-  std::int32_t first_nonfinite;
-  float scale;
-};
-
-//! The end of a step: the rule's update, the optimizer's step count (advanced only when
-//! the step was applied), and the signal the host polls (see stuck_signal).
-template <class Rule>
-MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradient_summary const* summary,
-                               std::uint64_t* optimizer_steps, stuck_signal* signal) {
-  bool const found = summary->found_nonfinite != 0;
-  float const scale_used = state->scale;
-  rule.update(*state, found);
-  if (!found && optimizer_steps) ++*optimizer_steps;
-  std::uint32_t const consecutive = state->overflows_at_minimum;
-  if (consecutive < rule.report_after) return;
-  auto const streak = static_cast<std::uint32_t>(state->skipped_steps - state->overflows_at_minimum);
-  std::uint32_t const signalled = signal->consecutive;  // only this function writes it, in stream order
-  if (signalled != 0 && signal->streak == streak) return;  // this run is already signalled
-  stuck_signal s;
-  s.consecutive = consecutive;
-  s.streak = streak;
-  s.first_nonfinite = summary->first_nonfinite;
-  s.scale = scale_used;
-  *signal = s;
-}
-
-#if MPX_HAS_CUDA
-template <class Rule>
-__global__ void finish_step_kernel(Rule rule, loss_scale_state* state, gradient_summary const* summary,
-                                   std::uint64_t* optimizer_steps, stuck_signal* signal) {
-  finish_step(rule, state, summary, optimizer_steps, signal);
-}
-#endif
-
 //! A stuck_signal the device writes and the host reads without synchronising: mapped
 //! pinned memory for the GPU, plain memory for the host executor.
 template <class Space>
@@ -187,22 +146,12 @@ class loss_scaler {
   //! reports a stuck scale if the device has signalled one (see poll): on the host
   //! executor at the very step that reached report_after, on a GPU possibly some steps
   //! later, with the same report.
-  void update([[maybe_unused]] Exec const& exec, gradient_list<Exec> const& gradients, std::uint64_t* optimizer_steps = nullptr) {
+  void update(Exec const& exec, gradient_list<Exec> const& gradients, std::uint64_t* optimizer_steps = nullptr) {
     if (&gradients.names() != names_source_) {  // a copy: poll() may run after the list moved
       names_ = gradients.names();
       names_source_ = &gradients.names();
     }
-    if constexpr (is_host_executor_v<Exec>) {
-      detail::finish_step(rule_, state_.get(), gradients.summary_data(), optimizer_steps, signal_.device());
-    } else {
-#if MPX_HAS_CUDA
-      detail::finish_step_kernel<<<1, 1, 0, exec.stream()>>>(rule_, state_.get(), gradients.summary_data(),
-                                                            optimizer_steps, signal_.device());
-      MPX_CUDA_CHECK_LAUNCH("mpx::finish_step_kernel");
-#else
-      detail::kernels_need_nvcc<Exec>();
-#endif
-    }
+    detail::finish_step_pass(exec, rule_, state_.get(), gradients.summary_data(), optimizer_steps, signal_.device());
     poll();
   }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/core/fnv1a.hpp>
 #include <mpx/core/read_file.hpp>
 
 #include <algorithm>
@@ -61,19 +62,15 @@ constexpr std::uint32_t byteswap32(std::uint32_t x) noexcept {
   return (x >> 24) | ((x >> 8) & 0xFF00u) | ((x << 8) & 0xFF0000u) | (x << 24);
 }
 
-//! 64-bit FNV-1a: a checksum against truncation and bit rot, not an adversary.
-inline std::uint64_t fnv1a(std::span<std::byte const> bytes, std::uint64_t h = 0xcbf29ce484222325ull) noexcept {
-  for (std::byte b : bytes) {
-    h ^= static_cast<std::uint64_t>(b);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 template <class T>
 std::span<std::byte const> bytes_of(T const& value) noexcept {
   static_assert(std::is_trivially_copyable_v<T>, "checkpoint values are copied as bytes");
   return {reinterpret_cast<std::byte const*>(&value), sizeof(T)};
+}
+
+//! The bytes of a text, for a section (no terminating zero).
+inline std::span<std::byte const> text_bytes(std::string_view s) noexcept {
+  return {reinterpret_cast<std::byte const*>(s.data()), s.size()};
 }
 
 //! "'a', 'b', 'c'": the first eight names, then how many more, for a message.
@@ -277,6 +274,19 @@ class checkpoint_reader {
       refuse("section '" + std::string(name) + "' holds " + std::to_string(s.size()) + " bytes where " +
              std::to_string(size) + " were expected (a tensor of another shape or dtype)");
     return s;
+  }
+  //! A section that holds text (written with text_bytes), as a string.
+  [[nodiscard]] std::string text(std::string_view name) const {
+    auto const bytes = section(name);
+    return std::string(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+  }
+  //! Refuses the file unless section `name` holds `expected`; `what` names it for the
+  //! message ("parameter list"), which shows both texts.
+  void require_text(std::string_view name, std::string_view expected, std::string_view what) const {
+    std::string const got = text(name);
+    if (got != expected)
+      refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" + got + "\nexpected:\n" +
+             std::string(expected));
   }
   template <class T>
   [[nodiscard]] T value(std::string_view name) const {
