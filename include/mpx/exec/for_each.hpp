@@ -49,6 +49,11 @@ __global__ void __launch_bounds__(block_size) for_each_index_kernel(Body body, s
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) body(i);
 }
 
+template <class Body>
+__global__ void run_once_kernel(Body body) {
+  body();
+}
+
 inline constexpr int rows_per_warp_block = block_size / warp_size;  // 8 rows of a warp each
 
 // Rows by warps in a grid-stride loop over rows: the loop is uniform in a warp, so
@@ -77,6 +82,34 @@ __global__ void __launch_bounds__(block_row_lanes) rows_by_block_kernel(Body bod
 template <executor Exec, class Check>
 void check_on_host(Exec const&, Check&& check) {
   if constexpr (is_host_executor_v<Exec>) check();
+}
+
+//! *counter += v from a body that runs on many indices at once: an atomic add on the
+//! GPU, a plain one on the host (whose loop runs one index at a time).
+MPX_HD inline void add_to_count(unsigned* counter, unsigned v) noexcept {
+#if MPX_DEVICE_PASS
+  atomicAdd(counter, v);
+#else
+  *counter += v;
+#endif
+}
+
+//! body() once where the executor computes, in stream order on the GPU (one thread): the
+//! small updates of state that lives on the executor (a step count, a loss scale, an
+//! fp8 scale), so a step never waits for the host.
+template <executor Exec, class Body>
+void run_once([[maybe_unused]] Exec const& exec, Body const& body) {
+  static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
+  if constexpr (is_host_executor_v<Exec>) {
+    body();
+  } else {
+#if MPX_HAS_CUDA
+    run_once_kernel<<<1, 1, 0, exec.stream()>>>(body);
+    MPX_CUDA_CHECK_LAUNCH("mpx::run_once_kernel");
+#else
+    kernels_need_nvcc<Exec>();
+#endif
+  }
 }
 
 //! A body whose host loop is faster written as a whole (a 16-bit row widened and rounded

@@ -10,7 +10,7 @@
 #include <mpx/core/philox.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/tensor.hpp>
 
 #include <cmath>
@@ -42,7 +42,7 @@ struct dropout_mask_source {
   std::uint32_t offset_lo, offset_hi;
   std::uint64_t threshold;
   std::uint64_t const* offset_step;  // added to the offset where the kernel runs, if given
-  //! This source with *offset_step added to its offset: read once per thread.
+  //! This source with *offset_step added to its offset (read where the pass runs).
   MPX_HD dropout_mask_source resolved() const noexcept {
     if (!offset_step) return *this;
     std::uint64_t const offset = ((static_cast<std::uint64_t>(offset_hi) << 32) | offset_lo) + *offset_step;
@@ -100,46 +100,34 @@ MPX_HD inline void dropout_group(dropout_mask_source const& src, In const* in, O
   }
 }
 
-#if MPX_HAS_CUDA
+//! One group of four elements of a dropout pass (a draw of the generator each).
 template <dropout_pass Pass, class In, class Out>
-__global__ void __launch_bounds__(block_size)
-    dropout_kernel(dropout_mask_source source, In const* in, Out* out, std::uint8_t* mask_out,
-                   std::uint8_t const* mask_in, float scale, std::size_t groups, std::size_t n) {
-  dropout_mask_source const src = source.resolved();
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t g = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride)
-    dropout_group<Pass>(src, in, out, mask_out, mask_in, scale, g, n);
-}
-#endif
+struct dropout_groups {
+  dropout_mask_source source;  // resolved where the pass runs (it may read a step counter there)
+  In const* in;
+  Out* out;
+  std::uint8_t* mask_out;
+  std::uint8_t const* mask_in;
+  float scale;
+  std::size_t n;
+  MPX_HD void operator()(std::size_t g) const {
+    dropout_group<Pass>(source.resolved(), in, out, mask_out, mask_in, scale, g, n);
+  }
+};
 
 template <dropout_pass Pass, class Exec, class In, class Out>
-void dropout_run([[maybe_unused]] Exec const& exec, dropout_mask_source const& src, In const* in, Out* out,
-                 std::uint8_t* mask_out, std::uint8_t const* mask_in, float scale, std::size_t n) {
-  if (n == 0) return;
-  std::size_t const groups = (n + 3) / 4;
-  if constexpr (is_host_executor_v<Exec>) {
-    auto const resolved = src.resolved();
-    for (std::size_t g = 0; g < groups; ++g) dropout_group<Pass>(resolved, in, out, mask_out, mask_in, scale, g, n);
-  } else {
-#if MPX_HAS_CUDA
-    dropout_kernel<Pass><<<grid_for(groups), block_size, 0, exec.stream()>>>(src, in, out, mask_out, mask_in, scale,
-                                                                              groups, n);
-    MPX_CUDA_CHECK_LAUNCH("mpx::dropout_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void dropout_run(Exec const& exec, dropout_mask_source const& src, In const* in, Out* out, std::uint8_t* mask_out,
+                 std::uint8_t const* mask_in, float scale, std::size_t n) {
+  for_each_index(exec, (n + 3) / 4, dropout_groups<Pass, In, Out>{src, in, out, mask_out, mask_in, scale, n});
 }
+
+//! ++*count.
+struct increment_count {
+  std::uint64_t* count;
+  MPX_HD void operator()() const { ++*count; }
+};
 
 inline float dropout_scale(float rate) { return 1.0f / (1.0f - rate); }
-
-#if MPX_HAS_CUDA
-// A template, like every kernel in a header: one definition however many files include it.
-template <class Count>
-__global__ void advance_dropout_step_kernel(Count* step) {
-  ++*step;
-}
-#endif
 
 }  // namespace detail
 
@@ -147,20 +135,11 @@ __global__ void advance_dropout_step_kernel(Count* step) {
 //! that read it through dropout_options::offset_step, so each draws a fresh mask, also
 //! when a CUDA graph replays both. Asynchronous on a cuda_executor.
 template <executor Exec, class Space>
-void advance_dropout_step([[maybe_unused]] Exec const& exec, tensor_view<std::uint64_t, Space> step) {
+void advance_dropout_step(Exec const& exec, tensor_view<std::uint64_t, Space> step) {
   detail::require_access<Exec, Space>();
   if (step.size() != 1)
     detail::fail<shape_error>("advance_dropout_step", "expected one counter, got shape " + step.shape().to_string());
-  if constexpr (is_host_executor_v<Exec>) {
-    ++*step.data();
-  } else {
-#if MPX_HAS_CUDA
-    detail::advance_dropout_step_kernel<<<1, 1, 0, exec.stream()>>>(step.data());
-    MPX_CUDA_CHECK_LAUNCH("mpx::advance_dropout_step_kernel");
-#else
-    detail::kernels_need_nvcc<Exec>();
-#endif
-  }
+  detail::run_once(exec, detail::increment_count{step.data()});
 }
 
 //! Whether dropout with these options keeps element `index` of a tensor: what

@@ -7,6 +7,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 
@@ -41,6 +42,7 @@ namespace detail {
 MPX_HD inline std::uint32_t magnitude_bits(float x) noexcept { return bit_cast<std::uint32_t>(x) & 0x7FFF'FFFFu; }
 
 struct max_magnitude_bits {
+  using value_type = std::uint32_t;
   MPX_HD static std::uint32_t identity() noexcept { return 0u; }
   MPX_HD std::uint32_t operator()(std::uint32_t a, std::uint32_t b) const noexcept { return a > b ? a : b; }
 };
@@ -65,18 +67,6 @@ MPX_HD inline void fp8_finish_step(fp8_scale_values& s, float amax, float scale)
   s.step_amax_bits = 0;
   ++s.steps;
   if (!is_finite(amax)) ++s.nonfinite_steps;
-}
-
-//! Delayed scaling's update, the part one lane of `lanes` does: the largest history
-//! magnitude among its slots, this step's amax standing in for the slot it replaces.
-MPX_HD inline std::uint32_t fp8_history_max_bits(fp8_scale_values const& s, std::uint32_t amax_bits,
-                                                 std::uint32_t lane, std::uint32_t lanes) noexcept {
-  std::uint32_t m = 0;
-  for (std::uint32_t i = lane; i < s.history_length; i += lanes) {
-    std::uint32_t const b = i == s.position ? amax_bits : magnitude_bits(s.history[i]);
-    m = m > b ? m : b;
-  }
-  return m;
 }
 
 //! Delayed scaling's update once the history maximum is known (one thread).
@@ -135,18 +125,6 @@ __global__ void __launch_bounds__(block_size)
   }
 }
 
-//! Delayed scaling's update on one warp: the history maximum over 32 lanes.
-template <class Format>
-__global__ void fp8_delayed_update_kernel(fp8_scale_values* state, float margin_factor) {
-  std::uint32_t m = fp8_history_max_bits(*state, state->step_amax_bits, threadIdx.x, 32u);
-  m = warp_all_reduce(m, max_magnitude_bits{});
-  if (threadIdx.x == 0) fp8_delayed_update<Format>(*state, m, margin_factor);
-}
-
-template <class Format>
-__global__ void fp8_current_update_kernel(fp8_scale_values* state, float margin_factor) {
-  fp8_current_update<Format>(*state, margin_factor);
-}
 #endif
 
 //! The one host/CUDA choice of the fp8 passes (see fp8_cast_kernel).
@@ -301,37 +279,41 @@ void fp8_transposed_pass([[maybe_unused]] Exec const& exec, In const* x, Format*
   }
 }
 
-//! Delayed scaling's update of *state, host or CUDA (one warp): this step's amax enters
-//! the history and the scale follows the history's maximum (fp8_delayed_update).
-template <class Format, class Exec>
-void fp8_delayed_update_pass([[maybe_unused]] Exec const& exec, fp8_scale_values* state, float margin_factor) {
-  if constexpr (is_host_executor_v<Exec>) {
+//! Delayed scaling's update as one row of lanes: the history's maximum over the lanes
+//! (this step's amax standing in for the slot it replaces), then the update by one lane.
+template <class Format>
+struct fp8_delayed_update_row {
+  fp8_scale_values* state;
+  float margin_factor;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t) const {
     fp8_scale_values& s = *state;
-    fp8_delayed_update<Format>(s, fp8_history_max_bits(s, s.step_amax_bits, 0, 1), margin_factor);
-  } else {
-#if MPX_HAS_CUDA
-    fp8_delayed_update_kernel<Format><<<1, 32, 0, exec.stream()>>>(state, margin_factor);
-    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_delayed_update_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
+    std::uint32_t const amax_bits = s.step_amax_bits;
+    std::uint32_t const m = lanes.reduce(s.history_length, max_magnitude_bits{}, [&](std::size_t i) {
+      return i == s.position ? amax_bits : magnitude_bits(s.history[i]);
+    });
+    lanes.once([&] { fp8_delayed_update<Format>(s, m, margin_factor); });
   }
+};
+
+//! Delayed scaling's update of *state: this step's amax enters the history and the scale
+//! follows the history's maximum (fp8_delayed_update). A warp on the GPU.
+template <class Format, class Exec>
+void fp8_delayed_update_pass(Exec const& exec, fp8_scale_values* state, float margin_factor) {
+  for_each_row(exec, 1, fp8_max_history, fp8_delayed_update_row<Format>{state, margin_factor});
 }
 
-//! Current scaling's update of *state from the step amax recorded so far, host or CUDA
-//! (fp8_current_update).
+template <class Format>
+struct fp8_current_update_once {
+  fp8_scale_values* state;
+  float margin_factor;
+  MPX_HD void operator()() const { fp8_current_update<Format>(*state, margin_factor); }
+};
+
+//! Current scaling's update of *state from the step amax recorded so far (fp8_current_update).
 template <class Format, class Exec>
-void fp8_current_update_pass([[maybe_unused]] Exec const& exec, fp8_scale_values* state, float margin_factor) {
-  if constexpr (is_host_executor_v<Exec>) {
-    fp8_current_update<Format>(*state, margin_factor);
-  } else {
-#if MPX_HAS_CUDA
-    fp8_current_update_kernel<Format><<<1, 1, 0, exec.stream()>>>(state, margin_factor);
-    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_current_update_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void fp8_current_update_pass(Exec const& exec, fp8_scale_values* state, float margin_factor) {
+  run_once(exec, fp8_current_update_once<Format>{state, margin_factor});
 }
 
 }  // namespace detail

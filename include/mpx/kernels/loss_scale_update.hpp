@@ -6,7 +6,7 @@
 
 #include <mpx/core/config.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/kernels/unscale_and_check.hpp>
 
 #include <cstdint>
@@ -63,28 +63,21 @@ MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradie
   *signal = s;
 }
 
-#if MPX_HAS_CUDA
 template <class Rule>
-__global__ void finish_step_kernel(Rule rule, loss_scale_state* state, gradient_summary const* summary,
-                                   std::uint64_t* optimizer_steps, stuck_signal* signal) {
-  finish_step(rule, state, summary, optimizer_steps, signal);
-}
-#endif
+struct finish_step_once {
+  Rule rule;
+  loss_scale_state* state;
+  gradient_summary const* summary;
+  std::uint64_t* optimizer_steps;
+  stuck_signal* signal;
+  MPX_HD void operator()() const { finish_step(rule, state, summary, optimizer_steps, signal); }
+};
 
 //! finish_step where the executor computes: a call on the host, one thread on the GPU.
 template <class Exec, class Rule>
-void finish_step_pass([[maybe_unused]] Exec const& exec, Rule const& rule, loss_scale_state* state,
-                      gradient_summary const* summary, std::uint64_t* optimizer_steps, stuck_signal* signal) {
-  if constexpr (is_host_executor_v<Exec>) {
-    finish_step(rule, state, summary, optimizer_steps, signal);
-  } else {
-#if MPX_HAS_CUDA
-    finish_step_kernel<<<1, 1, 0, exec.stream()>>>(rule, state, summary, optimizer_steps, signal);
-    MPX_CUDA_CHECK_LAUNCH("mpx::finish_step_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void finish_step_pass(Exec const& exec, Rule const& rule, loss_scale_state* state, gradient_summary const* summary,
+                      std::uint64_t* optimizer_steps, stuck_signal* signal) {
+  run_once(exec, finish_step_once<Rule>{rule, state, summary, optimizer_steps, signal});
 }
 
 }  // namespace detail

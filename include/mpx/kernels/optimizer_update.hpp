@@ -12,6 +12,7 @@
 #include <mpx/core/philox.hpp>
 #include <mpx/core/stochastic_round.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/kernels/unscale_and_check.hpp>
@@ -147,10 +148,6 @@ __global__ void __launch_bounds__(block_size)
   });
 }
 
-template <class Counter>
-__global__ void advance_step_count_kernel(Counter* steps) {
-  ++*steps;
-}
 #endif
 
 //! One step of the rule over a table of one dtype T, host or CUDA: skipped when the
@@ -172,19 +169,16 @@ void optimizer_update_pass([[maybe_unused]] Exec const& exec, tensor_table<Lists
   }
 }
 
+//! ++*steps.
+struct advance_count {
+  std::uint64_t* steps;
+  MPX_HD void operator()() const { ++*steps; }
+};
+
 //! ++*steps where the executor computes, in stream order.
 template <class Exec>
-void advance_step_count([[maybe_unused]] Exec const& exec, std::uint64_t* steps) {
-  if constexpr (is_host_executor_v<Exec>) {
-    ++*steps;
-  } else {
-#if MPX_HAS_CUDA
-    advance_step_count_kernel<<<1, 1, 0, exec.stream()>>>(steps);
-    MPX_CUDA_CHECK_LAUNCH("mpx::advance_step_count_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void advance_step_count(Exec const& exec, std::uint64_t* steps) {
+  run_once(exec, advance_count{steps});
 }
 
 }  // namespace mpx::detail

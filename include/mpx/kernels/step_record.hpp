@@ -7,7 +7,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/exec/executor.hpp>
-#include <mpx/exec/launch.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/kernels/unscale_and_check.hpp>
 
 #include <cstddef>
@@ -65,58 +65,44 @@ MPX_HD void write_step_record(step_record* out, float const* loss, float const* 
   out->gradient_norm = s->norm;
 }
 
-#if MPX_HAS_CUDA
+//! One row of count_correct_pass: counts it when its arg-max is its label.
 template <class T>
-__global__ void count_correct_kernel(T const* logits, std::int32_t const* labels, std::int64_t rows, std::int64_t cols,
-                                     step_record* out) {
-  // Grid-stride: any number of rows fits a grid sized to the device.
-  std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += stride)
-    if (predicts(logits + r * cols, cols, labels[r])) atomicAdd(&out->correct, 1u);
-}
-template <class T>
-__global__ void step_record_kernel(step_record* out, float const* loss, float const* scale, gradient_summary const* s,
-                                   std::uint32_t samples) {
-  write_step_record<T>(out, loss, scale, s, samples);
-}
-#endif
+struct count_correct_row {
+  T const* logits;
+  std::int32_t const* labels;
+  std::int64_t cols;
+  step_record* out;
+  MPX_HD void operator()(std::size_t r) const {
+    auto const row = static_cast<std::int64_t>(r);
+    if (predicts(logits + row * cols, cols, labels[row])) add_to_count(&out->correct, 1u);
+  }
+};
+
+struct write_step_record_once {
+  step_record* out;
+  float const* loss;
+  float const* scale;
+  gradient_summary const* summary;
+  std::uint32_t samples;
+  MPX_HD void operator()() const { write_step_record<float>(out, loss, scale, summary, samples); }
+};
 
 //! Writes *out (in the executor's space) as the last act of a training step; see
 //! write_step_record. Enqueued only on a cuda_executor. (A function of its own so that
 //! the record's kernel can be tested without a trainer.)
 template <executor Exec>
-void record_step([[maybe_unused]] Exec const& exec, step_record* out, float const* loss, float const* scale,
+void record_step(Exec const& exec, step_record* out, float const* loss, float const* scale,
                  gradient_summary const* summary, std::uint32_t samples) {
-  if constexpr (is_host_executor_v<Exec>) {
-    write_step_record<float>(out, loss, scale, summary, samples);
-  } else {
-#if MPX_HAS_CUDA
-    step_record_kernel<float><<<1, 1, 0, exec.stream()>>>(out, loss, scale, summary, samples);
-    MPX_CUDA_CHECK_LAUNCH("mpx::step_record_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+  run_once(exec, write_step_record_once{out, loss, scale, summary, samples});
 }
 
 //! Adds to out->correct the rows of logits [rows, cols] whose arg-max is labels[r],
 //! host or CUDA (one atomic add per correct row).
 template <class Exec, class T>
-void count_correct_pass([[maybe_unused]] Exec const& exec, T const* logits, std::int32_t const* labels,
-                        std::int64_t rows, std::int64_t cols, step_record* out) {
-  if (rows == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    for (std::int64_t r = 0; r < rows; ++r) out->correct += predicts(logits + r * cols, cols, labels[r]);
-  } else {
-#if MPX_HAS_CUDA
-    // One thread per row would need more than 2^31 - 1 blocks past 2^39 rows.
-    unsigned const blocks = grid_for(static_cast<std::size_t>(rows));
-    count_correct_kernel<<<blocks, block_size, 0, exec.stream()>>>(logits, labels, rows, cols, out);
-    MPX_CUDA_CHECK_LAUNCH("mpx::count_correct_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void count_correct_pass(Exec const& exec, T const* logits, std::int32_t const* labels, std::int64_t rows,
+                        std::int64_t cols, step_record* out) {
+  if (rows <= 0) return;
+  for_each_index(exec, static_cast<std::size_t>(rows), count_correct_row<T>{logits, labels, cols, out});
 }
 
 }  // namespace detail
