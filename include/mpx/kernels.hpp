@@ -23,7 +23,6 @@
 #include <mpx/kernels/max_pool.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 #include <mpx/kernels/optimizer_update.hpp>
-#include <mpx/kernels/reduce.hpp>
 #include <mpx/kernels/softmax.hpp>
 #include <mpx/kernels/step_record.hpp>
 #include <mpx/kernels/unscale_and_check.hpp>

@@ -10,12 +10,14 @@
 #include <mpx/exec/for_each.hpp>
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/column_reduce.hpp>
+#include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/max_pool.hpp>
 #include <mpx/losses/mean_squared_error.hpp>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace test_dispatch {
@@ -186,6 +188,26 @@ TEST_CASE("the host's fast loops give the bits of the element bodies the GPU run
         mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, b, slow);
       }
       CHECK(mpx_test::first_mismatch(mpx_test::download(exec, slow), mpx_test::download(exec, fast)).empty());
+    }
+    // casts between float and 16 bits: whole-array conversions (F16C) vs mpx::cast.
+    if constexpr (!std::is_same_v<T, float>) {
+      auto wide = mpx_test::random_values<float>(4099, -70000.0, 70000.0, 7);
+      wide[5] = mpx::dtype_traits<float>::quiet_nan();
+      wide[6] = 1e-30f;  // below every 16-bit subnormal
+      auto w = mpx_test::upload(exec, wide);
+      auto narrow_fast = mpx_test::poisoned<T>(exec, w.shape());
+      auto narrow_slow = mpx_test::poisoned<T>(exec, w.shape());
+      auto back_fast = mpx_test::poisoned<float>(exec, w.shape());
+      auto back_slow = mpx_test::poisoned<float>(exec, w.shape());
+      mpx::cast(exec, w, narrow_fast);
+      mpx::cast(exec, narrow_fast, back_fast);
+      {
+        test_dispatch::element_bodies_on_host const bodies;
+        mpx::cast(exec, w, narrow_slow);
+        mpx::cast(exec, narrow_slow, back_slow);
+      }
+      CHECK(mpx_test::first_mismatch(mpx_test::download(exec, narrow_slow), mpx_test::download(exec, narrow_fast)).empty());
+      CHECK(mpx_test::first_mismatch(mpx_test::download(exec, back_slow), mpx_test::download(exec, back_fast)).empty());
     }
     // max pooling forward and backward: the host's SSE scan and scatter vs the gather
     // bodies, overlapping and padded windows, with ties and a NaN.

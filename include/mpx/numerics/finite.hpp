@@ -4,7 +4,7 @@
 #pragma once
 
 #include <mpx/core/dtype.hpp>
-#include <mpx/kernels/reduce.hpp>
+#include <mpx/exec/reduce.hpp>
 
 #include <cstddef>
 

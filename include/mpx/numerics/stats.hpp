@@ -6,7 +6,7 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
-#include <mpx/kernels/reduce.hpp>
+#include <mpx/exec/reduce.hpp>
 
 #include <cstddef>
 #include <cstdint>
