@@ -54,6 +54,19 @@ __global__ void run_once_kernel(Body body) {
   body();
 }
 
+// Each thread folds its indices' values; the block's total goes to `into` from one thread.
+template <class Op, class Body, class Into>
+__global__ void __launch_bounds__(block_size) for_each_index_into_kernel(Body body, Op op, std::size_t n, Into into) {
+  using T = typename Op::value_type;
+  __shared__ T scratch[warp_size];
+  T acc = Op::identity();
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    acc = op(acc, body(i));
+  acc = block_all_reduce(acc, op, scratch);
+  if (threadIdx.x == 0) into(acc);
+}
+
 inline constexpr int rows_per_warp_block = block_size / warp_size;  // 8 rows of a warp each
 
 // Rows by warps in a grid-stride loop over rows: the loop is uniform in a warp, so
@@ -110,6 +123,16 @@ void run_once([[maybe_unused]] Exec const& exec, Body const& body) {
     kernels_need_nvcc<Exec>();
 #endif
   }
+}
+
+//! *target = max(*target, v) from a body that runs on many indices at once: an atomic
+//! max on the GPU, a plain one on the host.
+MPX_HD inline void max_into(unsigned* target, unsigned v) noexcept {
+#if MPX_DEVICE_PASS
+  atomicMax(target, v);
+#else
+  *target = *target > v ? *target : v;
+#endif
 }
 
 //! A body whose host loop is faster written as a whole (a 16-bit row widened and rounded
@@ -182,6 +205,32 @@ void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size
       detail::rows_by_block_kernel<<<grid, detail::block_row_lanes, 0, exec.stream()>>>(body, rows);
       MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_block_kernel");
     }
+#else
+    detail::kernels_need_nvcc<Exec>();
+#endif
+  }
+}
+
+//! As for_each_index, where body(i) also returns a value: the values are combined with
+//! op, per block on the GPU (each block's result handed to into(result), which must
+//! combine it atomically: detail::max_into, detail::add_to_count), over all of [0, n)
+//! on the host (into called once). For an op whose result does not depend on the order
+//! (a maximum, an integer sum): an fp8 cast's amax. Asynchronous on a cuda_executor.
+template <executor Exec, class Op, class Body, class Into>
+void for_each_index_into([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body const& body,
+                         Into const& into) {
+  static_assert(std::is_trivially_copyable_v<Body> && std::is_trivially_copyable_v<Into>,
+                "mpx: a body is copied to the GPU: pointers and sizes only");
+  if (n == 0) return;
+  if constexpr (is_host_executor_v<Exec>) {
+    typename Op::value_type acc = Op::identity();
+    for (std::size_t i = 0; i < n; ++i) acc = op(acc, body(i));
+    into(acc);
+  } else {
+#if MPX_HAS_CUDA
+    detail::for_each_index_into_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(body, op, n,
+                                                                                                       into);
+    MPX_CUDA_CHECK_LAUNCH("mpx::for_each_index_into_kernel");
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif

@@ -105,96 +105,56 @@ enum class fp8_cast_pass {
 MPX_HD constexpr bool fp8_pass_writes(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::record_only; }
 MPX_HD constexpr bool fp8_pass_records(fp8_cast_pass p) noexcept { return p != fp8_cast_pass::cast_only; }
 
-#if MPX_HAS_CUDA
-//! A grid-stride pass over x: writes out (unless Pass is record_only) and records the
-//! amax into the state's step amax (unless Pass is cast_only) with one atomic max per block.
+//! One element of an fp8 pass: writes its cast (unless Pass is record_only) and returns
+//! |x|'s bits for the amax (0 when Pass is cast_only). `pitch` > `cols` pads each row
+//! of x [rows, cols] with zeros up to out [rows, pitch] (K padded for mpx::fp8_gemm).
 template <fp8_cast_pass Pass, class Format, class In>
-__global__ void __launch_bounds__(block_size)
-    fp8_cast_kernel(In const* x, Format* out, std::size_t n, fp8_scale_values* state) {
-  float const scale = state->scale;
-  std::uint32_t m = 0;
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    Format const y = fp8_scaled_element<Format>(x[i], scale, m);
-    if constexpr (fp8_pass_writes(Pass)) out[i] = y;
-  }
-  if constexpr (fp8_pass_records(Pass)) {
-    __shared__ std::uint32_t scratch[32];
-    m = block_all_reduce(m, max_magnitude_bits{}, scratch);
-    if (threadIdx.x == 0 && m != 0) atomicMax(&state->step_amax_bits, m);
-  }
-}
-
-#endif
-
-//! The one host/CUDA choice of the fp8 passes (see fp8_cast_kernel).
-template <fp8_cast_pass Pass, class Exec, class Format, class In>
-void fp8_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::size_t n, fp8_scale_values* state) {
-  if constexpr (is_host_executor_v<Exec>) {
-    float const scale = state->scale;
+struct fp8_cast_element {
+  In const* x;
+  Format* out;
+  fp8_scale_values const* state;  // its scale, read where the pass runs
+  std::size_t cols, pitch;
+  MPX_HD std::uint32_t operator()(std::size_t i) const {
     std::uint32_t m = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      Format const y = fp8_scaled_element<Format>(x[i], scale, m);
-      if constexpr (fp8_pass_writes(Pass)) out[i] = y;
-    }
-    if constexpr (fp8_pass_records(Pass)) state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
-  } else {
-#if MPX_HAS_CUDA
-    if (n == 0) return;
-    fp8_cast_kernel<Pass><<<grid_for(n), block_size, 0, exec.stream()>>>(x, out, n, state);
-    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
-}
-
-#if MPX_HAS_CUDA
-//! fp8_cast_kernel over x [rows, cols] into out [rows, pitch] (pitch > cols): the
-//! columns past cols become zeros, which add nothing to a product (K padded for
-//! mpx::fp8_gemm).
-template <class Format, class In>
-__global__ void __launch_bounds__(block_size)
-    fp8_cast_padded_kernel(In const* x, Format* out, std::size_t rows, std::size_t cols, std::size_t pitch,
-                           fp8_scale_values* state) {
-  float const scale = state->scale;
-  Format const zero = from_bits<Format>(bits_t<Format>{0});
-  std::uint32_t m = 0;
-  std::size_t const n = rows * pitch;
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     std::size_t const r = i / pitch, c = i - r * pitch;
-    out[i] = c < cols ? fp8_scaled_element<Format>(x[r * cols + c], scale, m) : zero;
+    if (c < cols) {
+      Format const y = fp8_scaled_element<Format>(x[r * cols + c], state->scale, m);
+      if constexpr (fp8_pass_writes(Pass)) out[i] = y;
+    } else {
+      out[i] = from_bits<Format>(bits_t<Format>{0});  // the padding's zeros
+    }
+    return fp8_pass_records(Pass) ? m : 0u;
   }
-  __shared__ std::uint32_t scratch[32];
-  m = block_all_reduce(m, max_magnitude_bits{}, scratch);
-  if (threadIdx.x == 0 && m != 0) atomicMax(&state->step_amax_bits, m);
-}
-#endif
+};
 
-//! cast_to_fp8_padded's pass, host or CUDA: x [rows, cols] -> out [rows, pitch], zeros
-//! past cols, recording the amax. pitch == cols is cast_to_fp8's pass.
-template <class Exec, class Format, class In>
-void fp8_padded_pass([[maybe_unused]] Exec const& exec, In const* x, Format* out, std::size_t rows, std::size_t cols,
-                     std::size_t pitch, fp8_scale_values* state) {
-  if (pitch == cols) return fp8_pass<fp8_cast_pass::cast_and_record>(exec, x, out, rows * cols, state);
-  if (rows == 0) return;
-  if constexpr (is_host_executor_v<Exec>) {
-    float const scale = state->scale;
-    Format const zero = from_bits<Format>(bits_t<Format>{0});
-    std::uint32_t m = 0;
-    for (std::size_t r = 0; r < rows; ++r)
-      for (std::size_t c = 0; c < pitch; ++c)
-        out[r * pitch + c] = c < cols ? fp8_scaled_element<Format>(x[r * cols + c], scale, m) : zero;
-    state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
-  } else {
-#if MPX_HAS_CUDA
-    fp8_cast_padded_kernel<<<grid_for(rows * pitch), block_size, 0, exec.stream()>>>(x, out, rows, cols, pitch, state);
-    MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_padded_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
+//! Folds a pass's amax into the state's step amax (an atomic max on the GPU).
+struct record_step_amax {
+  fp8_scale_values* state;
+  MPX_HD void operator()(std::uint32_t m) const {
+    if (m != 0) max_into(&state->step_amax_bits, m);
   }
+};
+
+//! One pass over x [rows, cols] into out [rows, pitch] (pitch >= cols, zeros past cols).
+template <fp8_cast_pass Pass, class Exec, class Format, class In>
+void fp8_rows_pass(Exec const& exec, In const* x, Format* out, std::size_t rows, std::size_t cols, std::size_t pitch,
+                   fp8_scale_values* state) {
+  for_each_index_into(exec, rows * pitch, max_magnitude_bits{},
+                      fp8_cast_element<Pass, Format, In>{x, out, state, cols, pitch}, record_step_amax{state});
+}
+
+//! The pass of cast_to_fp8 and of current scaling's two passes, over n elements.
+template <fp8_cast_pass Pass, class Exec, class Format, class In>
+void fp8_pass(Exec const& exec, In const* x, Format* out, std::size_t n, fp8_scale_values* state) {
+  fp8_rows_pass<Pass>(exec, x, out, 1, n, n, state);
+}
+
+//! cast_to_fp8_padded's pass: x [rows, cols] -> out [rows, pitch], zeros past cols,
+//! recording the amax. pitch == cols is cast_to_fp8's pass.
+template <class Exec, class Format, class In>
+void fp8_padded_pass(Exec const& exec, In const* x, Format* out, std::size_t rows, std::size_t cols, std::size_t pitch,
+                     fp8_scale_values* state) {
+  fp8_rows_pass<fp8_cast_pass::cast_and_record>(exec, x, out, rows, cols, pitch, state);
 }
 
 #if MPX_HAS_CUDA
