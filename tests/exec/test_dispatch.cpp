@@ -13,10 +13,12 @@
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/max_pool.hpp>
+#include <mpx/kernels/softmax.hpp>
 #include <mpx/losses/mean_squared_error.hpp>
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -234,4 +236,11 @@ TEST_CASE("the host's fast loops give the bits of the element bodies the GPU run
       CHECK(mpx_test::first_mismatch(mpx_test::download(exec, dx_slow), mpx_test::download(exec, dx_fast)).empty());
     }
   });
+}
+
+TEST_CASE("a dispatch kernel's failure names the operation's body", "[dispatch]") {
+  // check_dispatch_launch puts this name after the kernel's in its message.
+  std::string const name = mpx::detail::type_name<mpx::detail::softmax_row<false, mpx::half, float>>();
+  CHECK(name.find("softmax_row<false, __half, float>") != std::string::npos);
+  CHECK(name.find('[') == std::string::npos);
 }

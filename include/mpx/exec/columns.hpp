@@ -11,6 +11,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/math.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
@@ -175,9 +176,9 @@ void cuda_column_reduce(cudaStream_t stream, Terms const& terms, Finish const& f
   dim3 const block(column_tile, column_tile_rows);
   column_partials_kernel<N, Acc><<<grid, block, 0, stream>>>(terms, rows, cols, rows_per_chunk, chunks,
                                                              partials.data());
-  MPX_CUDA_CHECK_LAUNCH("mpx::column_partials_kernel");
+  check_dispatch_launch<Terms>("mpx::column_partials_kernel", __FILE__, __LINE__);
   column_finish_kernel<N, Acc><<<grid_for(cols), block_size, 0, stream>>>(finish, partials.data(), chunks, cols);
-  MPX_CUDA_CHECK_LAUNCH("mpx::column_finish_kernel");
+  check_dispatch_launch<Finish>("mpx::column_finish_kernel", __FILE__, __LINE__);
 }
 #endif
 

@@ -42,6 +42,31 @@ inline row_shape last_axis_rows(std::string_view op, shape const& x) {
   return s;
 }
 
+//! The name of type T as the compiler spells it ("mpx::detail::softmax_row<false, __half,
+//! float>"), for messages.
+template <class T>
+std::string type_name() {
+  std::string_view const f = __PRETTY_FUNCTION__;  // "... [with T = NAME; ...]" or "[with T=NAME]"
+  std::size_t begin = f.find("T = ");
+  begin = begin == std::string_view::npos ? f.find("T=") : begin;
+  if (begin == std::string_view::npos) return std::string(f);
+  begin = f.find('=', begin) + 1;
+  while (begin < f.size() && f[begin] == ' ') ++begin;
+  std::size_t const end = f.find_first_of(";]", begin);
+  return std::string(f.substr(begin, end == std::string_view::npos ? f.npos : end - begin));
+}
+
+#if MPX_HAS_CUDA_RUNTIME
+//! MPX_CUDA_CHECK_LAUNCH for a dispatch kernel: a failure names the kernel and the body it
+//! ran ("mpx::rows_by_warp_kernel running mpx::detail::softmax_row<...>"), so the message
+//! says which operation it was. The name is only made when something failed.
+template <class Body>
+void check_dispatch_launch(char const* kernel, char const* file, int line) {
+  if (cudaPeekAtLastError() == cudaSuccess) return;
+  std::string const what = std::string(kernel) + " running " + type_name<Body>();
+  check_launch(what.c_str(), file, line, MPX_BUILT_ARCHITECTURES);
+}
+#endif
 #if MPX_HAS_CUDA
 template <class Body>
 __global__ void __launch_bounds__(block_size) for_each_index_kernel(Body body, std::size_t n) {
@@ -118,7 +143,7 @@ void run_once([[maybe_unused]] Exec const& exec, Body const& body) {
   } else {
 #if MPX_HAS_CUDA
     run_once_kernel<<<1, 1, 0, exec.stream()>>>(body);
-    MPX_CUDA_CHECK_LAUNCH("mpx::run_once_kernel");
+    check_dispatch_launch<Body>("mpx::run_once_kernel", __FILE__, __LINE__);
 #else
     kernels_need_nvcc<Exec>();
 #endif
@@ -166,7 +191,7 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
   } else {
 #if MPX_HAS_CUDA
     detail::for_each_index_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(body, n);
-    MPX_CUDA_CHECK_LAUNCH("mpx::for_each_index_kernel");
+    detail::check_dispatch_launch<Body>("mpx::for_each_index_kernel", __FILE__, __LINE__);
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif
@@ -198,12 +223,12 @@ void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size
     if (by_warp) {
       unsigned const grid = detail::grid_for(rows * detail::warp_size);
       detail::rows_by_warp_kernel<<<grid, detail::block_size, 0, exec.stream()>>>(body, rows);
-      MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_warp_kernel");
+      detail::check_dispatch_launch<Body>("mpx::rows_by_warp_kernel", __FILE__, __LINE__);
     } else {
       std::size_t const blocks = std::min<std::size_t>(rows, static_cast<std::size_t>(detail::sm_count()) * 4);
       unsigned const grid = static_cast<unsigned>(blocks);
       detail::rows_by_block_kernel<<<grid, detail::block_row_lanes, 0, exec.stream()>>>(body, rows);
-      MPX_CUDA_CHECK_LAUNCH("mpx::rows_by_block_kernel");
+      detail::check_dispatch_launch<Body>("mpx::rows_by_block_kernel", __FILE__, __LINE__);
     }
 #else
     detail::kernels_need_nvcc<Exec>();
@@ -230,7 +255,7 @@ void for_each_index_into([[maybe_unused]] Exec const& exec, std::size_t n, Op op
 #if MPX_HAS_CUDA
     detail::for_each_index_into_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(body, op, n,
                                                                                                        into);
-    MPX_CUDA_CHECK_LAUNCH("mpx::for_each_index_into_kernel");
+    detail::check_dispatch_launch<Body>("mpx::for_each_index_into_kernel", __FILE__, __LINE__);
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif

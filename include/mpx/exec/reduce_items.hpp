@@ -16,6 +16,7 @@
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
@@ -133,9 +134,9 @@ void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body 
 #if MPX_HAS_CUDA
     auto const blocks = static_cast<unsigned>(item_blocks<Kind>(n));
     reduce_items_kernel<Kind><<<blocks, item_block_threads, 0, exec.stream()>>>(body, op, n, partials);
-    MPX_CUDA_CHECK_LAUNCH("mpx::reduce_items_kernel");
+    check_dispatch_launch<Body>("mpx::reduce_items_kernel", __FILE__, __LINE__);
     finish_items_kernel<<<1, item_block_threads, 0, exec.stream()>>>(op, partials, blocks, finish);
-    MPX_CUDA_CHECK_LAUNCH("mpx::finish_items_kernel");
+    check_dispatch_launch<Finish>("mpx::finish_items_kernel", __FILE__, __LINE__);
 #else
     kernels_need_nvcc<Exec>();
 #endif
