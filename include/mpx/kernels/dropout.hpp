@@ -129,6 +129,18 @@ struct increment_count {
 
 inline float dropout_scale(float rate) { return 1.0f / (1.0f - rate); }
 
+//! The checks every dropout call shares (in's and out's shapes, the mask's when given, the
+//! rate), then the pass.
+template <dropout_pass Pass, class Exec, class InView, class OutView>
+void dropout_checked(std::string_view op, Exec const& exec, dropout_options const& options, InView const& in,
+                     OutView const& out, std::uint8_t* mask_out, std::uint8_t const* mask_in,
+                     shape const* mask_shape) {
+  require_same_shape(op, in.shape(), out.shape());
+  if (mask_shape) require_same_shape(op, in.shape(), *mask_shape);
+  auto const src = make_mask_source(op, options);
+  dropout_run<Pass>(exec, src, in.data(), out.data(), mask_out, mask_in, dropout_scale(options.rate), in.size());
+}
+
 }  // namespace detail
 
 //! ++step[0] where the executor computes, in stream order: between two dropout passes
@@ -165,10 +177,8 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
   auto yv = mpx::view(y);
   detail::require_access<Exec, space_t<X>, space_t<Y>>();
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
-  detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
-  auto const src = detail::make_mask_source("dropout_forward", options);
-  detail::dropout_run<detail::dropout_pass::forward>(exec, src, xv.data(), yv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
-                         xv.size());
+  detail::dropout_checked<detail::dropout_pass::forward>("dropout_forward", exec, options, xv, yv, nullptr, nullptr,
+                                                        nullptr);
 }
 
 //! As above, and writes the mask (uint8 of x's shape) for dropout_backward.
@@ -181,11 +191,8 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
   static_assert(std::is_same_v<typename decltype(mv)::element_type, std::uint8_t>,
                 "mpx::dropout_forward: the mask is a mutable tensor of std::uint8_t");
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
-  detail::require_same_shape("dropout_forward", xv.shape(), yv.shape());
-  detail::require_same_shape("dropout_forward", xv.shape(), mv.shape());
-  auto const src = detail::make_mask_source("dropout_forward", options);
-  detail::dropout_run<detail::dropout_pass::forward_writing_mask>(exec, src, xv.data(), yv.data(), mv.data(), nullptr, detail::dropout_scale(options.rate),
-                         xv.size());
+  detail::dropout_checked<detail::dropout_pass::forward_writing_mask>("dropout_forward", exec, options, xv, yv,
+                                                                     mv.data(), nullptr, &mv.shape());
 }
 
 //! dx = dy * mask / (1 - rate), the mask regenerated from options (which must be the
@@ -196,10 +203,8 @@ void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy,
   auto dxv = mpx::view(dx);
   detail::require_access<Exec, space_t<DY>, space_t<DX>>();
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
-  detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
-  auto const src = detail::make_mask_source("dropout_backward", options);
-  detail::dropout_run<detail::dropout_pass::backward_redrawn>(exec, src, dyv.data(), dxv.data(), nullptr, nullptr, detail::dropout_scale(options.rate),
-                         dyv.size());
+  detail::dropout_checked<detail::dropout_pass::backward_redrawn>("dropout_backward", exec, options, dyv, dxv,
+                                                                 nullptr, nullptr, nullptr);
 }
 
 //! dx = dy * mask / (1 - rate) from the mask dropout_forward stored (only options.rate
@@ -213,11 +218,8 @@ void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy,
   static_assert(std::is_same_v<typename decltype(mv)::value_type, std::uint8_t>,
                 "mpx::dropout_backward: the mask is a tensor of std::uint8_t");
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
-  detail::require_same_shape("dropout_backward", dyv.shape(), dxv.shape());
-  detail::require_same_shape("dropout_backward", dyv.shape(), mv.shape());
-  auto const src = detail::make_mask_source("dropout_backward", options);
-  detail::dropout_run<detail::dropout_pass::backward_from_mask>(exec, src, dyv.data(), dxv.data(), nullptr, mv.data(), detail::dropout_scale(options.rate),
-                         dyv.size());
+  detail::dropout_checked<detail::dropout_pass::backward_from_mask>("dropout_backward", exec, options, dyv, dxv,
+                                                                   nullptr, mv.data(), &mv.shape());
 }
 
 }  // namespace mpx

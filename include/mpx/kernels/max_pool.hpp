@@ -240,6 +240,18 @@ MPX_HD std::int64_t window_select(pool_geometry const& g, T const* x, std::int64
   return at;
 }
 
+//! Where flat index e of an NHWC tensor [images, rows, cols, channels] lies.
+struct nhwc_position {
+  std::int64_t image, row, col, channel;
+};
+MPX_HD inline nhwc_position nhwc_of(std::size_t e, std::int64_t rows, std::int64_t cols, std::int64_t channels) {
+  auto const i = static_cast<std::int64_t>(e);
+  std::int64_t t = i / channels;
+  std::int64_t const col = t % cols;
+  t /= cols;
+  return {t / rows, t % rows, col, i % channels};
+}
+
 // One element of y: on the GPU neighbouring threads take neighbouring channels, so
 // every read of the window is coalesced.
 template <class T>
@@ -248,13 +260,8 @@ struct max_pool_forward_element {
   T const* x;
   T* y;
   MPX_HD void operator()(std::size_t e) const {
-    auto const i = static_cast<std::int64_t>(e);
-    std::int64_t const ch = i % g.c;
-    std::int64_t t = i / g.c;
-    std::int64_t const ow = t % g.ow;
-    t /= g.ow;
-    std::int64_t const oh = t % g.oh;
-    y[e] = x[window_select(g, x, t / g.oh, oh, ow, ch)];
+    nhwc_position const p = nhwc_of(e, g.oh, g.ow, g.c);
+    y[e] = x[window_select(g, x, p.image, p.row, p.col, p.channel)];
   }
   void host_loop() const { host_max_pool_forward(g, x, y); }  // image by image, channels in SSE
 };
@@ -271,13 +278,9 @@ struct max_pool_backward_element {
   G const* dy;
   G* dx;
   MPX_HD void operator()(std::size_t e) const {
+    nhwc_position const p = nhwc_of(e, g.h, g.w, g.c);
     auto const i = static_cast<std::int64_t>(e);
-    std::int64_t const ch = i % g.c;
-    std::int64_t t = i / g.c;
-    std::int64_t const iw = t % g.w;
-    t /= g.w;
-    std::int64_t const ih = t % g.h;
-    std::int64_t const image = t / g.h;
+    std::int64_t const ch = p.channel, iw = p.col, ih = p.row, image = p.image;
     float const v = cast<float>(x[e]);
     // Windows whose span [o * stride - pad, o * stride - pad + pool) holds ih.
     std::int64_t const ph = ih + g.pad_h, pw = iw + g.pad_w;
