@@ -10,6 +10,7 @@
 #include <mpx/exec/for_each.hpp>
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/column_reduce.hpp>
+#include <mpx/kernels/conv2d.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/max_pool.hpp>
@@ -210,6 +211,38 @@ TEST_CASE("the host's fast loops give the bits of the element bodies the GPU run
       }
       CHECK(mpx_test::first_mismatch(mpx_test::download(exec, narrow_slow), mpx_test::download(exec, narrow_fast)).empty());
       CHECK(mpx_test::first_mismatch(mpx_test::download(exec, back_slow), mpx_test::download(exec, back_fast)).empty());
+    }
+    // im2col and col2im through conv2d: the host's blocked loops vs the GPU's gathers,
+    // with strides, padding and dilation, and a workspace smaller than the batch (chunks
+    // of images that start past image 0).
+    {
+      using P = mpx_test::preset_policy<T>;
+      mpx::shape const xs{3, 7, 6, 5}, ws{3, 2, 5, 4};
+      mpx::conv2d_options o;
+      o.stride_h = 2;
+      o.pad_h = 1;
+      o.pad_w = 1;
+      o.dilation_w = 2;
+      auto const ys = mpx::conv2d_output_shape(xs, ws, o);
+      auto const full = mpx::conv2d_workspace_shape(xs, ws, o);
+      mpx::shape const chunk{full[0] / 3, full[1]};  // one image's rows
+      auto x = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(xs.size()), -1.0, 1.0, 8), xs);
+      auto w = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(ws.size()), -1.0, 1.0, 9), ws);
+      auto dy = mpx_test::upload(exec, mpx_test::random_values<T>(static_cast<std::size_t>(ys.size()), -1.0, 1.0, 10), ys);
+      auto run = [&] {
+        auto workspace = mpx_test::poisoned<T>(exec, chunk);
+        auto y = mpx_test::poisoned<T>(exec, ys);
+        auto dx = mpx_test::poisoned<T>(exec, xs);
+        mpx::conv2d_forward<P>(exec, x, w, y, workspace, o);
+        mpx::conv2d_backward_data<P>(exec, dy, w, dx, workspace, o);
+        auto out = mpx_test::download(exec, y);
+        auto const d = mpx_test::download(exec, dx);
+        out.insert(out.end(), d.begin(), d.end());
+        return out;
+      };
+      auto const fast = run();
+      test_dispatch::element_bodies_on_host const bodies;
+      CHECK(mpx_test::first_mismatch(run(), fast).empty());
     }
     // max pooling forward and backward: the host's SSE scan and scatter vs the gather
     // bodies, overlapping and padded windows, with ties and a NaN.

@@ -19,7 +19,9 @@
 #include <mpx/exec/launch.hpp>
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -68,10 +70,10 @@ void check_dispatch_launch(char const* kernel, char const* file, int line) {
 }
 #endif
 #if MPX_HAS_CUDA
-template <class Body>
-__global__ void __launch_bounds__(block_size) for_each_index_kernel(Body body, std::size_t n) {
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) body(i);
+template <class Index, class Body>
+__global__ void __launch_bounds__(block_size) for_each_index_kernel(Body body, Index n) {
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) body(i);
 }
 
 template <class Body>
@@ -160,6 +162,15 @@ MPX_HD inline void max_into(unsigned* target, unsigned v) noexcept {
 #endif
 }
 
+//! A body that takes its index as a template (body(std::uint32_t) or body(std::size_t))
+//! and says the largest index it reaches in any array (largest_index()): where that and
+//! the grid-stride loop fit 32 bits, the GPU counts in 32 bits (a gather's divisions are
+//! its cost; 64-bit ones take several times longer).
+template <class Body>
+concept narrow_index_body = requires(Body const& body) {
+  { body.largest_index() } -> std::convertible_to<std::size_t>;
+};
+
 //! A body whose host loop is faster written as a whole (a 16-bit row widened and rounded
 //! at once): body.host_loop() must do, element for element, what body(i) does.
 template <class Body>
@@ -190,7 +201,14 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
     for (std::size_t i = 0; i < n; ++i) body(i);
   } else {
 #if MPX_HAS_CUDA
-    detail::for_each_index_kernel<<<detail::grid_for(n), detail::block_size, 0, exec.stream()>>>(body, n);
+    unsigned const grid = detail::grid_for(n);
+    bool narrow = false;
+    if constexpr (detail::narrow_index_body<Body>)
+      narrow = detail::fits_32_bit_grid_stride(n, std::max<std::size_t>(n, body.largest_index()), grid);
+    if (narrow)
+      detail::for_each_index_kernel<<<grid, detail::block_size, 0, exec.stream()>>>(body, static_cast<std::uint32_t>(n));
+    else
+      detail::for_each_index_kernel<<<grid, detail::block_size, 0, exec.stream()>>>(body, n);
     detail::check_dispatch_launch<Body>("mpx::for_each_index_kernel", __FILE__, __LINE__);
 #else
     detail::kernels_need_nvcc<Exec>();

@@ -11,6 +11,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -301,10 +302,9 @@ void host_col2im(conv2d_geometry const& g, T const* dcolumns, std::int64_t n0, s
   }
 }
 
-// ---- CUDA -----------------------------------------------------------------------------
+// ---- the element bodies: what the GPU runs (and the host, with host loops off) -------
 
-#if MPX_HAS_CUDA
-//! The extents a kernel needs, as plain integers.
+//! The extents the element bodies need, as plain integers (the GPU's index arithmetic).
 struct conv2d_params {
   int h, w, cin, kh, kw, oh, ow;
   int stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
@@ -323,16 +323,22 @@ inline conv2d_params conv2d_params_of(std::string_view op, conv2d_geometry const
           static_cast<int>(g.o.dilation_w)};
 }
 
-// One thread per element of the columns (grid-stride): neighbouring threads read
-// neighbouring channels of x and write neighbouring columns, both coalesced. Index is
-// 32-bit where the element count allows (the divisions are the cost).
-
-template <class Index, class T>
-__global__ void __launch_bounds__(block_size)
-    im2col_kernel(conv2d_params p, T const* __restrict__ x, Index total, T* __restrict__ columns) {
-  Index const patch = static_cast<Index>(p.kh) * p.kw * p.cin;
-  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
-  for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+// One element of the columns: on the GPU neighbouring threads read neighbouring channels
+// of x and write neighbouring columns, both coalesced. Counted in 32 bits where the
+// sizes allow (the divisions are the cost). Its host loop is the blocked host_im2col.
+template <class T>
+struct im2col_element {
+  conv2d_params p;
+  conv2d_geometry g;
+  T const* x;  // all of x; the chunk's images start at n0
+  T* columns;
+  std::int64_t n0, images;
+  [[nodiscard]] std::size_t largest_index() const {  // the last element of the chunk's images in x
+    return static_cast<std::size_t>((n0 + images) * g.h * g.w * g.cin);
+  }
+  template <class Index>
+  MPX_HD void operator()(Index e) const {
+    Index const patch = static_cast<Index>(p.kh) * p.kw * p.cin;
     Index const r = e / patch, k = e - r * patch;
     int const ci = static_cast<int>(k % p.cin);
     Index const tap = k / p.cin;
@@ -340,7 +346,7 @@ __global__ void __launch_bounds__(block_size)
     int const ow = static_cast<int>(r % p.ow);
     Index const t = r / p.ow;
     int const oh = static_cast<int>(t % p.oh);
-    Index const image = t / p.oh;
+    Index const image = static_cast<Index>(n0) + t / p.oh;
     int const ih = oh * p.stride_h - p.pad_h + kh * p.dilation_h;
     int const iw = ow * p.stride_w - p.pad_w + kw * p.dilation_w;
     T v = cast<T>(0.0f);
@@ -348,17 +354,27 @@ __global__ void __launch_bounds__(block_size)
       v = x[((image * p.h + static_cast<Index>(ih)) * p.w + static_cast<Index>(iw)) * p.cin + static_cast<Index>(ci)];
     columns[e] = v;
   }
-}
+  void host_loop() const { host_im2col(g, x, n0, images, columns); }
+};
 
-// Gather-form col2im: one thread per element of dx sums, in float, the column gradients
-// of the output pixels whose receptive field holds it, in order of output pixel (taps
-// descending), the order the host's scatter adds them in. No atomics: deterministic.
-template <class Index, class T>
-__global__ void __launch_bounds__(block_size)
-    col2im_kernel(conv2d_params p, T const* __restrict__ dcolumns, Index total, T* __restrict__ dx) {
-  Index const patch = static_cast<Index>(p.kh) * p.kw * p.cin;
-  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
-  for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+// Gather-form col2im, one element of dx: it sums, in float, the column gradients of the
+// output pixels whose receptive field holds it, in order of output pixel (taps
+// descending), the order the host's scatter (its host loop) adds them in. No atomics:
+// deterministic.
+template <class T>
+struct col2im_element {
+  conv2d_params p;
+  conv2d_geometry g;
+  T const* dcolumns;  // the chunk's rows
+  T* dx;              // all of dx; the chunk's images start at n0
+  std::int64_t n0, images;
+  [[nodiscard]] std::size_t largest_index() const {  // the chunk's last column and element of dx
+    auto const columns = static_cast<std::size_t>(images * g.pixels() * g.patch());
+    return std::max(columns, static_cast<std::size_t>((n0 + images) * g.h * g.w * g.cin));
+  }
+  template <class Index>
+  MPX_HD void operator()(Index e) const {
+    Index const patch = static_cast<Index>(p.kh) * p.kw * p.cin;
     int const ci = static_cast<int>(e % p.cin);
     Index t = e / p.cin;
     int const iw = static_cast<int>(t % p.w);
@@ -380,74 +396,25 @@ __global__ void __launch_bounds__(block_size)
         sum += cast<float>(dcolumns[row * patch + static_cast<Index>((kh * p.kw + kw) * p.cin + ci)]);
       }
     }
-    dx[e] = cast<T>(sum);
+    dx[static_cast<Index>(n0) * p.h * p.w * p.cin + e] = cast<T>(sum);
   }
-}
-
-template <class T>
-void cuda_im2col(cudaStream_t stream, conv2d_params const& p, T const* x, std::size_t rows, T* columns) {
-  std::size_t const total = rows * static_cast<std::size_t>(p.kh) * p.kw * p.cin;
-  std::size_t const images = rows / (static_cast<std::size_t>(p.oh) * p.ow);
-  std::size_t const inputs = images * static_cast<std::size_t>(p.h) * p.w * p.cin;
-  unsigned const grid = grid_for(total);
-  if (fits_32_bit_grid_stride(total, inputs, grid)) {
-    im2col_kernel<std::uint32_t><<<grid, block_size, 0, stream>>>(p, x, static_cast<std::uint32_t>(total), columns);
-  } else {
-    im2col_kernel<std::uint64_t><<<grid, block_size, 0, stream>>>(p, x, static_cast<std::uint64_t>(total), columns);
-  }
-  MPX_CUDA_CHECK_LAUNCH("mpx::im2col_kernel");
-}
-
-template <class T>
-void cuda_col2im(cudaStream_t stream, conv2d_params const& p, T const* dcolumns, std::size_t images, T* dx) {
-  std::size_t const total = images * static_cast<std::size_t>(p.h) * p.w * p.cin;
-  std::size_t const columns = images * static_cast<std::size_t>(p.oh) * p.ow * p.kh * p.kw * p.cin;
-  unsigned const grid = grid_for(total);
-  if (fits_32_bit_grid_stride(total, columns, grid)) {
-    col2im_kernel<std::uint32_t><<<grid, block_size, 0, stream>>>(p, dcolumns, static_cast<std::uint32_t>(total), dx);
-  } else {
-    col2im_kernel<std::uint64_t><<<grid, block_size, 0, stream>>>(p, dcolumns, static_cast<std::uint64_t>(total), dx);
-  }
-  MPX_CUDA_CHECK_LAUNCH("mpx::col2im_kernel");
-}
-#endif
-
-// im2col and col2im keep a dispatch of their own rather than exec/'s for_each_index:
-// on the GPU they count in 32 bits wherever the sizes allow (the index divisions are
-// their cost), and the host's loops are blocked by image and tap, not by element.
+  void host_loop() const { host_col2im(g, dcolumns, n0, images, dx); }
+};
 
 //! im2col of images [n0, n0 + images) of x into the first rows of `columns`.
 template <class Exec, class T>
-void im2col([[maybe_unused]] Exec const& exec, std::string_view op, conv2d_geometry const& g, T const* x,
-            std::int64_t n0, std::int64_t images, T* columns) {
-  if constexpr (is_host_executor_v<Exec>) {
-    host_im2col(g, x, n0, images, columns);
-  } else {
-#if MPX_HAS_CUDA
-    cuda_im2col(exec.stream(), conv2d_params_of(op, g), x + n0 * g.h * g.w * g.cin,
-                static_cast<std::size_t>(images * g.pixels()), columns);
-#else
-    static_cast<void>(op);
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void im2col(Exec const& exec, std::string_view op, conv2d_geometry const& g, T const* x, std::int64_t n0,
+            std::int64_t images, T* columns) {
+  std::size_t const total = static_cast<std::size_t>(images * g.pixels() * g.patch());
+  for_each_index(exec, total, im2col_element<T>{conv2d_params_of(op, g), g, x, columns, n0, images});
 }
 
 //! col2im of the first rows of `dcolumns` into images [n0, n0 + images) of dx.
 template <class Exec, class T>
-void col2im([[maybe_unused]] Exec const& exec, std::string_view op, conv2d_geometry const& g, T const* dcolumns,
-            std::int64_t n0, std::int64_t images, T* dx) {
-  if constexpr (is_host_executor_v<Exec>) {
-    host_col2im(g, dcolumns, n0, images, dx);
-  } else {
-#if MPX_HAS_CUDA
-    cuda_col2im(exec.stream(), conv2d_params_of(op, g), dcolumns, static_cast<std::size_t>(images),
-                dx + n0 * g.h * g.w * g.cin);
-#else
-    static_cast<void>(op);
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+void col2im(Exec const& exec, std::string_view op, conv2d_geometry const& g, T const* dcolumns, std::int64_t n0,
+            std::int64_t images, T* dx) {
+  std::size_t const total = static_cast<std::size_t>(images * g.h * g.w * g.cin);
+  for_each_index(exec, total, col2im_element<T>{conv2d_params_of(op, g), g, dcolumns, dx, n0, images});
 }
 
 //! The rows of a [N*OH*OW, cols] matrix that belong to images [n0, n0 + images).
