@@ -296,7 +296,7 @@ if [ "$phase" != perf ]; then
 # illegal address) costs one folder's verdict, not the rest of the suite's. Host suite: 15 s
 # on two cores for all of it; each limit is a few times what a folder should take.
 while read -r folder tags; do
-  case $folder in kernels|model) limit=30 ;; layers) limit=20 ;; exec|numerics|losses) limit=10 ;; *) limit=15 ;; esac
+  case $folder in kernels|model) limit=30 ;; layers) limit=20 ;; exec|numerics|losses) limit=10 ;; docs) limit=5 ;; *) limit=15 ;; esac
   mpx_step "suite_$folder" "$limit" mpx_tests_cuda --filenames-as-tags "$tags" --reporter compact
 done < <(suite_folders)
 # The main example on the GPU, one epoch under its default policy (mixed_float16).

@@ -4,6 +4,7 @@
 // underflow at scale 1, survive a larger scale and overflow a too large one.
 #include "../support/testing.hpp"
 
+#include <mpx/layers/attention.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/model/diagnostics.hpp>
@@ -113,6 +114,30 @@ TEMPLATE_LIST_TEST_CASE("find_nonfinite names the layer and tensor where NaN or 
     CHECK(f->stats.nan == static_cast<std::size_t>(n));
     CHECK(f->read_stats.absmax == 2.0f);
     CHECK_THAT(f->explanation(), Catch::Contains("invalid operation"));
+  }
+
+  SECTION("float16 attention logits that overflow are named as such, with what to do") {
+    std::int64_t const tokens = 8, width = 64;
+    for (bool scaled : {false, true}) {
+      auto model = mpx::sequential<mpx::mixed_float16>(mpx::causal_self_attention<>(1, scaled));
+      model.build(exec, {tokens, width}, 4);
+      auto x = mpx_test::upload(exec, mpx_test::random_values<float>(static_cast<std::size_t>(tokens * width), 200, 240, 3),
+                                {1, tokens, width});  // large activations: unscaled, q·k passes 65504
+      model.forward(exec, mpx::tensor_view<float const, space>(mpx::view(x)), false);
+      auto const f = mpx::find_nonfinite(exec, model);
+      INFO("scaled " << scaled);
+      if (scaled) {
+        CHECK_FALSE(f);
+        continue;
+      }
+      REQUIRE(f);
+      CHECK(f->kind == "MultiHeadAttention");
+      CHECK(f->pass == "forward");
+      CHECK_THAT(f->explanation(), Catch::Contains("logits q·kᵀ overflowing float16 (65504)") &&
+                                       Catch::Contains("1/sqrt(head width)") && Catch::Contains("bfloat16") &&
+                                       Catch::Contains("float32 policy"));
+      CHECK_THAT(f->explanation(), !Catch::Contains("add an epsilon"));
+    }
   }
 
   SECTION("weights an earlier update made infinite") {

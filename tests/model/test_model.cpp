@@ -114,6 +114,27 @@ TEMPLATE_LIST_TEST_CASE("sequential names layers like Keras, computes shapes and
   CHECK(s.find("(cast") == s.rfind("(cast"));
 }
 
+TEST_CASE("the summary notes an fp8 first layer and an fp8 logits layer, and nothing when they are kept out",
+          "[model][fp8]") {
+  mpx::host_executor exec;
+  auto all_fp8 = mpx::sequential<mpx::mixed_fp8>(mpx::dense<>(32, mpx::activation::relu), mpx::dense<>(32),
+                                                 mpx::dense<>(16), mpx::softmax_layer<mpx::float32>());
+  all_fp8.build(exec, {16}, 1);
+  std::string const s = all_fp8.summary();
+  INFO(s);
+  CHECK_THAT(s, Catch::Contains("Note: dense (the first layer, it reads the raw inputs) computes in fp8; keep it in "
+                                "bfloat16 with mpx::without_fp8<mpx::mixed_fp8>"));
+  CHECK_THAT(s, Catch::Contains("Note: dense_2 (it makes the logits) computes in fp8"));
+  CHECK_THAT(s, !Catch::Contains("Note: dense_1"));
+
+  using P = mpx::mixed_fp8;
+  auto advised = mpx::sequential<P>(mpx::dense<mpx::without_fp8<P>>(32, mpx::activation::relu), mpx::dense<>(32),
+                                    mpx::dense<mpx::without_fp8<P>>(16), mpx::softmax_layer<mpx::float32>());
+  advised.build(exec, {16}, 1);
+  INFO(advised.summary());
+  CHECK_THAT(advised.summary(), !Catch::Contains("Note:"));
+}
+
 TEMPLATE_LIST_TEST_CASE("the cast sequential inserts gives what the layers give by hand", "[model]", mpx_test::executors) {
   TestType exec;
   using space = mpx::memory_space_t<TestType>;
@@ -365,6 +386,51 @@ TEMPLATE_LIST_TEST_CASE("an overflowing step is skipped, recorded, and the scale
   CHECK(optimizer.scaler().scale(exec) == 8388608.0f);
   auto const after = mpx_test::download(exec, model.template layer<0>().template kernel<mpx::memory_space_t<TestType>>());
   CHECK(mpx_test::first_mismatch(after, before).empty());  // the skipped step left the weights alone
+}
+
+TEMPLATE_LIST_TEST_CASE("a converting load takes a float16 model's file into bfloat16 layers, rounding each value "
+                        "once, and refuses a value the new dtype cannot hold",
+                        "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  fs::path const dir = scratch_dir("converting");
+  auto half_model = quadrant_model<mpx::mixed_float16>();
+  half_model.build(exec, {2}, 1);
+  mpx::save_model(exec, half_model, dir / "half.mpx");
+  auto bf16_model = quadrant_model<mpx::mixed_bfloat16>();
+  bf16_model.build(exec, {2}, 7);
+  CHECK_THROWS_TYPE_WITH(mpx::load_model(exec, bf16_model, dir / "half.mpx"), mpx::checkpoint_error,
+                         Catch::Contains("is float16 [2, 16] but this model's is bfloat16 [2, 16]") &&
+                             Catch::Contains("mpx::model_load::converting"));
+  mpx::load_model(exec, bf16_model, dir / "half.mpx", mpx::model_load::converting);
+  auto const saved = mpx_test::download(exec, half_model.template layer<0>().template kernel<space>());
+  auto const loaded = mpx_test::download(exec, bf16_model.template layer<0>().template kernel<space>());
+  REQUIRE(saved.size() == loaded.size());
+  std::size_t changed = 0;
+  for (std::size_t i = 0; i < saved.size(); ++i) {
+    float const want = mpx::cast<float>(mpx::cast<mpx::bfloat16>(mpx::cast<float>(saved[i])));
+    CHECK(mpx::cast<float>(loaded[i]) == want);
+    changed += want != mpx::cast<float>(saved[i]);
+  }
+  CHECK(changed > 0);  // bfloat16 keeps fewer bits than float16: the rounding happened
+
+  // A float32 model with a weight past float16's range: refused, the model unchanged.
+  auto wide = quadrant_model<mpx::float32>();
+  wide.build(exec, {2}, 3);
+  std::vector<float> big(32, 0.5f);
+  big[17] = 1.0e6f;
+  mpx::copy(exec, mpx::tensor_view<float const, mpx::host_space>(big.data(), {2, 16}),
+            wide.template layer<0>().template kernel<space>());
+  mpx::save_model(exec, wide, dir / "wide.mpx");
+  auto narrow = quadrant_model<mpx::mixed_float16>();
+  narrow.build(exec, {2}, 4);
+  auto const before = mpx_test::download(exec, narrow.template layer<0>().template kernel<space>());
+  CHECK_THROWS_TYPE_WITH(mpx::load_model(exec, narrow, dir / "wide.mpx", mpx::model_load::converting),
+                         mpx::checkpoint_error,
+                         Catch::Contains("'dense/kernel' holds 1e+06 (element 17), which float16 cannot hold"));
+  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, narrow.template layer<0>().template kernel<space>()), before)
+            .empty());
+  fs::remove_all(dir);
 }
 
 TEMPLATE_LIST_TEST_CASE("a saved model loads back bit for bit; a mismatched file is refused and changes nothing",

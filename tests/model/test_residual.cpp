@@ -110,6 +110,33 @@ TEMPLATE_LIST_TEST_CASE("a residual block adds its input to its branch, forward 
   CHECK(identity_share > 0.1);
 }
 
+TEST_CASE("the summary keeps its columns in line for layers nested deep in residual blocks", "[model][residual]") {
+  mpx::host_executor exec;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::dense<>(8),
+      mpx::residual(mpx::residual(mpx::layer_norm<>(), mpx::dense<>(8)), mpx::layer_norm<>(), mpx::dense<>(8)),
+      mpx::dense<>(3));
+  model.build(exec, {4}, 1);
+  std::string const summary = model.summary();
+  INFO(summary);
+  REQUIRE(summary.find("  |   | layer_normalization (LayerNormalization)") != std::string::npos);  // 45 characters
+  // Every row's output shape, policy and count start where the header's do.
+  std::vector<std::string> lines;
+  for (std::size_t at = 0, end; (end = summary.find('\n', at)) != std::string::npos; at = end + 1)
+    lines.push_back(summary.substr(at, end - at));
+  std::size_t const shape_column = lines[0].find("Output shape"), policy_column = lines[0].find("Policy");
+  std::size_t rows = 0;
+  for (auto const& line : lines) {
+    std::size_t const shape = line.find("(None, ");
+    if (shape == std::string::npos) continue;
+    ++rows;
+    CHECK(shape == shape_column);
+    CHECK(line.find("mixed_float16") == policy_column);
+    CHECK(line.size() == lines[0].size());  // the counts end in the same column
+  }
+  CHECK(rows == 8);
+}
+
 TEST_CASE("residual blocks are named like Keras layers, shown with their branches, and refuse a shape change",
           "[model][residual]") {
   mpx::host_executor exec;

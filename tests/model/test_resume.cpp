@@ -262,7 +262,10 @@ TEST_CASE("load_training_state refuses a damaged or mismatched save and changes 
   mpx::batch_loader<mpx::host_executor, mpx::half> loader(exec, data, {.batch_size = 16});
   test_resume::run_log log;
   auto const at = test_resume::train(exec, model, optimizer, loader, {}, 2, 1000, log);
+  CHECK_FALSE(mpx::has_training_state(root));  // resume-if-present: nothing here yet
   mpx::save_training_state(exec, model, optimizer, root, at);
+  CHECK(mpx::has_training_state(root));
+  CHECK_FALSE(mpx::has_training_state(root / "nothing"));
   // A second save replaces the first pair and removes its files.
   mpx::save_training_state(exec, model, optimizer, root, at);
   std::size_t files = 0;

@@ -287,6 +287,39 @@ TEST_CASE("the stuck signal holds the step that reached report_after, not a late
 // The same through the scaler, with every step enqueued before the first can run on a
 // GPU: the report, read only at the end, is the one of the step that reached
 // report_after (gradient 'layer/a'), not of the last step (where only 'layer/b' overflows).
+TEMPLATE_LIST_TEST_CASE("a stuck report names the gradient the backward pass wrote non-finite first, and how to "
+                        "find the layer",
+                        "[scaling]", mpx_test::executors) {
+  TestType exec;
+  mpx::static_loss_scaler scaler(exec, 64.0f, 2);
+  // Listed in layer order, as a model's parameters are: backpropagation writes 'dense_1'
+  // first, and its NaN spreads to 'dense' below it.
+  auto a = mpx::make_tensor<float>(exec, {5});
+  auto b = mpx::make_tensor<float>(exec, {3});
+  auto c = mpx::make_tensor<float>(exec, {4});
+  mpx::gradient_list<TestType> list(exec, {a, b, c}, {"dense/kernel", "dense_1/kernel", "dense_2/kernel"});
+  std::vector<mpx::loss_scale_report> reports;
+  scaler.on_stuck([&](mpx::loss_scale_report const& r) { reports.push_back(r); });
+  mpx::fill(exec, a, std::numeric_limits<float>::quiet_NaN());
+  mpx::fill(exec, b, std::numeric_limits<float>::quiet_NaN());
+  mpx::fill(exec, c, 1.0f);
+  for (int step = 0; step < 2; ++step) {
+    scaler.unscale_and_check(exec, list);
+    scaler.update(exec, list);
+  }
+  exec.synchronize();
+  scaler.poll();
+  REQUIRE(reports.size() == 1);
+  CHECK(reports[0].first_nonfinite == 0);
+  CHECK(reports[0].last_nonfinite == 1);
+  CHECK(reports[0].gradient == "dense_1/kernel");
+  CHECK_THAT(reports[0].message, Catch::Contains("the first the backward pass wrote: 'dense_1/kernel'") &&
+                                     Catch::Contains("mpx::find_nonfinite(exec, model)"));
+  auto const summary = list.summary(exec);
+  CHECK(summary.first_nonfinite == 0);
+  CHECK(summary.last_nonfinite == 1);
+}
+
 TEMPLATE_LIST_TEST_CASE("a late stuck report describes the step that reached report_after", "[scaling]",
                         mpx_test::executors) {
   TestType exec;

@@ -225,6 +225,7 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check finds NaN and inf wherever they are a
         INFO(p.where << ", value " << bad << (mode == mpx::unscaling::deferred ? ", deferred" : ", in place"));
         CHECK(summary.found_nonfinite == 1);
         CHECK(summary.first_nonfinite == static_cast<std::int32_t>(p.tensor));
+        CHECK(summary.last_nonfinite == static_cast<std::int32_t>(p.tensor));
         CHECK_FALSE(mpx::is_finite(summary.norm));
       }
     }
@@ -237,6 +238,7 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check finds NaN and inf wherever they are a
   auto s = scale_on(exec, 1.0f);
   mpx::unscale_and_check(exec, list, s.data());
   CHECK(list.summary(exec).first_nonfinite == 120);
+  CHECK(list.summary(exec).last_nonfinite == 181);  // the later one: nearest the cause in a model's backward order
 }
 
 TEMPLATE_LIST_TEST_CASE("unscale_and_check never raises a false alarm", "[scaling]", mpx_test::executors) {
@@ -277,6 +279,7 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check over more gradients than one launch h
   auto s = scale_on(exec, 2.0f);
   mpx::unscale_and_check(exec, list, s.data(), 0.0f, mpx::unscaling::deferred);
   CHECK(list.summary(exec).first_nonfinite == 3901);
+  CHECK(list.summary(exec).last_nonfinite == 3901);
   auto const ref = reference(g.values, 0.5);
   auto const norms = list.norms(exec);
   for (std::size_t i = 0; i < g.refs.size(); ++i) {
@@ -369,10 +372,11 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check folds tensors of over 32 chunks by wa
   }
   mpx::gradient_list<TestType> list(exec, g.refs);
   auto eight = scale_on(exec, 8.0f);
-  auto check = [&](std::int32_t expected_first) {
+  auto check = [&](std::int32_t expected_first, std::int32_t expected_last = -1) {
     mpx::unscale_and_check(exec, list, eight.data(), 0.0f, mpx::unscaling::deferred);
     auto const summary = list.summary(exec);
     CHECK(summary.first_nonfinite == expected_first);
+    CHECK(summary.last_nonfinite == expected_last);
     CHECK(summary.found_nonfinite == (expected_first >= 0 ? 1u : 0u));
     if (expected_first >= 0) {
       CHECK_FALSE(mpx::is_finite(summary.norm));
@@ -401,8 +405,10 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check folds tensors of over 32 chunks by wa
       kept.push_back(static_cast<float>(g.values[p.tensor][p.element]));
       g.plant(exec, p.tensor, p.element, p.value);
     }
-    INFO("expected first non-finite gradient: " << expected_first);
-    check(expected_first);
+    std::int32_t expected_last = -1;
+    for (auto const& p : ps) expected_last = std::max(expected_last, static_cast<std::int32_t>(p.tensor));
+    INFO("expected first non-finite gradient: " << expected_first << ", last: " << expected_last);
+    check(expected_first, expected_last);
     for (std::size_t i = ps.size(); i-- > 0;) g.plant(exec, ps[i].tensor, ps[i].element, kept[i]);
   };
   plant_all({{1, 32 * chunk + 3, inf}}, 1);                        // the 33rd chunk, 5 elements long

@@ -218,8 +218,14 @@ class checkpoint_reader {
     std::size_t const body = file_.size() - sizeof(std::uint64_t);
     std::uint64_t stored;
     std::memcpy(&stored, file_.data() + body, sizeof stored);
-    if (fnv1a(std::span<std::byte const>(file_.data(), body)) != stored)
-      refuse("its checksum does not match: the file is truncated or corrupt");
+    if (fnv1a(std::span<std::byte const>(file_.data(), body)) != stored) {
+      auto const [claimed, exact] = claimed_length(at);
+      if (claimed > file_.size())
+        refuse("its checksum does not match: the file is truncated: its contents claim " +
+               std::string(exact ? "" : "at least ") + std::to_string(claimed) + " bytes, it holds " +
+               std::to_string(file_.size()));
+      refuse("its checksum does not match: the file is corrupt (a byte changed)");
+    }
 
     std::string const kind = take_string(at, body);
     if (kind != expected_kind)
@@ -245,10 +251,12 @@ class checkpoint_reader {
   checkpoint_reader& operator=(checkpoint_reader const&) = delete;
 
   [[nodiscard]] bool contains(std::string_view name) const noexcept { return index_.contains(name); }
-  //! The bytes of a section; checkpoint_error when it is missing.
-  [[nodiscard]] std::span<std::byte const> section(std::string_view name) const {
+  //! The bytes of a section; checkpoint_error when it is missing. (Every reading member
+  //! takes the caller's location, so a refusal names the line that asked.)
+  [[nodiscard]] std::span<std::byte const> section(std::string_view name,
+                                                   source_location loc = source_location::current()) const {
     auto const found = index_.find(name);
-    if (found == index_.end()) refuse("it has no section '" + std::string(name) + "'");
+    if (found == index_.end()) refuse("it has no section '" + std::string(name) + "'", loc);
     read_[found->second] = true;
     return sections_[found->second].second;
   }
@@ -268,40 +276,73 @@ class checkpoint_reader {
            quoted_list(unread) + "; nothing was loaded");
   }
   //! The bytes of a section that must hold exactly `size` bytes.
-  [[nodiscard]] std::span<std::byte const> section(std::string_view name, std::size_t size) const {
-    auto const s = section(name);
+  [[nodiscard]] std::span<std::byte const> section(std::string_view name, std::size_t size,
+                                                   source_location loc = source_location::current()) const {
+    auto const s = section(name, loc);
     if (s.size() != size)
       refuse("section '" + std::string(name) + "' holds " + std::to_string(s.size()) + " bytes where " +
-             std::to_string(size) + " were expected (a tensor of another shape or dtype)");
+                 std::to_string(size) + " were expected (a tensor of another shape or dtype)",
+             loc);
     return s;
   }
   //! A section that holds text (written with text_bytes), as a string.
-  [[nodiscard]] std::string text(std::string_view name) const {
-    auto const bytes = section(name);
+  [[nodiscard]] std::string text(std::string_view name, source_location loc = source_location::current()) const {
+    auto const bytes = section(name, loc);
     return std::string(reinterpret_cast<char const*>(bytes.data()), bytes.size());
   }
   //! Refuses the file unless section `name` holds `expected`; `what` names it for the
   //! message ("parameter list"), which shows both texts.
-  void require_text(std::string_view name, std::string_view expected, std::string_view what) const {
-    std::string const got = text(name);
+  void require_text(std::string_view name, std::string_view expected, std::string_view what,
+                    source_location loc = source_location::current()) const {
+    std::string const got = text(name, loc);
     if (got != expected)
       refuse("the checkpoint's " + std::string(what) + " differs from this one's:\n" + got + "\nexpected:\n" +
-             std::string(expected));
+                 std::string(expected),
+             loc);
   }
   template <class T>
-  [[nodiscard]] T value(std::string_view name) const {
+  [[nodiscard]] T value(std::string_view name, source_location loc = source_location::current()) const {
     static_assert(std::is_trivially_copyable_v<T>, "checkpoint values are copied as bytes");
     T out;
-    std::memcpy(&out, section(name, sizeof(T)).data(), sizeof(T));
+    std::memcpy(&out, section(name, sizeof(T), loc).data(), sizeof(T));
     return out;
   }
 
-  //! Throws checkpoint_error "refusing <path>: <why>" (for callers' own checks too).
-  [[noreturn]] void refuse(std::string const& why) const {
-    fail<checkpoint_error>("checkpoint", "refusing '" + path_.string() + "': " + why);
+  //! Throws checkpoint_error "refusing <path>: <why>" (for callers' own checks too),
+  //! naming the line that refused.
+  [[noreturn]] void refuse(std::string const& why, source_location loc = source_location::current()) const {
+    fail<checkpoint_error>("checkpoint", "refusing '" + path_.string() + "': " + why, loc);
   }
 
  private:
+  //! The file's length as its own fields claim it (kind, sections, checksum), read from
+  //! `at` (after the version) without trusting them: the walk stops as soon as they claim
+  //! more than the file holds (then the claim is a lower bound: exact is false). Each
+  //! section costs at least 12 bytes of file, so a hostile count cannot make it slow.
+  [[nodiscard]] std::pair<std::uint64_t, bool> claimed_length(std::size_t at) const noexcept {
+    std::uint64_t const size = file_.size();
+    std::uint64_t pos = at;
+    auto field = [&](std::size_t bytes, std::uint64_t& value) {
+      if (pos + bytes > size) {
+        pos += bytes;
+        return false;
+      }
+      value = 0;
+      std::memcpy(&value, file_.data() + pos, bytes);  // little-endian, as written
+      pos += bytes;
+      return true;
+    };
+    auto skip = [&](std::uint64_t bytes) {
+      pos = bytes > size - pos ? size + 1 : pos + bytes;
+      return pos <= size;
+    };
+    std::uint64_t length = 0, count = 0;
+    if (!field(4, length) || !skip(length) || !field(8, count)) return {pos, false};
+    for (std::uint64_t i = 0; i < count; ++i)
+      if (!field(4, length) || !skip(length) || !field(8, length) || !skip(length)) return {pos, false};
+    return {pos + sizeof(std::uint64_t), true};
+  }
+
   template <class T>
   T take(std::size_t& at, std::size_t limit = static_cast<std::size_t>(-1)) const {
     limit = std::min(limit, file_.size());

@@ -49,22 +49,24 @@ template <class HanaString>
 using policy_named = typename decltype(policy_by_name(HanaString{}))::type;
 
 namespace detail {
-[[noreturn]] inline void unknown_policy(std::string_view name) {
-  fail<invalid_argument>("with_policy", "unknown policy \"" + std::string(name) +
-                                            "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16 and mixed_fp8");
+[[noreturn]] inline void unknown_policy(std::string_view name, source_location loc) {
+  fail<invalid_argument>("with_policy",
+                         "unknown policy \"" + std::string(name) +
+                             "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16 and mixed_fp8",
+                         loc);
 }
 
 // Each step compares then calls; the last step throws instead of recursing. (An
 // if-constexpr branch that only throws, the obvious form, crashes nvcc 13's front end.)
 template <std::size_t I, class Result, class F>
-Result dispatch_policy(std::string_view name, F& f) {
+Result dispatch_policy(std::string_view name, F& f, source_location loc) {
   constexpr std::size_t count = decltype(boost::hana::length(preset_policies))::value;
   if constexpr (I + 1 < count) {
     if (name != boost::hana::to<char const*>(boost::hana::first(boost::hana::at_c<I>(preset_policies))))
-      return dispatch_policy<I + 1, Result>(name, f);
+      return dispatch_policy<I + 1, Result>(name, f, loc);
   } else {
     if (name != boost::hana::to<char const*>(boost::hana::first(boost::hana::at_c<I>(preset_policies))))
-      unknown_policy(name);
+      unknown_policy(name, loc);
   }
   return f(boost::hana::second(boost::hana::at_c<I>(preset_policies)));
 }
@@ -72,10 +74,11 @@ Result dispatch_policy(std::string_view name, F& f) {
 
 //! Calls f(hana::type_c<P>) for the preset named `name` (from a command line, a config
 //! file) and returns what f returns; an unknown name throws mpx::invalid_argument that
-//! lists the presets. This is how one binary runs a model under any of them.
+//! lists the presets and names the caller's line. This is how one binary runs a model
+//! under any of them.
 template <class F, class Result = std::invoke_result_t<F&, boost::hana::basic_type<float32>>>
-Result with_policy(std::string_view name, F&& f) {
-  return detail::dispatch_policy<0, Result>(name, f);
+Result with_policy(std::string_view name, F&& f, source_location loc = source_location::current()) {
+  return detail::dispatch_policy<0, Result>(name, f, loc);
 }
 
 }  // namespace mpx

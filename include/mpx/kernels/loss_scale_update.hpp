@@ -37,9 +37,19 @@ namespace detail {
 struct alignas(16) stuck_signal {
   std::uint32_t consecutive;
   std::uint32_t streak;  //!< identifies the run of overflows (the skipped count when it began)
-  std::int32_t first_nonfinite;
+  //! The step's first and last non-finite gradient (gradient_summary), in 16 bits so
+  //! the signal stays one 16-byte store; -1 when none, or past 32,767 (not reported).
+  std::int16_t first_nonfinite;
+  std::int16_t last_nonfinite;
   float scale;
 };
+
+static_assert(sizeof(stuck_signal) == 16, "the device writes a stuck_signal as one 16-byte store");
+
+//! A gradient list index as stuck_signal holds it.
+MPX_HD inline std::int16_t signal_index(std::int32_t i) noexcept {
+  return i >= 0 && i <= 32767 ? static_cast<std::int16_t>(i) : std::int16_t{-1};
+}
 
 //! The end of a step: the rule's update, the optimizer's step count (advanced only when
 //! the step was applied), and the signal the host polls (see stuck_signal).
@@ -58,7 +68,8 @@ MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradie
   stuck_signal s;
   s.consecutive = consecutive;
   s.streak = streak;
-  s.first_nonfinite = summary->first_nonfinite;
+  s.first_nonfinite = signal_index(summary->first_nonfinite);
+  s.last_nonfinite = signal_index(summary->last_nonfinite);
   s.scale = scale_used;
   *signal = s;
 }

@@ -32,6 +32,10 @@ struct gradient_summary {
   //! What a consumer multiplies the stored gradients by: clip_coefficient, times the
   //! inverse scale when the unscaling was deferred.
   float gradient_factor = 1;
+  //! List index of the last gradient that held NaN or ±inf; -1 when none did. A model's
+  //! parameters are listed in layer order and backpropagation runs the other way, so
+  //! this is the first gradient the backward pass wrote non-finite: nearest the cause.
+  std::int32_t last_nonfinite = -1;
 };
 
 namespace detail {
@@ -130,6 +134,7 @@ inline void host_finish_check(std::uint32_t tensors, std::uint32_t const* ranges
     tensor_sum_of_squares[t] = p.sum_of_squares;
     total += p.sum_of_squares;
     if (p.nonfinite && s.first_nonfinite < 0) s.first_nonfinite = static_cast<std::int32_t>(t);
+    if (p.nonfinite) s.last_nonfinite = static_cast<std::int32_t>(t);
   }
   s.found_nonfinite = s.first_nonfinite >= 0 ? 1u : 0u;
   s.norm = std::sqrt(total);
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(Threads)
   constexpr std::int32_t none = 0x7fffffff;
   unsigned const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float total = 0;
-  std::int32_t first_bad = none;
+  std::int32_t first_bad = none, last_bad = -1;
 
   for (std::uint32_t t = threadIdx.x; t < tensors; t += Threads) {
     std::uint32_t const begin = ranges[2 * t], end = ranges[2 * t + 1];
@@ -204,6 +209,7 @@ __global__ void __launch_bounds__(Threads)
     tensor_sum_of_squares[t] = sum;
     total += sum;
     if (bad && first_bad == none) first_bad = static_cast<std::int32_t>(t);
+    if (bad) last_bad = static_cast<std::int32_t>(t);  // t grows along this thread's loop
   }
 
   using warp_reduce = cub::WarpReduce<float>;
@@ -228,6 +234,7 @@ __global__ void __launch_bounds__(Threads)
         tensor_sum_of_squares[base + j] = tensor_sum;
         total += tensor_sum;
         if (tensor_bad && static_cast<std::int32_t>(base + j) < first_bad) first_bad = static_cast<std::int32_t>(base + j);
+        if (tensor_bad && static_cast<std::int32_t>(base + j) > last_bad) last_bad = static_cast<std::int32_t>(base + j);
       }
       __syncwarp();  // CUB: the warp's temporary storage is reused by the next Sum only after a warp barrier
     }
@@ -242,9 +249,12 @@ __global__ void __launch_bounds__(Threads)
   float const all = sum_reduce(temp.sum).Sum(total);
   __syncthreads();  // the union's storage is reused
   std::int32_t const first = min_reduce(temp.min).Reduce(first_bad, ::cuda::minimum<>{});
+  __syncthreads();
+  std::int32_t const last = min_reduce(temp.min).Reduce(last_bad, ::cuda::maximum<>{});
   if (threadIdx.x == 0) {
     gradient_summary s;
     s.first_nonfinite = first == none ? -1 : first;
+    s.last_nonfinite = last;
     s.found_nonfinite = first == none ? 0u : 1u;
     s.norm = sqrtf(all);
     set_clipping(s, max_norm, deferred ? unscaling_factor(scale, is_inverse) : 1.0f);

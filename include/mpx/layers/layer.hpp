@@ -16,6 +16,7 @@
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
 #include <mpx/optim/parameter.hpp>
 
 #include <concepts>
@@ -54,6 +55,9 @@ class layer_tensor {
   void allocate(Exec const& exec, mpx::shape s) {
     using Space = memory_space_t<Exec>;
     auto t = std::make_unique<tensor<T, Space>>(exec, s);
+    // Zeros, so that nothing a layer owns is ever read uninitialised: a gradient before
+    // the first backward is 0, not whatever the allocator left there.
+    mpx::fill(exec, *t, T{});
     data_ = t->data();
     shape_ = s;
     on_device_ = std::is_same_v<Space, device_space>;

@@ -135,6 +135,13 @@ struct nonfinite_finding {
         out += "The values passed " + std::string(to_string(dtype)) + "'s largest finite value (" +
                detail::largest_finite_text(dtype) + "), which is float32's range: the model diverged. Look for "
                "weights that grew (a learning rate too high) or inputs that are not normalised.";
+      else if (kind == "MultiHeadAttention" && detail::range_of(dtype).narrow())
+        out += "In an attention layer stored in " + std::string(to_string(dtype)) +
+               ", NaN from finite inputs is its logits q·kᵀ overflowing " + std::string(to_string(dtype)) + " (" +
+               detail::largest_finite_text(dtype) +
+               ") inside the layer: the softmax of a row holding inf computes inf - inf. Keep the logits scaled by "
+               "1/sqrt(head width) (causal_self_attention's scale_logits, on by default), store the layer in "
+               "bfloat16 (mpx::mixed_bfloat16 has float32's range), or give the attention layer the float32 policy.";
       else
         out += "NaN from finite numbers is an invalid operation inside the layer: 0/0, inf - inf, 0 * inf, or the "
                "logarithm or square root of a negative number, often after an intermediate overflowed or "
@@ -313,6 +320,13 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<f
   tensor<float, Space> scaled(exec, loss_gradient.shape());
   auto const params = model.template parameters<Space>();
   for (auto const& p : params) out.rows.push_back({p.name, p.gradient.dtype(), p.gradient.size(), {}, {}});
+  // One forward, one backward per scale: the batch is backpropagated again on purpose.
+  bool const allowed_before = model.allow_backward_without_forward(true);
+  struct restore_setting {
+    Model& m;
+    bool allowed;
+    ~restore_setting() { m.allow_backward_without_forward(allowed); }
+  } const restore{model, allowed_before};
   for (float s : scales) {
     transform(exec, scaled, ops::scale_by<float>{s}, loss_gradient);  // scaled = s * gradient, one pass
     model.backward_from_logits(exec, tensor_view<float const, Space>(scaled));

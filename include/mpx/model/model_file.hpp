@@ -7,13 +7,17 @@
 // save_training_state / load_training_state (model/training_state.hpp).
 #pragma once
 
+#include <mpx/core/cast.hpp>
 #include <mpx/core/checkpoint_file.hpp>
+#include <mpx/core/dtype.hpp>
 #include <mpx/exec/copy.hpp>
 #include <mpx/exec/tensor_ref.hpp>
 
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,6 +38,40 @@ std::vector<std::pair<std::string, tensor_ref<Space>>> model_tensors(Model& mode
 }
 
 inline std::string describe_tensor(dtype_id d, shape const& s) { return std::string(to_string(d)) + " " + s.to_string(); }
+
+//! The dtype a describe_tensor text begins with, if it names one.
+inline std::optional<dtype_id> described_dtype(std::string_view description) {
+  std::string_view const name = description.substr(0, description.find(' '));
+  for (dtype_id d : all_dtype_ids)
+    if (to_string(d) == name) return d;
+  return std::nullopt;
+}
+
+//! A saved tensor's bytes in dtype `from`, converted to `to` (through float, rounding to
+//! nearest even); refused, naming the first value, when `to` cannot hold one that was
+//! finite. Host memory only.
+inline std::vector<std::byte> converted_tensor(checkpoint_reader const& in, std::string const& name,
+                                               std::span<std::byte const> saved, dtype_id from, dtype_id to) {
+  std::size_t const count = saved.size() / size_of(from);
+  std::vector<std::byte> out(count * size_of(to));
+  visit_dtype(from, [&](auto source_tag) {
+    visit_dtype(to, [&](auto target_tag) {
+      using S = decltype(source_tag);
+      using D = decltype(target_tag);
+      for (std::size_t i = 0; i < count; ++i) {
+        S s;
+        std::memcpy(&s, saved.data() + i * sizeof(S), sizeof(S));
+        float const wide = cast<float>(s);
+        D const d = cast<D>(wide);
+        if (is_finite(wide) && !is_finite(cast<float>(d)))
+          in.refuse("its '" + name + "' holds " + to_text(wide) + " (element " + std::to_string(i) + "), which " +
+                    std::string(to_string(to)) + " cannot hold; nothing was loaded");
+        std::memcpy(out.data() + i * sizeof(D), &d, sizeof(D));
+      }
+    });
+  });
+  return out;
+}
 
 }  // namespace detail
 
@@ -58,6 +96,10 @@ void save_model(Exec const& exec, Model& model, std::filesystem::path const& pat
 enum class model_load {
   exact,    //!< refuse it: the file must hold every tensor of the model and nothing else
   partial,  //!< load the tensors both have (transfer learning); the others keep their values
+  //! as exact, but a tensor saved in another dtype is converted, rounding to nearest
+  //! even: a float16 model's file into the same layers under bfloat16, to fine-tune under
+  //! another policy. A value the model's dtype cannot hold refuses the file.
+  converting,
 };
 
 //! Restores weights and state saved by save_model into a model built with the same
@@ -75,6 +117,8 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
   detail::checkpoint_reader in(path, "mpx::sequential");
   auto const tensors = detail::model_tensors<Space>(model);
   std::vector<std::pair<tensor_ref<Space>, std::span<std::byte const>>> writes;
+  std::vector<std::vector<std::byte>> conversions;  // the converted tensors' bytes, which writes point into
+  conversions.reserve(tensors.size());
   std::vector<std::string> missing;
   for (auto const& [name, t] : tensors) {  // check everything first
     if (!in.contains(name) && !in.contains(name + "#type")) {
@@ -83,14 +127,23 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
     }
     std::string const saved = in.text(name + "#type");
     std::string const here = detail::describe_tensor(t.dtype(), t.shape());
-    if (saved != here)
-      in.refuse("its '" + name + "' is " + saved + " but this model's is " + here + "; nothing was loaded");
-    writes.emplace_back(t, in.section(name, t.size_bytes()));
+    if (saved == here) {
+      writes.emplace_back(t, in.section(name, t.size_bytes()));
+      continue;
+    }
+    auto const saved_dtype = detail::described_dtype(saved);
+    bool const only_dtype_differs = saved_dtype && detail::describe_tensor(*saved_dtype, t.shape()) == saved;
+    if (mode != model_load::converting || !only_dtype_differs)
+      in.refuse("its '" + name + "' is " + saved + " but this model's is " + here + "; nothing was loaded" +
+                (only_dtype_differs ? " (mpx::model_load::converting converts a tensor saved in another dtype)" : ""));
+    auto const bytes = in.section(name, t.size() * size_of(*saved_dtype));
+    conversions.push_back(detail::converted_tensor(in, name, bytes, *saved_dtype, t.dtype()));
+    writes.emplace_back(t, std::span<std::byte const>(conversions.back()));
   }
   std::vector<std::string> extra;
   for (std::string const& s : in.unread_sections())
     if (!s.ends_with("#type") || !in.contains(s.substr(0, s.size() - 5))) extra.push_back(s);
-  if (mode == model_load::exact && (!missing.empty() || !extra.empty()))
+  if (mode != model_load::partial && (!missing.empty() || !extra.empty()))
     in.refuse("it does not describe this model (one with other layers?):" +
               (missing.empty() ? std::string() : " it lacks this model's " + detail::quoted_list(missing) + ";") +
               (extra.empty() ? std::string() : " it holds " + detail::quoted_list(extra) + ", which this model does not have;") +

@@ -29,10 +29,12 @@
 #include <boost/hana/length.hpp>
 #include <boost/hana/tuple.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -180,6 +182,8 @@ class sequential_model {
       ++i;
     });
     input_shape_ = sample_input;
+    built_with_ = std::remove_cvref_t<Exec>::name;
+    built_in_ = memory_space_t<Exec>::name;
     built_ = true;
     batch_ = 0;
     ++buffer_generation_;
@@ -190,7 +194,7 @@ class sequential_model {
   //! before capturing a CUDA graph.
   template <executor Exec>
   void reserve(Exec const& exec, std::int64_t batch) {
-    require_built("reserve");
+    require_built_for<Exec>("reserve");
     if (batch <= 0) detail::fail<invalid_argument>("sequential::reserve", "the batch must be positive");
     std::size_t i = 0;
     boost::hana::for_each(nodes_, [&](auto& node) {
@@ -246,7 +250,7 @@ class sequential_model {
   //! next forward. `training` selects dropout's and batch norm's training behaviour.
   template <executor Exec, class T, class Space = memory_space_t<Exec>>
   tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T const, Space> x, bool training) {
-    require_built("forward");
+    require_built_for<Exec>("forward");
     detail::require_batch_shape("sequential", "the model's input", x.shape(), input_shape_);
     std::int64_t const batch = x.shape()[0];
     if (batch > batch_) reserve(exec, batch);
@@ -271,23 +275,53 @@ class sequential_model {
       return last.output.template view<Space>(detail::with_batch(batch_in_flight_, last.layer.output_shape()));
     }
   }
+  template <executor Exec>
+  [[nodiscard]] tensor_view<logits_type const, memory_space_t<Exec>> logits(Exec const&) const {
+    require_built_for<Exec>("logits");
+    return logits<memory_space_t<Exec>>();
+  }
+
+  //! A float buffer shaped like logits() for the latest forward's batch (a short last
+  //! batch included), for a loss to write dL/d(logits) into and backward_from_logits to
+  //! read: kept in float so a loss scale multiplies it before any rounding. The model
+  //! owns it (allocated at the first call, grown with the batch); valid until the next
+  //! call, its contents are whatever was written last.
+  template <executor Exec>
+  [[nodiscard]] tensor_view<float, memory_space_t<Exec>> logits_gradient(Exec const& exec) {
+    require_built_for<Exec>("logits_gradient");
+    if (batch_in_flight_ == 0)
+      detail::fail<invalid_argument>("sequential::logits_gradient", "no forward has run yet: its shape is the "
+                                                                    "latest forward's logits'");
+    shape const per_sample = boost::hana::at_c<count - 1>(nodes_).layer.output_shape();  // (a softmax keeps the shape)
+    if (logits_gradient_.ensure(exec, detail::with_batch(std::max(batch_, batch_in_flight_), per_sample)))
+      ++buffer_generation_;
+    return logits_gradient_.template view<memory_space_t<Exec>>(detail::with_batch(batch_in_flight_, per_sample));
+  }
 
   //! Backpropagates dL/d(output) (any float dtype, the output's shape) through every
   //! layer after forward(..., training = true): each layer's parameter gradients are
   //! overwritten.
+  //! A backward with no forward since the previous backward is refused (it would
+  //! backpropagate the previous batch again); see allow_backward_without_forward.
   template <executor Exec, class G, class Space = memory_space_t<Exec>>
   void backward(Exec const& exec, tensor_view<G const, Space> d_output) {
-    backward_top_ = count - 1;
+    require_built_for<Exec>("backward");
+    begin_backward("backward", count - 1);
     backward_into<count - 1>(exec, d_output);
   }
   //! Backpropagates dL/d(logits) (see logits()): a model ending in a softmax skips its
   //! backward pass, as the loss was computed from the logits.
   template <executor Exec, class G, class Space = memory_space_t<Exec>>
   void backward_from_logits(Exec const& exec, tensor_view<G const, Space> d_logits) {
-    backward_top_ = ends_in_softmax ? count - 2 : count - 1;
+    require_built_for<Exec>("backward_from_logits");
+    begin_backward("backward_from_logits", ends_in_softmax ? count - 2 : count - 1);
     if constexpr (ends_in_softmax) backward_into<count - 2>(exec, d_logits);
     else backward_into<count - 1>(exec, d_logits);
   }
+  //! Lets a backward follow a backward with no forward between them, for code that
+  //! backpropagates one batch several times on purpose (probe_loss_scales does, one
+  //! loss scale after another). Returns the previous setting.
+  bool allow_backward_without_forward(bool allow) noexcept { return std::exchange(repeat_backward_allowed_, allow); }
   template <executor Exec, class G, class Space>
     requires(!std::is_const_v<G>)
   void backward(Exec const& exec, tensor_view<G, Space> d_output) {
@@ -316,9 +350,10 @@ class sequential_model {
   //! Every trainable tensor and its gradient, named "<layer>/<tensor>", for an optimizer.
   template <memory_space Space>
   [[nodiscard]] std::vector<parameter<Space>> parameters() {
-    require_built("parameters");
+    require_built_in<Space>("parameters");
     std::vector<parameter<Space>> out;
     boost::hana::for_each(nodes_, [&](auto& node) { node.layer.template append_parameters<Space>(out); });
+    for (auto& p : out) p.written_by = backward_passes_;  // an optimizer's step checks a backward ran
     return out;
   }
   template <executor Exec>
@@ -356,18 +391,28 @@ class sequential_model {
   //! A table like Keras's model.summary(): layer, output shape, policy, parameters, and
   //! the casts the model inserted.
   [[nodiscard]] std::string summary() const {
+    summary_row const header{"Layer (type)", "Output shape", "Policy", "Param #"};
+    std::vector<summary_row> const rows = summary_rows();
+    // Keras's widths, widened to the longest entry (a layer deep in a residual block)
+    // so every column stays in line.
+    std::array<std::size_t, 4> width{40, 20, 22, 10};
+    for (auto const& r : rows)
+      for (std::size_t c = 0; c < 4; ++c) width[c] = std::max(width[c], r[c].size());
     std::string out;
     auto row = [&](summary_row const& r) {
-      char line[256];
-      std::snprintf(line, sizeof line, "%-40s %-20s %-22s %10s\n", r[0].c_str(), r[1].c_str(), r[2].c_str(), r[3].c_str());
-      out += line;
+      for (std::size_t c = 0; c < 4; ++c) {
+        std::string const pad(width[c] - std::min(width[c], r[c].size()), ' ');
+        out += c == 3 ? pad + r[c] : r[c] + pad + " ";  // the count right-aligned
+      }
+      out += "\n";
     };
-    std::string const rule(95, '-');
-    row({"Layer (type)", "Output shape", "Policy", "Param #"});
+    std::string const rule(width[0] + width[1] + width[2] + width[3] + 3, '-');
+    row(header);
     out += rule + "\n";
-    for (auto const& r : summary_rows()) row(r);
+    for (auto const& r : rows) row(r);
     out += rule + "\n";
     out += "Total params: " + std::to_string(parameter_count()) + "\n";
+    out += fp8_placement_notes();
     return out;
   }
 
@@ -429,6 +474,60 @@ class sequential_model {
     if (!built_)
       detail::fail<invalid_argument>("sequential", std::string(what) +
                                                             " before build(exec, input_shape, seed)");
+  }
+
+  //! A model lives where the executor it was built with keeps memory: running it with
+  //! another executor is refused at the first call, naming both.
+  template <class Exec>
+  void require_built_for(std::string_view what) const {
+    require_built(what);
+    if (built_with_ != std::remove_cvref_t<Exec>::name)
+      detail::fail<invalid_argument>(
+          "sequential::" + std::string(what),
+          "the model was built with mpx::" + std::string(built_with_) + "_executor (its parameters are in " +
+              std::string(built_in_) + ") but is run with mpx::" + std::string(std::remove_cvref_t<Exec>::name) +
+              "_executor: build it with the executor that runs it");
+  }
+  template <class Space>
+  void require_built_in(std::string_view what) const {
+    require_built(what);
+    if (built_in_ != Space::name)
+      detail::fail<invalid_argument>("sequential::" + std::string(what),
+                                     "the model was built with mpx::" + std::string(built_with_) +
+                                         "_executor (its parameters are in " + std::string(built_in_) +
+                                         ") but its parameters were asked for in " + std::string(Space::name));
+  }
+
+  //! The summary's note on fp8 where it hurts most: the first layer reads the raw
+  //! inputs, the logits layer makes the model's output (docs/fp8_training.md).
+  [[nodiscard]] std::string fp8_placement_notes() const {
+    constexpr std::size_t logits_layer = ends_in_softmax && count > 1 ? count - 2 : count - 1;
+    std::string out;
+    auto note = [&](auto const& layer, std::string_view role) {
+      using P = typename std::remove_cvref_t<decltype(layer)>::policy;
+      if constexpr (policy_type<P>)
+        if constexpr (computes_in_fp8<P>)
+          out += "Note: " + layer.name() + " (" + std::string(role) +
+                 ") computes in fp8; keep it in bfloat16 with mpx::without_fp8<mpx::" + std::string(P::name) +
+                 "> as Transformer Engine advises (docs/fp8_training.md)\n";
+    };
+    note(boost::hana::at_c<0>(nodes_).layer, "the first layer, it reads the raw inputs");
+    if constexpr (logits_layer > 0) note(boost::hana::at_c<logits_layer>(nodes_).layer, "it makes the logits");
+    return out;
+  }
+
+  void begin_backward(std::string_view what, std::size_t top) {
+    std::string const op = "sequential::" + std::string(what);
+    if (batch_in_flight_ == 0)
+      detail::fail<invalid_argument>(op, "no forward has run yet: call forward(exec, x, /*training=*/true), "
+                                         "then backpropagate the loss's gradient");
+    if (backward_top_ != no_backward && !repeat_backward_allowed_)
+      detail::fail<invalid_argument>(
+          op, "no forward since the previous backward: this would backpropagate the previous batch's activations "
+              "again. Call forward(exec, x, true) on the next batch first, or allow_backward_without_forward(true) "
+              "if backpropagating the same batch again is what you mean");
+    backward_top_ = top;
+    ++backward_passes_->passes;
   }
 
   //! The input layer I read in the latest forward (a view of the cast buffer when it
@@ -558,6 +657,10 @@ class sequential_model {
   std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
   void* input_gradient_ = nullptr;                     // where backward_to_input wants dL/d(input)
   std::vector<std::size_t> layer_first_parameter_;
+  detail::layer_tensor<float> logits_gradient_;  // see logits_gradient
+  std::shared_ptr<backward_count> backward_passes_ = std::make_shared<backward_count>();  // see parameter::written_by
+  bool repeat_backward_allowed_ = false;
+  std::string_view built_with_, built_in_;  // the executor build was given and its memory space
   bool built_ = false;
 };
 

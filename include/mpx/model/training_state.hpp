@@ -181,6 +181,14 @@ void save_training_state(Exec const& exec, Model& model, Optimizer const& optimi
   detail::remove_other_saves(directory, model_name, optimizer_name);
 }
 
+//! Whether `directory` holds a save of save_training_state (its training_state.mpx), for
+//! a run that resumes when there is something to resume. A damaged save still counts:
+//! load_training_state then says what is wrong with it rather than starting afresh.
+inline bool has_training_state(std::filesystem::path const& directory) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(directory / detail::training_state_file, ec);
+}
+
 //! Restores what save_training_state wrote into a model built with the same layers and
 //! an optimizer over its parameters, and returns where the run was. Everything is checked
 //! before anything is kept: a missing, damaged or mismatched file is refused with

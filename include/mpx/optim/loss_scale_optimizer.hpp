@@ -70,15 +70,6 @@ inline std::string impossible_scaler_state(static_scale_rule const& r, loss_scal
 
 }  // namespace detail
 
-namespace ops {
-//! x * (*factor), the factor read where the executor computes (a loss scale).
-template <class T>
-struct multiply_by_resident {
-  float const* factor;
-  MPX_HD T operator()(T x) const noexcept { return cast<T>(cast<float>(x) * *factor); }
-};
-}  // namespace ops
-
 struct loss_scale_optimizer_options {
   //! Clip the gradients' global L2 norm to this (<= 0: no clipping). Measured after
   //! unscaling: the wrapper offers no way to clip still-scaled gradients.
@@ -125,7 +116,7 @@ class loss_scale_optimizer {
   //! in place, on the executor.
   template <class Exec, tensor_like G>
   void scale_loss_gradient(Exec const& exec, G&& loss_gradient) const {
-    transform(exec, loss_gradient, ops::multiply_by_resident<value_t<G>>{scaler_.scale_data()}, loss_gradient);
+    scaler_.scale_loss_gradient(exec, loss_gradient);
   }
 
   //! After backpropagation filled the (scaled) gradients: unscale and check them, clip

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -139,6 +140,7 @@ class optimizer_core {
   //! (unscaling and clipping) otherwise. Does not advance the step count (the caller does, when applied).
   void apply(Exec const& exec, gradient_summary const* verdict) {
     require_slots();
+    require_backward_since_last_step();
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
       visit_dtype(all_dtypes[d], [&](auto t) {
         using T = decltype(t);
@@ -151,6 +153,11 @@ class optimizer_core {
       });
     }
   }
+
+  //! Lets a step apply gradients no backward wrote since the previous step (gradients
+  //! you wrote yourself into a model's gradient tensors, say). Returns the previous
+  //! setting. By default such a step is refused with mpx::invalid_argument.
+  bool allow_step_without_backward(bool allow) noexcept { return std::exchange(step_without_backward_allowed_, allow); }
 
   //! Copies the parameters' current values into the float master weights (after you
   //! changed the parameters yourself, e.g. re-initialised them).
@@ -339,8 +346,30 @@ class optimizer_core {
          tensor_view<std::byte, space>(static_cast<std::byte*>(to), flat));
   }
 
+  //! Refuses a step when a model whose gradients this optimizer applies ran no backward
+  //! since the previous step, before anything is changed; then remembers the counts.
+  void require_backward_since_last_step() {
+    if (step_without_backward_allowed_) return;
+    for (auto const& p : params_) {
+      if (!p.written_by) continue;
+      std::uint64_t& seen = backward_passes_seen_[p.written_by.get()];
+      if (p.written_by->passes == seen)
+        fail<invalid_argument>(
+            "mpx::" + kind_,
+            std::string(seen == 0 ? "a step before any backward" : "a second step with no backward since the last one") +
+                ": the gradients (e.g. '" + p.name + "') are " +
+                (seen == 0 ? "the zeros the model was built with" : "the ones the last step already applied") +
+                ". Run forward(exec, x, true) and backward before each step, or call "
+                "allow_step_without_backward(true) if you wrote the gradients yourself");
+    }
+    for (auto const& p : params_)
+      if (p.written_by) backward_passes_seen_[p.written_by.get()] = p.written_by->passes;
+  }
+
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints
   std::vector<parameter<space>> params_;
+  std::map<backward_count const*, std::uint64_t> backward_passes_seen_;  // each model's passes at the last step
+  bool step_without_backward_allowed_ = false;
   Rule rule_;
   master_weight_options master_options_;
   resident<std::uint64_t, space> steps_;

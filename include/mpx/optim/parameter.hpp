@@ -6,15 +6,28 @@
 #include <mpx/core/error.hpp>
 #include <mpx/exec/tensor_ref.hpp>
 
+#include <cstdint>
+#include <memory>
 #include <string>
 
 namespace mpx {
+
+//! How many backward passes have written a model's gradients. A model hands its count
+//! out with its parameters; an optimizer remembers the count at each step and refuses a
+//! step when no backward ran since its last one, which would apply the previous step's
+//! gradients a second time (or, before any backward, the zeros the model was built with).
+struct backward_count {
+  std::uint64_t passes = 0;
+};
 
 template <memory_space Space>
 struct parameter {
   std::string name;           //!< how reports and checkpoints refer to it ("dense_1/kernel")
   tensor_ref<Space> value;    //!< the trainable values, in the storage dtype
   tensor_ref<Space> gradient; //!< d loss / d value, same dtype and shape
+  //! The backward passes of the model the gradient belongs to; empty for a tensor that
+  //! no model owns (an optimizer then cannot tell whether a backward ran, and does not ask).
+  std::shared_ptr<backward_count const> written_by{};
 };
 
 namespace detail {

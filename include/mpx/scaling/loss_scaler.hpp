@@ -6,8 +6,10 @@
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/resident.hpp>
+#include <mpx/exec/transform.hpp>
 #include <mpx/scaling/loss_scale_rules.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 
@@ -39,8 +41,10 @@ struct loss_scale_report {
   std::uint32_t consecutive;   //!< non-finite steps in a row at that scale: report_after (more only
                                //!< when a restored state was already past it)
   std::int32_t first_nonfinite;  //!< index of the first non-finite gradient of that step (-1: unknown)
-  std::string gradient;        //!< its name in the list of the latest update, when known
-  std::string message;         //!< all of the above in words
+  std::int32_t last_nonfinite;   //!< index of the last one: with a model's parameters, the first the
+                                 //!< backward pass wrote non-finite, nearest the cause (-1: unknown)
+  std::string gradient;        //!< the name of the last one in the list of the latest update, when known
+  std::string message;         //!< all of the above in words, and how to find the layer
 };
 
 namespace detail {
@@ -107,6 +111,15 @@ class signal_slot<device_space> {
 
 }  // namespace detail
 
+namespace ops {
+//! x * (*factor), the factor read where the executor computes (a loss scale).
+template <class T>
+struct multiply_by_resident {
+  float const* factor;
+  MPX_HD T operator()(T x) const noexcept { return cast<T>(cast<float>(x) * *factor); }
+};
+}  // namespace ops
+
 //! A loss scaler following Rule (dynamic_scale_rule or static_scale_rule) on Exec.
 //! Use dynamic_loss_scaler or static_loss_scaler; this is what they share.
 template <executor Exec, class Rule>
@@ -133,6 +146,13 @@ class loss_scaler {
   [[nodiscard]] loss_scale_state state(Exec const& exec) const { return state_.read(exec); }
   //! Replaces the state (restoring a checkpoint), in stream order.
   void set_state(Exec const& exec, loss_scale_state const& s) { state_.write(exec, s); }
+
+  //! Multiplies the loss's gradient (where backpropagation starts) by the current scale,
+  //! in place, reading the scale where the executor computes: no synchronisation.
+  template <tensor_like G>
+  void scale_loss_gradient(Exec const& exec, G&& loss_gradient) const {
+    transform(exec, loss_gradient, ops::multiply_by_resident<value_t<G>>{scale_data()}, loss_gradient);
+  }
 
   //! Divides the gradients by the current scale (or defers it) and checks them (see
   //! mpx::unscale_and_check).
@@ -171,15 +191,18 @@ class loss_scaler {
     if (s.consecutive < rule_.report_after || (reported_ && s.streak == reported_streak_)) return;
     reported_ = true;
     reported_streak_ = s.streak;
-    loss_scale_report report{s.scale, s.consecutive, s.first_nonfinite, {}, {}};
-    if (s.first_nonfinite >= 0 && static_cast<std::size_t>(s.first_nonfinite) < names_.size())
-      report.gradient = names_[static_cast<std::size_t>(s.first_nonfinite)];
+    loss_scale_report report{s.scale, s.consecutive, s.first_nonfinite, s.last_nonfinite, {}, {}};
+    if (s.last_nonfinite >= 0 && static_cast<std::size_t>(s.last_nonfinite) < names_.size())
+      report.gradient = names_[static_cast<std::size_t>(s.last_nonfinite)];
     report.message = "the loss scale is at its minimum (" + detail::to_text(s.scale) + ") and " +
                      std::to_string(s.consecutive) +
                      " step(s) in a row still produced NaN or inf gradients" +
-                     (report.gradient.empty() ? std::string() : " (first: '" + report.gradient + "')") +
-                     ": they are not finite even unscaled, so the model itself diverged. Lower the learning "
-                     "rate, check the inputs, keep softmax, norms and losses in float32";
+                     (report.gradient.empty() ? std::string()
+                                              : " (the first the backward pass wrote: '" + report.gradient + "')") +
+                     ": they are not finite even unscaled, so the model itself diverged. To find the layer and "
+                     "the operation, run mpx::find_nonfinite(exec, model) after a forward and backward on such a "
+                     "batch. Then lower the learning rate, check the inputs, keep softmax, norms and losses in "
+                     "float32";
     if (on_stuck_) on_stuck_(report);
     else detail::fail<loss_scale_error>("loss_scaler", report.message);
   }
@@ -227,5 +250,21 @@ class static_loss_scaler : public loss_scaler<Exec, static_scale_rule> {
   static_loss_scaler(Exec const& exec, float scale, std::uint32_t report_after = static_scale_rule{}.report_after)
       : loss_scaler<Exec, static_scale_rule>(exec, static_scale_rule{scale, report_after}) {}
 };
+
+//! Whether a policy's gradients need a loss scale: those stored in float16, whose
+//! smallest normal value (6.1e-5) small gradients fall below. bfloat16 and float32
+//! have float32's range, as Keras and PyTorch's autocast assume.
+template <policy_type P>
+inline constexpr bool needs_loss_scaling = std::is_same_v<typename P::storage_type, half>;
+
+//! The scaler a policy calls for, so one training loop serves every policy (PyTorch's
+//! GradScaler(enabled=...)): a dynamic_loss_scaler with `rule` where the policy needs
+//! loss scaling, else a static_loss_scaler at 1, which scales nothing but still skips a
+//! step whose gradients hold NaN or inf and reports a run of them.
+template <policy_type P, executor Exec>
+auto loss_scaler_for(Exec const& exec, dynamic_scale_rule rule = keras_loss_scale()) {
+  if constexpr (needs_loss_scaling<P>) return dynamic_loss_scaler<Exec>(exec, rule);
+  else return static_loss_scaler<Exec>(exec, 1.0f);
+}
 
 }  // namespace mpx
