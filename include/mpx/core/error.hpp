@@ -75,6 +75,14 @@ class data_error : public error {
   using error::error;
 };
 
+//! Memory the host or the GPU could not give. The message names what was being
+//! allocated (a tensor's dtype and shape) and how many bytes; nothing was allocated, so
+//! the caller may retry smaller.
+class allocation_error : public error {
+ public:
+  using error::error;
+};
+
 //! A CUDA runtime or library call that failed; code() is the cudaError_t value.
 class cuda_error : public error {
  public:

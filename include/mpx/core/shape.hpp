@@ -24,10 +24,19 @@ class shape {
     if (extents.size() > max_rank)
       detail::fail<invalid_argument>("shape", "rank " + std::to_string(extents.size()) + " exceeds the maximum of " +
                                                   std::to_string(max_rank));
+    std::uint64_t count = 1;
+    bool empty = false, too_many = false;  // the product is checked as it grows: it must not wrap to a small size
     for (std::int64_t e : extents) {
       if (e < 0) detail::fail<invalid_argument>("shape", "negative extent " + std::to_string(e));
       extents_[rank_++] = e;
+      empty = empty || e == 0;
+      if (e > 0 && !too_many) {
+        too_many = count > static_cast<std::uint64_t>(INT64_MAX) / static_cast<std::uint64_t>(e);
+        count *= static_cast<std::uint64_t>(e);
+      }
     }
+    if (too_many && !empty)
+      detail::fail<invalid_argument>("shape", "the extents " + to_string() + " hold more than 2^63 - 1 elements");
   }
 
   [[nodiscard]] constexpr std::size_t rank() const noexcept { return rank_; }

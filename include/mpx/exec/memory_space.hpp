@@ -13,6 +13,7 @@
 #include <mutex>
 #include <new>
 #include <set>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -43,13 +44,41 @@ struct host_release {
 template <class T, class Space>
 class buffer;
 
+//! "17179869184 bytes (16 GiB)", for messages about memory.
+inline std::string byte_count(std::size_t bytes) {
+  char readable[32];
+  double const gib = static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
+  if (gib >= 1) std::snprintf(readable, sizeof readable, "%.3g GiB", gib);
+  else std::snprintf(readable, sizeof readable, "%.3g MiB", gib * 1024.0);
+  return std::to_string(bytes) + " bytes (" + readable + ")";
+}
+
+//! Throws mpx::allocation_error for n elements of `element_bytes` in `space` memory.
+[[noreturn]] inline void fail_allocation(std::string_view space, std::size_t n, std::size_t element_bytes,
+                                         std::string_view why) {
+  std::string const amount = n > SIZE_MAX / element_bytes
+                                 ? std::to_string(n) + " elements of " + std::to_string(element_bytes) + " bytes in " +
+                                       std::string(space) + " memory (more bytes than an address can count)"
+                                 : byte_count(n * element_bytes) + " of " + std::string(space) + " memory for " +
+                                       std::to_string(n) + " elements";
+  fail<allocation_error>("allocate", "cannot allocate " + amount + ": " + std::string(why) + "; nothing was allocated");
+}
+
 //! Owns `size` elements of T in host memory. Move-only; a moved-from buffer is empty.
+//! Memory the host cannot give is an mpx::allocation_error, not a std::bad_alloc.
 template <class T>
 class buffer<T, host_space> {
  public:
   buffer() = default;
-  explicit buffer(std::size_t size)
-      : data_(size ? static_cast<T*>(::operator new(size * sizeof(T), std::align_val_t{host_alignment})) : nullptr) {}
+  explicit buffer(std::size_t size) {
+    if (!size) return;
+    if (size > SIZE_MAX / sizeof(T)) fail_allocation("host", size, sizeof(T), "the size does not fit in size_t");
+    try {
+      data_.reset(static_cast<T*>(::operator new(size * sizeof(T), std::align_val_t{host_alignment})));
+    } catch (std::bad_alloc const&) {
+      fail_allocation("host", size, sizeof(T), "the system has no more to give (std::bad_alloc)");
+    }
+  }
   [[nodiscard]] T* data() const noexcept { return data_.get(); }
 
  private:
@@ -107,8 +136,15 @@ class buffer<T, device_space> {
       int device = 0;
       MPX_CUDA_CHECK(cudaGetDevice(&device));
       keep_pool_memory(device);
+      if (size > SIZE_MAX / sizeof(T)) fail_allocation("device", size, sizeof(T), "the size does not fit in size_t");
       void* p = nullptr;
-      MPX_CUDA_CHECK(cudaMallocAsync(&p, size * sizeof(T), stream));
+      try {
+        MPX_CUDA_CHECK(cudaMallocAsync(&p, size * sizeof(T), stream));  // (clears the error it reports)
+      } catch (cuda_error const& e) {
+        if (e.code() != cudaErrorMemoryAllocation) throw;
+        fail_allocation("device", size, sizeof(T),
+                        "the GPU has no more to give (cudaMallocAsync returned cudaErrorMemoryAllocation)");
+      }
       data_.reset(static_cast<T*>(p));
     }
   }

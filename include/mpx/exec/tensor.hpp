@@ -3,6 +3,7 @@
 // that algorithms and kernels take. mpx::view(x) gives the view of either.
 #pragma once
 
+#include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
@@ -90,10 +91,12 @@ class tensor {
   //! An uninitialised host tensor.
   explicit tensor(mpx::shape shape)
     requires std::is_same_v<Space, host_space>
-      : buffer_(shape.size()), shape_(shape) {}
+      : tensor(host_executor{}, shape) {}
   //! An uninitialised tensor in the executor's space (on its stream, for the GPU).
+  //! Memory that cannot be had is an mpx::allocation_error naming the dtype, the shape
+  //! and the bytes.
   template <executor Exec>
-  tensor(Exec const& exec, mpx::shape shape) : buffer_(detail::allocate<T>(exec, shape.size())), shape_(shape) {
+  tensor(Exec const& exec, mpx::shape shape) : buffer_(allocate_for(exec, shape)), shape_(shape) {
     detail::require_access<Exec, Space>();
   }
 
@@ -143,6 +146,17 @@ class tensor {
  private:
   static mpx::shape empty_shape() noexcept { return mpx::shape(std::span<std::int64_t const>(&zero_extent, 1)); }
   static constexpr std::int64_t zero_extent = 0;
+
+  template <executor Exec>
+  static detail::buffer<T, Space> allocate_for(Exec const& exec, mpx::shape const& shape) {
+    try {
+      return detail::allocate<T>(exec, shape.size());
+    } catch (allocation_error const& e) {
+      std::string what = "a tensor of shape " + shape.to_string();
+      if constexpr (dtype<T>) what = "a " + std::string(dtype_name<T>) + " tensor of shape " + shape.to_string();
+      throw allocation_error("mpx::tensor: " + what + ": " + e.what());
+    }
+  }
 
   detail::buffer<T, Space> buffer_;
   mpx::shape shape_ = empty_shape();
