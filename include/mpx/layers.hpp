@@ -18,3 +18,4 @@
 #include <mpx/layers/max_pool2d.hpp>
 #include <mpx/layers/norm_affine.hpp>
 #include <mpx/layers/softmax_layer.hpp>
+#include <mpx/layers/stateless_layer.hpp>
