@@ -12,6 +12,7 @@
 #include <mpx/layers/embedding.hpp>
 #include <mpx/layers/flatten.hpp>
 #include <mpx/layers/initializers.hpp>
+#include <mpx/layers/kernel_bias_layer.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/layer_norm.hpp>
 #include <mpx/layers/lstm.hpp>
