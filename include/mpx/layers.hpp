@@ -12,9 +12,11 @@
 #include <mpx/layers/embedding.hpp>
 #include <mpx/layers/flatten.hpp>
 #include <mpx/layers/initializers.hpp>
+#include <mpx/layers/kernel_bias_layer.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/layer_norm.hpp>
 #include <mpx/layers/lstm.hpp>
 #include <mpx/layers/max_pool2d.hpp>
 #include <mpx/layers/norm_affine.hpp>
 #include <mpx/layers/softmax_layer.hpp>
+#include <mpx/layers/stateless_layer.hpp>

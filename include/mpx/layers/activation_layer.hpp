@@ -4,6 +4,7 @@
 
 #include <mpx/kernels/activation.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/layers/stateless_layer.hpp>
 
 namespace mpx {
 
@@ -12,47 +13,24 @@ struct activation_layer_config {
 };
 
 template <class Policy = model_policy>
-class activation_layer : public layer_base {
+class activation_layer : public detail::stateless_layer<activation_layer<Policy>, Policy, activation_layer_config> {
  public:
-  using policy = Policy;
-  using config_type = activation_layer_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "Activation";
 
-  explicit activation_layer(activation_layer_config config) : config_(config) {}
-  explicit activation_layer(mpx::activation a) : config_{a} {}
-  [[nodiscard]] activation_layer_config const& config() const noexcept { return config_; }
+  using activation_layer::stateless_layer::stateless_layer;  // from an activation_layer_config
+  explicit activation_layer(mpx::activation a) : activation_layer::stateless_layer(activation_layer_config{a}) {}
 
   [[nodiscard]] shape compute_output_shape(shape const& in) const { return in; }
-  template <executor Exec>
-  void build(Exec const&, shape const& in, std::uint64_t) {
-    detail::require_layer_policy<Policy>();
-    mark_built(in, in);
-  }
-  template <executor Exec>
-  void reserve(Exec const&, std::int64_t batch) {
-    reserved_batch_ = batch;
-  }
-  template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
-    check_input(x.shape(), y.shape());
-    with_activation(config_.activation, [&](auto a) { activation_forward(exec, a, x, y); });
-  }
-  //! The derivative is taken at the forward input x.
-  template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
-    check_input(x.shape(), y.shape());
-    if (dx.data() != nullptr)
-      with_activation(config_.activation, [&](auto a) { activation_backward(exec, a, x, dy, dx); });
-  }
-  template <memory_space Space>
-  void append_parameters(std::vector<parameter<Space>>&) {}
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return 0; }
 
  private:
-  activation_layer_config config_;
+  friend detail::stateless_layer<activation_layer, Policy, activation_layer_config>;
+  void run_forward(auto const& exec, auto x, auto y) {
+    with_activation(this->config().activation, [&](auto a) { activation_forward(exec, a, x, y); });
+  }
+  //! The derivative is taken at the forward input x.
+  void run_backward(auto const& exec, auto x, auto /*y*/, auto dy, auto dx) {
+    with_activation(this->config().activation, [&](auto a) { activation_backward(exec, a, x, dy, dx); });
+  }
 };
 
 }  // namespace mpx

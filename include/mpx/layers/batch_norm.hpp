@@ -63,12 +63,12 @@ class batch_norm : public layer_base {
     if (batch > reserved_batch_) reserve(exec, batch);
     auto v = [](auto const& t) { return t.template view<Space>(); };
     if (training)
-      batch_norm_forward_training<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), y,
+      batch_norm_forward_training<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(), y,
                                           v(running_mean_), v(running_var_), v(save_mean_), v(save_invstd_),
                                           {config_.momentum, config_.eps});
     else
-      batch_norm_forward_inference<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), v(running_mean_),
-                                           v(running_var_), y, config_.eps);
+      batch_norm_forward_inference<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(),
+                                           v(running_mean_), v(running_var_), y, config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
   void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
@@ -76,8 +76,8 @@ class batch_norm : public layer_base {
     check_input(x.shape(), y.shape());
     auto v = [](auto const& t) { return t.template view<Space>(); };
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
-    batch_norm_backward<Policy>(exec, x, dy, affine_.gamma<Space>(), v(save_mean_), v(save_invstd_), dx_out,
-                                affine_.dgamma<Space>(), affine_.dbeta<Space>());
+    batch_norm_backward<Policy>(exec, x, dy, affine_.gamma.value<Space>(), v(save_mean_), v(save_invstd_), dx_out,
+                                affine_.gamma.gradient<Space>(), affine_.beta.gradient<Space>());
   }
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {

@@ -10,6 +10,7 @@
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/conv2d.hpp>
 #include <mpx/layers/initializers.hpp>
+#include <mpx/layers/kernel_bias_layer.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/matrix_products.hpp>
 
@@ -33,7 +34,7 @@ struct conv2d_config {
 };
 
 template <class Policy = model_policy>
-class conv2d : public layer_base, public with_matrix_products<Policy> {
+class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy>, Policy> {
  public:
   using policy = Policy;
   using config_type = conv2d_config;
@@ -68,14 +69,12 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
     shape const out = compute_output_shape(in);
     options_ = options_for(in);
     shape const k = kernel_shape(in[2]);
-    kernel_.allocate(exec, k);
-    kernel_grad_.allocate(exec, k);
-    bias_.allocate(exec, {config_.filters});
-    bias_grad_.allocate(exec, {config_.filters});
+    this->allocate_kernel_and_bias(exec, k, config_.filters);
     using Space = memory_space_t<Exec>;
     std::int64_t const taps = config_.kernel_h * config_.kernel_w;
-    initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters, seed);
-    initialize(exec, bias_.template view<Space>(), config_.bias_initializer, 1, 1, seed + 1);
+    initialize(exec, this->template kernel<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters,
+               seed);
+    initialize(exec, this->template bias<Space>(), config_.bias_initializer, 1, 1, seed + 1);
     this->products_.build(exec);
     mark_built(in, out);
   }
@@ -83,7 +82,7 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
   template <executor Exec>
   void reserve(Exec const& exec, std::int64_t batch) {
     require_built("reserve");
-    columns_.ensure(exec, conv2d_workspace_shape(batched(batch, input_shape_), kernel_.shape(), options_));
+    columns_.ensure(exec, conv2d_workspace_shape(batched(batch, input_shape_), this->kernel_.shape(), options_));
     pre_activation_.ensure(exec, batched(batch, output_shape_));
     pre_activation_grad_.ensure(exec, batched(batch, output_shape_));  // its own buffer: backward may run again
     // The products' operands (fp8 casts): im2col columns [pixels, taps x channels], the
@@ -99,8 +98,8 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
     std::int64_t const batch = check_input(x.shape(), y.shape());
     if (batch > reserved_batch_) reserve(exec, batch);
-    auto const w = kernel_.template view<Space>();
-    auto const b = bias_.template view<Space>();
+    auto const w = this->template kernel<Space>();
+    auto const b = this->template bias<Space>();
     auto const cols = columns_.template view<Space>();
     auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
     if (config_.activation == activation::linear) {
@@ -121,10 +120,10 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
     check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
     auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
-    auto const w = kernel_.template view<Space>();
-    auto const b = bias_.template view<Space>();
-    auto const dw = kernel_grad_.template view<Space>();
-    auto const db = bias_grad_.template view<Space>();
+    auto const w = this->template kernel<Space>();
+    auto const b = this->template bias<Space>();
+    auto const dw = this->template kernel_gradient<Space>();
+    auto const db = this->template bias_gradient<Space>();
     auto const cols = columns_.template view<Space>();
     tensor_view<output_type const, Space> dz = dy;
     if (config_.activation == activation::linear) {
@@ -150,28 +149,8 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
     this->products_.end_step(exec);
   }
 
-  //! The fp8 scales, for save_training_state (nothing outside fp8).
-  template <executor Exec>
-  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
-    this->products_.append_to(out, name());
-  }
-
-  template <memory_space Space>
-  void append_parameters(std::vector<parameter<Space>>& out) {
-    require_built("parameters");
-    out.push_back({name() + "/kernel", kernel_.template view<Space>(), kernel_grad_.template view<Space>()});
-    out.push_back({name() + "/bias", bias_.template view<Space>(), bias_grad_.template view<Space>()});
-  }
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return kernel_.size() + bias_.size(); }
-
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> kernel() const { return kernel_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> bias() const { return bias_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> kernel_gradient() const { return kernel_grad_.template view<Space>(); }
-
  private:
+  friend detail::kernel_bias_layer<conv2d, Policy>;  // its parameter list checks that the layer is built
   std::string display_name() const { return name().empty() ? std::string("mpx::conv2d") : name(); }
   shape kernel_shape(std::int64_t channels) const {
     return shape{config_.kernel_h, config_.kernel_w, channels, config_.filters};
@@ -195,8 +174,7 @@ class conv2d : public layer_base, public with_matrix_products<Policy> {
 
   conv2d_config config_;
   conv2d_options options_{};
-  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, columns_, pre_activation_,
-      pre_activation_grad_;
+  detail::layer_tensor<output_type> columns_, pre_activation_, pre_activation_grad_;
   bool columns_hold_forward_ = false;  // whether columns_ still holds the last forward's im2col
 };
 

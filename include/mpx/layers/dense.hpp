@@ -9,6 +9,7 @@
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/initializers.hpp>
+#include <mpx/layers/kernel_bias_layer.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/matrix_products.hpp>
 
@@ -27,7 +28,7 @@ struct dense_config {
 };
 
 template <class Policy = model_policy>
-class dense : public layer_base, public with_matrix_products<Policy> {
+class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>, Policy> {
  public:
   using policy = Policy;
   using config_type = dense_config;
@@ -64,13 +65,10 @@ class dense : public layer_base, public with_matrix_products<Policy> {
     detail::require_layer_policy<Policy>();
     shape const out = compute_output_shape(in);
     std::int64_t const fan_in = in[in.rank() - 1];
-    kernel_.allocate(exec, {fan_in, config_.units});
-    bias_.allocate(exec, {config_.units});
-    kernel_grad_.allocate(exec, {fan_in, config_.units});
-    bias_grad_.allocate(exec, {config_.units});
+    this->allocate_kernel_and_bias(exec, {fan_in, config_.units}, config_.units);
     using Space = memory_space_t<Exec>;
-    initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, fan_in, config_.units, seed);
-    initialize(exec, bias_.template view<Space>(), config_.bias_initializer, fan_in, config_.units, seed + 1);
+    initialize(exec, this->template kernel<Space>(), config_.kernel_initializer, fan_in, config_.units, seed);
+    initialize(exec, this->template bias<Space>(), config_.bias_initializer, fan_in, config_.units, seed + 1);
     this->products_.build(exec);
     mark_built(in, out);
   }
@@ -94,8 +92,8 @@ class dense : public layer_base, public with_matrix_products<Policy> {
     auto const [rows, in] = matrix_of(batch);
     auto const xm = x.reshape({rows, in});
     auto const ym = y.reshape({rows, config_.units});
-    auto const w = kernel_.template view<Space>();
-    auto const b = bias_.template view<Space>();
+    auto const w = this->template kernel<Space>();
+    auto const b = this->template bias<Space>();
     if (config_.activation == activation::linear) {
       this->products_.template run<operand_role::activation, operand_role::weight>(exec, xm, w, ym);
       bias_activation_forward(exec, act::identity{}, ym, b, ym);
@@ -115,10 +113,10 @@ class dense : public layer_base, public with_matrix_products<Policy> {
     auto const [rows, in] = matrix_of(batch);
     auto const xm = x.reshape({rows, in});
     auto const dym = dy.reshape({rows, config_.units});
-    auto const w = kernel_.template view<Space>();
-    auto const b = bias_.template view<Space>();
-    auto const dw = kernel_grad_.template view<Space>();
-    auto const db = bias_grad_.template view<Space>();
+    auto const w = this->template kernel<Space>();
+    auto const b = this->template bias<Space>();
+    auto const dw = this->template kernel_gradient<Space>();
+    auto const db = this->template bias_gradient<Space>();
     tensor_view<output_type const, Space> dz = dym;
     if (config_.activation == activation::linear) {
       mpx::bias_gradient(exec, dym, db);
@@ -138,31 +136,8 @@ class dense : public layer_base, public with_matrix_products<Policy> {
     this->products_.end_step(exec);
   }
 
-  //! The fp8 scales, for save_training_state (nothing outside fp8).
-  template <executor Exec>
-  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
-    this->products_.append_to(out, name());
-  }
-
-  template <memory_space Space>
-  void append_parameters(std::vector<parameter<Space>>& out) {
-    require_built("parameters");
-    out.push_back({name() + "/kernel", kernel_.template view<Space>(), kernel_grad_.template view<Space>()});
-    out.push_back({name() + "/bias", bias_.template view<Space>(), bias_grad_.template view<Space>()});
-  }
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return kernel_.size() + bias_.size(); }
-
-  //! The trainable tensors, for inspection, tests and a user's own update rules.
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> kernel() const { return kernel_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> bias() const { return bias_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> kernel_gradient() const { return kernel_grad_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> bias_gradient() const { return bias_grad_.template view<Space>(); }
-
  private:
+  friend detail::kernel_bias_layer<dense, Policy>;  // its parameter list checks that the layer is built
   std::string name_or_kind() const { return name().empty() ? std::string("mpx::dense") : name(); }
   struct rows_in {
     std::int64_t rows, in;
@@ -173,8 +148,7 @@ class dense : public layer_base, public with_matrix_products<Policy> {
   }
 
   dense_config config_;
-  detail::layer_tensor<output_type> kernel_, bias_, kernel_grad_, bias_grad_, pre_activation_,
-      pre_activation_grad_;
+  detail::layer_tensor<output_type> pre_activation_, pre_activation_grad_;
 };
 
 }  // namespace mpx

@@ -64,13 +64,11 @@ class embedding : public layer_base {
     shape const out = compute_output_shape(in);
     using Space = memory_space_t<Exec>;
     table_.allocate(exec, {config_.vocab_size, config_.width});
-    table_grad_.allocate(exec, {config_.vocab_size, config_.width});
-    initialize(exec, table_.template view<Space>(), config_.embeddings_initializer, config_.vocab_size,
+    initialize(exec, embeddings<Space>(), config_.embeddings_initializer, config_.vocab_size,
                config_.width, seed);
     if (config_.context) {
       positions_.allocate(exec, {config_.context, config_.width});
-      positions_grad_.allocate(exec, {config_.context, config_.width});
-      initialize(exec, positions_.template view<Space>(), config_.positions_initializer, config_.context,
+      initialize(exec, positions<Space>(), config_.positions_initializer, config_.context,
                  config_.width, seed + 1);
     }
     invalid_.allocate(exec, {1});
@@ -92,10 +90,10 @@ class embedding : public layer_base {
                bool /*training*/) {
     check_input(x.shape(), y.shape());
     int* const flag = invalid_.template view<Space>().data();
-    auto const table = table_.template view<Space>();
+    auto const table = embeddings<Space>();
     try {
       if (config_.context)
-        embedding_forward(exec, x, table, positions_.template view<Space>(), y, flag);
+        embedding_forward(exec, x, table, positions<Space>(), y, flag);
       else
         embedding_forward(exec, x, table, y, flag);
     } catch (invalid_argument const& e) {
@@ -110,8 +108,8 @@ class embedding : public layer_base {
                 tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> /*dx*/) {
     check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
-    embedding_backward(exec, x, dy, table_grad_.template view<Space>());
-    if (config_.context) position_embedding_backward(exec, dy, positions_grad_.template view<Space>());
+    embedding_backward(exec, x, dy, embeddings_gradient<Space>());
+    if (config_.context) position_embedding_backward(exec, dy, positions_gradient<Space>());
   }
 
   //! Whether a forward pass since build (or the last reset) met an id outside the table
@@ -129,31 +127,30 @@ class embedding : public layer_base {
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {
     require_built("parameters");
-    out.push_back({name() + "/embeddings", table_.template view<Space>(), table_grad_.template view<Space>()});
-    if (config_.context)
-      out.push_back({name() + "/positions", positions_.template view<Space>(), positions_grad_.template view<Space>()});
+    table_.append_to(out, name(), "embeddings");
+    if (config_.context) positions_.append_to(out, name(), "positions");
   }
   [[nodiscard]] std::size_t parameter_count() const noexcept { return table_.size() + positions_.size(); }
 
   //! The trainable tensors, for inspection, tests and a user's own update rules.
   template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> embeddings() const { return table_.template view<Space>(); }
+  [[nodiscard]] tensor_view<output_type, Space> embeddings() const { return table_.template value<Space>(); }
   template <memory_space Space>
-  [[nodiscard]] tensor_view<output_type, Space> positions() const { return positions_.template view<Space>(); }
+  [[nodiscard]] tensor_view<output_type, Space> positions() const { return positions_.template value<Space>(); }
   template <memory_space Space>
   [[nodiscard]] tensor_view<output_type, Space> embeddings_gradient() const {
-    return table_grad_.template view<Space>();
+    return table_.template gradient<Space>();
   }
   template <memory_space Space>
   [[nodiscard]] tensor_view<output_type, Space> positions_gradient() const {
-    return positions_grad_.template view<Space>();
+    return positions_.template gradient<Space>();
   }
 
  private:
   std::string name_or_kind() const { return name().empty() ? std::string("mpx::embedding") : name(); }
 
   embedding_config config_;
-  detail::layer_tensor<output_type> table_, table_grad_, positions_, positions_grad_;
+  detail::trainable<output_type> table_, positions_;
   detail::layer_tensor<int> invalid_;
 };
 

@@ -224,3 +224,36 @@ concept layer = std::move_constructible<L> && requires(L& l, L const& cl, host_e
 };
 
 }  // namespace mpx
+
+namespace mpx::detail {
+
+//! A trainable tensor and its gradient, of one dtype and shape, allocated together and
+//! handed to the optimizer as one mpx::parameter ("dense_1/kernel").
+template <class T>
+class trainable {
+ public:
+  template <executor Exec>
+  void allocate(Exec const& exec, mpx::shape s) {
+    value_.allocate(exec, s);
+    gradient_.allocate(exec, s);
+  }
+
+  [[nodiscard]] mpx::shape const& shape() const noexcept { return value_.shape(); }
+  //! 0 before it is allocated.
+  [[nodiscard]] std::size_t size() const noexcept { return value_.size(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<T, Space> value() const { return value_.template view<Space>(); }
+  template <memory_space Space>
+  [[nodiscard]] tensor_view<T, Space> gradient() const { return gradient_.template view<Space>(); }
+
+  //! Appends it as "<layer>/<what>" with its gradient, for the optimizer.
+  template <memory_space Space>
+  void append_to(std::vector<parameter<Space>>& out, std::string const& layer, std::string_view what) const {
+    out.push_back({layer + "/" + std::string(what), value<Space>(), gradient<Space>()});
+  }
+
+ private:
+  layer_tensor<T> value_, gradient_;
+};
+
+}  // namespace mpx::detail

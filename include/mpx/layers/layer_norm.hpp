@@ -53,7 +53,7 @@ class layer_norm : public layer_base {
     std::int64_t const batch = check_input(x.shape(), y.shape());
     if (batch > reserved_batch_) reserve(exec, batch);
     std::int64_t const rows = rows_of(x.shape());
-    layer_norm_forward<Policy>(exec, x, affine_.gamma<Space>(), affine_.beta<Space>(), y,
+    layer_norm_forward<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(), y,
                                mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
@@ -62,9 +62,9 @@ class layer_norm : public layer_base {
     check_input(x.shape(), y.shape());
     std::int64_t const rows = rows_of(x.shape());
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
-    layer_norm_backward<Policy>(exec, x, dy, affine_.gamma<Space>(), mean_.template view<Space>({rows}),
-                                rstd_.template view<Space>({rows}), dx_out, affine_.dgamma<Space>(),
-                                affine_.dbeta<Space>());
+    layer_norm_backward<Policy>(exec, x, dy, affine_.gamma.value<Space>(), mean_.template view<Space>({rows}),
+                                rstd_.template view<Space>({rows}), dx_out, affine_.gamma.gradient<Space>(),
+                                affine_.beta.gradient<Space>());
   }
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {

@@ -63,17 +63,14 @@ class lstm : public layer_base {
     kernel_.allocate(exec, {f, 4 * u});
     recurrent_.allocate(exec, {u, 4 * u});
     bias_.allocate(exec, {4 * u});
-    kernel_grad_.allocate(exec, {f, 4 * u});
-    recurrent_grad_.allocate(exec, {u, 4 * u});
-    bias_grad_.allocate(exec, {4 * u});
     kernel_grad_f_.allocate(exec, {f, 4 * u});
     recurrent_grad_f_.allocate(exec, {u, 4 * u});
     using Space = memory_space_t<Exec>;
-    initialize(exec, kernel_.template view<Space>(), config_.kernel_initializer, f, 4 * u, seed);
-    initialize(exec, recurrent_.template view<Space>(), config_.recurrent_initializer, u, 4 * u, seed + 1);
+    initialize(exec, kernel_.template value<Space>(), config_.kernel_initializer, f, 4 * u, seed);
+    initialize(exec, recurrent_.template value<Space>(), config_.recurrent_initializer, u, 4 * u, seed + 1);
     tensor<float, host_space> b(shape{4 * u});
     for (std::int64_t i = 0; i < 4 * u; ++i) b[static_cast<std::size_t>(i)] = config_.unit_forget_bias && i >= u && i < 2 * u ? 1.0f : 0.0f;
-    copy(exec, b, bias_.template view<Space>());
+    copy(exec, b, bias_.template value<Space>());
     exec.synchronize();
     mark_built(in, out);
   }
@@ -96,13 +93,13 @@ class lstm : public layer_base {
     std::int64_t const t = input_shape_[0], u = config_.units;
     auto const ws = workspace_.template view<Space>();
     if (config_.return_sequences) {
-      lstm_forward<Policy>(exec, x, kernel_.template view<Space>(), recurrent_.template view<Space>(),
-                           bias_.template view<Space>(), y, ws);
+      lstm_forward<Policy>(exec, x, kernel_.template value<Space>(), recurrent_.template value<Space>(),
+                           bias_.template value<Space>(), y, ws);
       return;
     }
     auto const h = sequence_.template view<Space>({n, t, u});
-    lstm_forward<Policy>(exec, x, kernel_.template view<Space>(), recurrent_.template view<Space>(),
-                         bias_.template view<Space>(), h, ws);
+    lstm_forward<Policy>(exec, x, kernel_.template value<Space>(), recurrent_.template value<Space>(),
+                         bias_.template value<Space>(), h, ws);
     detail::copy_strided_rows(exec, h.data() + (t - 1) * u, t * u, y.data(), u, n, u);  // the last step
   }
 
@@ -124,20 +121,19 @@ class lstm : public layer_base {
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
     auto const dw = kernel_grad_f_.template view<Space>();
     auto const dr = recurrent_grad_f_.template view<Space>();
-    lstm_backward<Policy>(exec, dh, kernel_.template view<Space>(), recurrent_.template view<Space>(), dx_out, dw, dr,
-                          bias_grad_.template view<Space>(), workspace_.template view<Space>());
+    lstm_backward<Policy>(exec, dh, kernel_.template value<Space>(), recurrent_.template value<Space>(), dx_out, dw, dr,
+                          bias_.template gradient<Space>(), workspace_.template view<Space>());
     // The optimizer pairs each parameter with a gradient of its own dtype.
-    cast(exec, dw, kernel_grad_.template view<Space>());
-    cast(exec, dr, recurrent_grad_.template view<Space>());
+    cast(exec, dw, kernel_.template gradient<Space>());
+    cast(exec, dr, recurrent_.template gradient<Space>());
   }
 
   template <memory_space Space>
   void append_parameters(std::vector<parameter<Space>>& out) {
     require_built("parameters");
-    out.push_back({name() + "/kernel", kernel_.template view<Space>(), kernel_grad_.template view<Space>()});
-    out.push_back({name() + "/recurrent_kernel", recurrent_.template view<Space>(),
-                   recurrent_grad_.template view<Space>()});
-    out.push_back({name() + "/bias", bias_.template view<Space>(), bias_grad_.template view<Space>()});
+    kernel_.append_to(out, name(), "kernel");
+    recurrent_.append_to(out, name(), "recurrent_kernel");
+    bias_.append_to(out, name(), "bias");
   }
   [[nodiscard]] std::size_t parameter_count() const noexcept {
     return kernel_.size() + recurrent_.size() + bias_.size();
@@ -145,9 +141,10 @@ class lstm : public layer_base {
 
  private:
   lstm_config config_;
-  detail::layer_tensor<output_type> kernel_, recurrent_, kernel_grad_, recurrent_grad_, sequence_, sequence_grad_,
-      dx_scratch_;
-  detail::layer_tensor<float> bias_, bias_grad_, kernel_grad_f_, recurrent_grad_f_, workspace_;
+  detail::trainable<output_type> kernel_, recurrent_;
+  detail::trainable<float> bias_;
+  detail::layer_tensor<output_type> sequence_, sequence_grad_, dx_scratch_;
+  detail::layer_tensor<float> kernel_grad_f_, recurrent_grad_f_, workspace_;
 };
 
 }  // namespace mpx

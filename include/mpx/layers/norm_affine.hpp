@@ -28,36 +28,26 @@ inline std::int64_t norm_channels(std::string const& name, std::string_view fall
   return in[in.rank() - 1];
 }
 
-//! gamma (initialised to ones) and beta (zeros), one per channel, and their gradients.
-class norm_affine {
- public:
+//! gamma (initialised to ones) and beta (zeros), one per channel, with their gradients.
+struct norm_affine {
+  trainable<float> gamma, beta;
+
   template <executor Exec>
   void build(Exec const& exec, std::int64_t channels) {
     using Space = memory_space_t<Exec>;
-    for (auto* t : {&gamma_, &beta_, &dgamma_, &dbeta_}) t->allocate(exec, {channels});
-    initialize(exec, gamma_.template view<Space>(), initializer::ones, 1, 1, 0);
-    initialize(exec, beta_.template view<Space>(), initializer::zeros, 1, 1, 0);
+    gamma.allocate(exec, {channels});
+    beta.allocate(exec, {channels});
+    initialize(exec, gamma.value<Space>(), initializer::ones, 1, 1, 0);
+    initialize(exec, beta.value<Space>(), initializer::zeros, 1, 1, 0);
   }
-
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<float, Space> gamma() const { return gamma_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<float, Space> beta() const { return beta_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<float, Space> dgamma() const { return dgamma_.template view<Space>(); }
-  template <memory_space Space>
-  [[nodiscard]] tensor_view<float, Space> dbeta() const { return dbeta_.template view<Space>(); }
 
   //! "<layer>/gamma" and "<layer>/beta", with their gradients, for the optimizer.
   template <memory_space Space>
   void append_parameters(std::string const& layer_name, std::vector<parameter<Space>>& out) const {
-    out.push_back({layer_name + "/gamma", gamma<Space>(), dgamma<Space>()});
-    out.push_back({layer_name + "/beta", beta<Space>(), dbeta<Space>()});
+    gamma.append_to(out, layer_name, "gamma");
+    beta.append_to(out, layer_name, "beta");
   }
-  [[nodiscard]] std::size_t parameter_count() const noexcept { return 2 * gamma_.size(); }
-
- private:
-  layer_tensor<float> gamma_, beta_, dgamma_, dbeta_;
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return gamma.size() + beta.size(); }
 };
 
 }  // namespace mpx::detail

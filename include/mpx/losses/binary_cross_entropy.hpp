@@ -37,9 +37,8 @@ template <class Policy = float32, executor Exec, tensor_like Logits, tensor_like
           memory_space Space>
 void binary_cross_entropy(Exec const& exec, Logits&& logits, Targets&& targets, Gradient&& gradient,
                           loss_value<Space>& loss, float const* scale = nullptr) {
-  detail::require_float_loss<Policy>();
-  detail::pointwise_loss("binary_cross_entropy", exec, ops::binary_cross_entropy_from_logits{}, logits, targets,
-                         gradient, loss, scale);
+  detail::pointwise_loss<Policy>("binary_cross_entropy", exec, ops::binary_cross_entropy_from_logits{}, logits,
+                                 targets, gradient, loss, scale);
 }
 
 }  // namespace mpx

@@ -162,10 +162,12 @@ constexpr void require_float_loss() {
 }
 
 //! A loss that is a mean of loss.value(p[i], t[i]) over every element, with gradient
-//! loss.gradient(p[i], t[i]) * scale / n: binary cross-entropy, mean squared error.
-template <class Loss, class Exec, class P, class T, class G, class Space>
+//! loss.gradient(p[i], t[i]) * scale / n, under Policy: binary cross-entropy, mean
+//! squared error.
+template <class Policy, class Loss, class Exec, class P, class T, class G, class Space>
 void pointwise_loss(std::string_view op, Exec const& exec, Loss const& loss, P&& predictions,
                     T&& targets, G&& gradient, loss_value<Space>& out, float const* scale) {
+  require_float_loss<Policy>();
   auto pv = mpx::view(predictions);
   auto tv = mpx::view(targets);
   auto gv = mpx::view(gradient);

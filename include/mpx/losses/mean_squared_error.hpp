@@ -30,9 +30,8 @@ template <class Policy = float32, executor Exec, tensor_like Predictions, tensor
           memory_space Space>
 void mean_squared_error(Exec const& exec, Predictions&& predictions, Targets&& targets, Gradient&& gradient,
                         loss_value<Space>& loss, float const* scale = nullptr) {
-  detail::require_float_loss<Policy>();
-  detail::pointwise_loss("mean_squared_error", exec, ops::squared_error{}, predictions, targets, gradient, loss,
-                         scale);
+  detail::pointwise_loss<Policy>("mean_squared_error", exec, ops::squared_error{}, predictions, targets, gradient,
+                                 loss, scale);
 }
 
 }  // namespace mpx
