@@ -199,6 +199,11 @@ template <tensor_like X>
 using space_t = typename view_t<X>::space_type;
 
 namespace detail {
+//! Whether every view's elements may be written: an operation's outputs, checked with a
+//! static_assert that names them.
+template <class... Views>
+inline constexpr bool all_writable = (!std::is_const_v<typename Views::element_type> && ...);
+
 //! Refuses an output whose memory overlaps an input's, for operations that read an
 //! input after writing the output (or whose kernels assume distinct pointers).
 template <class A, class B, class Space>

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -73,21 +74,6 @@ struct finish_batch_statistics {
   }
 };
 
-template <class X, class DY>
-struct batch_norm_param_terms {  // a = dy * xhat, b = dy
-  X const* x;
-  DY const* dy;
-  float const* mean;
-  float const* invstd;
-  std::size_t cols;
-  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
-    std::size_t const i = r * cols + j;
-    float const g = cast<float>(dy[i]);
-    a = g * ((cast<float>(x[i]) - mean[j]) * invstd[j]);
-    b = g;
-  }
-};
-
 // y = (x - mean) * invstd * gamma + beta; with FromVariance, invstd = 1 / sqrt(var + eps).
 template <bool FromVariance, class X, class Y>
 struct batch_norm_apply_element {
@@ -141,10 +127,10 @@ void batch_norm_layout(std::string_view op, XV const& xv, YV const& yv, std::siz
   require_same_shape(op, xv.shape(), yv.shape());
 }
 
-inline void require_channels(std::string_view op, std::string_view what, shape const& s, shape const& x,
-                             std::size_t cols) {
-  require_extent(op, what, s, "x", x, static_cast<std::int64_t>(cols),
-                 std::string(what) + " must be [C], x's last (channel) extent");
+//! Each vector must be [C], one value per channel.
+inline void require_channels(std::string_view op, shape const& x, std::size_t cols,
+                             std::initializer_list<named_vector> vectors) {
+  require_vectors(op, x, static_cast<std::int64_t>(cols), "must be [C], x's last (channel) extent", vectors);
 }
 
 }  // namespace detail
@@ -172,27 +158,16 @@ void batch_norm_forward_training(Exec const& exec, X&& x, G&& gamma, B&& beta, Y
   auto siv = mpx::view(save_invstd);
   detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<Y>, space_t<RM>, space_t<RV>,
                          space_t<SM>, space_t<SI>>();
-  detail::require_float_tensor<decltype(gv)>("gamma");
-  detail::require_float_tensor<decltype(bv)>("beta");
-  detail::require_float_tensor<decltype(rmv)>("running_mean");
-  detail::require_float_tensor<decltype(rvv)>("running_var");
-  detail::require_float_tensor<decltype(smv)>("save_mean");
-  detail::require_float_tensor<decltype(siv)>("save_invstd");
-  static_assert(!std::is_const_v<typename decltype(yv)::element_type> &&
-                    !std::is_const_v<typename decltype(rmv)::element_type> &&
-                    !std::is_const_v<typename decltype(rvv)::element_type> &&
-                    !std::is_const_v<typename decltype(smv)::element_type> &&
-                    !std::is_const_v<typename decltype(siv)::element_type>,
+  detail::require_float_tensors<decltype(gv), decltype(bv), decltype(rmv), decltype(rvv), decltype(smv),
+                                decltype(siv)>();
+  static_assert(detail::all_writable<decltype(yv), decltype(rmv), decltype(rvv), decltype(smv), decltype(siv)>,
                 "mpx::batch_norm_forward_training: y, the running and the saved statistics are written");
   constexpr std::string_view op = "batch_norm_forward_training";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, yv, rows, cols);
-  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "beta", bv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "running_mean", rmv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "running_var", rvv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "save_mean", smv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "save_invstd", siv.shape(), xv.shape(), cols);
+  detail::require_channels(op, xv.shape(), cols,
+                           {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
+                            {"running_var", rvv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()}});
   if (!(options.eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(options.eps));
   if (!(options.momentum >= 0.0f && options.momentum <= 1.0f))
     detail::fail<invalid_argument>(op, "momentum must be in [0, 1], got " + detail::to_text(options.momentum));
@@ -226,18 +201,14 @@ void batch_norm_forward_inference(Exec const& exec, X&& x, G&& gamma, B&& beta, 
   auto rvv = mpx::view(running_var);
   auto yv = mpx::view(y);
   detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<RM>, space_t<RV>, space_t<Y>>();
-  detail::require_float_tensor<decltype(gv)>("gamma");
-  detail::require_float_tensor<decltype(bv)>("beta");
-  detail::require_float_tensor<decltype(rmv)>("running_mean");
-  detail::require_float_tensor<decltype(rvv)>("running_var");
-  static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::batch_norm_forward_inference: y is const");
+  detail::require_float_tensors<decltype(gv), decltype(bv), decltype(rmv), decltype(rvv)>();
+  static_assert(detail::all_writable<decltype(yv)>, "mpx::batch_norm_forward_inference: y is const");
   constexpr std::string_view op = "batch_norm_forward_inference";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, yv, rows, cols);
-  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "beta", bv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "running_mean", rmv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "running_var", rvv.shape(), xv.shape(), cols);
+  detail::require_channels(op, xv.shape(), cols,
+                           {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
+                            {"running_var", rvv.shape()}});
   if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
   if (cols == 0) return;
   detail::batch_norm_apply<true>(exec, xv.data(), gv.data(), bv.data(), rmv.data(), rvv.data(), yv.data(),
@@ -264,29 +235,21 @@ void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_
   auto dbv = mpx::view(dbeta);
   detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<G>, space_t<SM>, space_t<SI>, space_t<DX>,
                          space_t<DG>, space_t<DB>>();
-  detail::require_float_tensor<decltype(gv)>("gamma");
-  detail::require_float_tensor<decltype(smv)>("save_mean");
-  detail::require_float_tensor<decltype(siv)>("save_invstd");
-  detail::require_float_tensor<decltype(dgv)>("dgamma");
-  detail::require_float_tensor<decltype(dbv)>("dbeta");
-  static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
-                    !std::is_const_v<typename decltype(dgv)::element_type> &&
-                    !std::is_const_v<typename decltype(dbv)::element_type>,
+  detail::require_float_tensors<decltype(gv), decltype(smv), decltype(siv), decltype(dgv), decltype(dbv)>();
+  static_assert(detail::all_writable<decltype(dxv), decltype(dgv), decltype(dbv)>,
                 "mpx::batch_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");
   constexpr std::string_view op = "batch_norm_backward";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, dyv, rows, cols);
   detail::require_same_shape(op, xv.shape(), dxv.shape());
-  detail::require_channels(op, "gamma", gv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "save_mean", smv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "save_invstd", siv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "dgamma", dgv.shape(), xv.shape(), cols);
-  detail::require_channels(op, "dbeta", dbv.shape(), xv.shape(), cols);
+  detail::require_channels(op, xv.shape(), cols,
+                           {{"gamma", gv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()},
+                            {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});
   if (cols == 0) return;
   using x_t = value_t<X>;
   using dy_t = value_t<DY>;
   detail::column_sums(exec,
-                      detail::batch_norm_param_terms<x_t, dy_t>{xv.data(), dyv.data(), smv.data(), siv.data(), cols},
+                      detail::norm_param_terms<x_t, dy_t, false>{xv.data(), dyv.data(), smv.data(), siv.data(), cols},
                       detail::store_two_sums{dgv.data(), dbv.data()}, rows, cols);
   std::size_t const n = rows * cols;
   if (n == 0) return;

@@ -417,6 +417,32 @@ void col2im(Exec const& exec, std::string_view op, conv2d_geometry const& g, T c
   for_each_index(exec, total, col2im_element<T>{conv2d_params_of(op, g), g, dcolumns, dx, n0, images});
 }
 
+//! What each pass of a convolution checks before it runs: the geometry of the image-side
+//! and weight-side tensors (x or dx, w or dw), the output-side one (y or dy, called
+//! `output`) against the output shape, and how many images a chunk of the workspace
+//! holds.
+struct conv2d_plan {
+  conv2d_geometry g;
+  std::int64_t chunk_images;
+};
+
+inline conv2d_plan plan_conv2d(std::string_view op, shape const& image, shape const& weights,
+                               std::string_view output, shape const& output_shape, shape const& workspace,
+                               conv2d_options const& o, mpx::source_location loc, conv2d_names names = {}) {
+  conv2d_plan p;
+  p.g = conv2d_shapes(op, image, weights, o, loc, names);
+  conv2d_require(op, output, output_shape, conv2d_output_of(p.g), image, weights, loc, names);
+  p.chunk_images = conv2d_chunk_images(op, p.g, workspace, image, weights, loc, names);
+  return p;
+}
+
+//! The workspace's first rows as the [images*OH*OW, KH*KW*Cin] columns of one chunk.
+template <class V>
+V chunk_columns(V const& workspace, conv2d_geometry const& g, std::int64_t images) {
+  return workspace.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
+      .reshape(shape{images * g.pixels(), g.patch()});
+}
+
 //! The rows of a [N*OH*OW, cols] matrix that belong to images [n0, n0 + images).
 template <class V>
 V image_rows(V const& matrix, conv2d_geometry const& g, std::int64_t n0, std::int64_t images, std::int64_t cols) {
@@ -490,19 +516,15 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
   auto const wv = mpx::view(w);
   auto const yv = mpx::view(y);
   auto const cv = mpx::view(workspace);
-  static_assert(!std::is_const_v<typename decltype(yv)::element_type> &&
-                    !std::is_const_v<typename decltype(cv)::element_type>,
+  static_assert(detail::all_writable<decltype(yv), decltype(cv)>,
                 "mpx::conv2d_forward: y and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_forward";
-  auto const g = detail::conv2d_shapes(op, xv.shape(), wv.shape(), options, loc);
-  detail::conv2d_require(op, "y", yv.shape(), detail::conv2d_output_of(g), xv.shape(), wv.shape(), loc);
-  std::int64_t const chunk = detail::conv2d_chunk_images(op, g, cv.shape(), xv.shape(), wv.shape(), loc);
+  auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const out = yv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
     std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const columns = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
-                             .reshape(shape{images * g.pixels(), g.patch()});
+    auto const columns = detail::chunk_columns(cv, g, images);
     detail::im2col(exec, op, g, xv.data(), n0, images, columns.data());
     product(exec, columns, weights, detail::image_rows(out, g, n0, images, g.cout), gemm_options{}, loc);
   }
@@ -525,20 +547,16 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
   auto const wv = mpx::view(w);
   auto const dxv = mpx::view(dx);
   auto const cv = mpx::view(workspace);
-  static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
-                    !std::is_const_v<typename decltype(cv)::element_type>,
+  static_assert(detail::all_writable<decltype(dxv), decltype(cv)>,
                 "mpx::conv2d_backward_data: dx and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_data";
-  detail::conv2d_names const names{"dx", "w"};
-  auto const g = detail::conv2d_shapes(op, dxv.shape(), wv.shape(), options, loc, names);
-  detail::conv2d_require(op, "dy", dyv.shape(), detail::conv2d_output_of(g), dxv.shape(), wv.shape(), loc, names);
-  std::int64_t const chunk = detail::conv2d_chunk_images(op, g, cv.shape(), dxv.shape(), wv.shape(), loc, names);
+  auto const [g, chunk] = detail::plan_conv2d(op, dxv.shape(), wv.shape(), "dy", dyv.shape(), cv.shape(), options,
+                                              loc, {"dx", "w"});
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const grad = dyv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
     std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const dcolumns = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
-                              .reshape(shape{images * g.pixels(), g.patch()});
+    auto const dcolumns = detail::chunk_columns(cv, g, images);
     product(exec, detail::image_rows(grad, g, n0, images, g.cout), weights, dcolumns,
             gemm_options{.transpose_b = true}, loc);
     detail::col2im(exec, op, g, dcolumns.data(), n0, images, dxv.data());
@@ -568,14 +586,11 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
   auto const dyv = mpx::view(dy);
   auto const dwv = mpx::view(dw);
   auto const cv = mpx::view(workspace);
-  static_assert(!std::is_const_v<typename decltype(dwv)::element_type> &&
-                    !std::is_const_v<typename decltype(cv)::element_type>,
+  static_assert(detail::all_writable<decltype(dwv), decltype(cv)>,
                 "mpx::conv2d_backward_weights: dw and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_weights";
-  detail::conv2d_names const names{"x", "dw"};
-  auto const g = detail::conv2d_shapes(op, xv.shape(), dwv.shape(), options, loc, names);
-  detail::conv2d_require(op, "dy", dyv.shape(), detail::conv2d_output_of(g), xv.shape(), dwv.shape(), loc, names);
-  std::int64_t const chunk = detail::conv2d_chunk_images(op, g, cv.shape(), xv.shape(), dwv.shape(), loc, names);
+  auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), dwv.shape(), "dy", dyv.shape(), cv.shape(), options,
+                                              loc, {"x", "dw"});
   bool const reuse = columns == conv2d_columns::reuse_forward;
   if (reuse && chunk < g.n)
     detail::fail<invalid_argument>(op,
@@ -588,8 +603,7 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
   auto const dweights = dwv.reshape(shape{g.patch(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
     std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const cols = cv.flat(0, static_cast<std::size_t>(images * g.pixels() * g.patch()))
-                          .reshape(shape{images * g.pixels(), g.patch()});
+    auto const cols = detail::chunk_columns(cv, g, images);
     if (!reuse) detail::im2col(exec, op, g, xv.data(), n0, images, cols.data());
     product(exec, cols, detail::image_rows(grad, g, n0, images, g.cout), dweights,
             gemm_options{.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);

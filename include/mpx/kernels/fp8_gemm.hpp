@@ -154,25 +154,19 @@ void fp8_gemm([[maybe_unused]] Exec const& exec, A&& a, float const* a_inverse_s
                                    "an inverse scale is null: pass a pointer to one float in the executor's memory, "
                                    "such as fp8_tensor_scale::inverse_scale_data()",
                                    loc);
-#if MPX_HAS_CUDA
-  if constexpr (!is_host_executor_v<Exec>)
-    detail::check_fp8_gemm_device(d, options, av.data(), bv.data(), cv.data(), loc);
-#endif
-  if (cv.empty()) return;
-  using TC = value_t<C>;
-  if (d.k == 0 || options.alpha == 0.0f) {  // no products: C = beta * C, A, B and the scales unread
-    if (options.beta == 0.0f) fill(exec, cv, mpx::cast<TC>(0.0f));
-    else if (options.beta != 1.0f) scale(exec, cv, options.beta);
-    return;
-  }
   // As mpx::gemm: cuBLASLt on the GPU, the exact float product on the host.
   if constexpr (is_host_executor_v<Exec>) {
+    if (cv.empty() || detail::gemm_without_products(exec, cv, d, options)) return;
     // alpha * s_a * s_b rounded to float once: one more 2^-24, inside the bound.
     float const alpha = options.alpha * (*a_inverse_scale * *b_inverse_scale);
     detail::host_gemm<float>(d, options.transpose_a, options.transpose_b, alpha, av.data(), bv.data(), options.beta,
                              cv.data());
   } else {
 #if MPX_HAS_CUDA
+    // Checked before the shortcuts below, so that a layout the GPU cannot take is refused
+    // even where it would have nothing to multiply.
+    detail::check_fp8_gemm_device(d, options, av.data(), bv.data(), cv.data(), loc);
+    if (cv.empty() || detail::gemm_without_products(exec, cv, d, options)) return;
     detail::cuda_fp8_gemm(exec.stream(), d, options.alpha, av.data(), a_inverse_scale, bv.data(), b_inverse_scale,
                           options.beta, cv.data());
 #else

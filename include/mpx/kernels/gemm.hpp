@@ -501,6 +501,17 @@ void cuda_gemm_in(Exec const& exec, gemm_dims const& d, shape const& sa, shape c
 }
 #endif
 
+//! C = beta * C when the product has no terms (K = 0 or alpha = 0), leaving A and B
+//! unread: true when that was the whole product, false when there are terms to sum.
+template <executor Exec, class CView>
+bool gemm_without_products(Exec const& exec, CView const& c, gemm_dims const& d, gemm_options const& o) {
+  if (d.k != 0 && o.alpha != 0.0f) return false;
+  using TC = std::remove_const_t<typename CView::element_type>;
+  if (o.beta == 0.0f) fill(exec, c, mpx::cast<TC>(0.0f));
+  else if (o.beta != 1.0f) scale(exec, c, o.beta);
+  return true;
+}
+
 }  // namespace detail
 
 //! C = alpha * op(A) op(B) + beta * C, A and B read in Policy::compute_type, summed in
@@ -528,13 +539,7 @@ void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options c
   auto const cv = mpx::view(c);
   static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::gemm: C is const");
   detail::gemm_dims const d = detail::gemm_shapes(av.shape(), bv.shape(), cv.shape(), options, loc);
-  if (cv.empty()) return;
-  using TC = value_t<C>;
-  if (d.k == 0 || options.alpha == 0.0f) {  // no products: C = beta * C, A and B unread
-    if (options.beta == 0.0f) fill(exec, cv, mpx::cast<TC>(0.0f));
-    else if (options.beta != 1.0f) scale(exec, cv, options.beta);
-    return;
-  }
+  if (cv.empty() || detail::gemm_without_products(exec, cv, d, options)) return;
   using Acc = typename Policy::accumulate_type;
   using Compute = typename Policy::compute_type;
   // Not one of exec/'s shapes: each executor calls the best product it has (cuBLASLt on

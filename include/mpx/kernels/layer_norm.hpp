@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -36,9 +37,9 @@ constexpr void require_float_norm() {
                 "mpx::float32 or a policy<Storage, Compute, float>");
 }
 
-template <class V>
-constexpr void require_float_tensor(char const*) {
-  static_assert(std::is_same_v<typename V::value_type, float>,
+template <class... Views>
+constexpr void require_float_tensors() {
+  static_assert((std::is_same_v<typename Views::value_type, float> && ...),
                 "mpx::layer_norm / mpx::batch_norm: scale, shift, saved statistics, running statistics and "
                 "their gradients are float32 tensors");
 }
@@ -51,7 +52,43 @@ inline void require_extent(std::string_view op, std::string_view what, shape con
                               " of shape " + o.to_string() + " (" + std::string(why) + ")");
 }
 
+//! A norm's vector argument (gamma, a statistic, a gradient) and its name for messages.
+struct named_vector {
+  std::string_view name;
+  shape const& extents;
+};
+
+//! Each vector must be [extent]; a mismatch names it, x, and "<name> <must_be>".
+inline void require_vectors(std::string_view op, shape const& x, std::int64_t extent, std::string_view must_be,
+                            std::initializer_list<named_vector> vectors) {
+  for (named_vector const& v : vectors)
+    require_extent(op, v.name, v.extents, "x", x, extent, std::string(v.name) + " " + std::string(must_be));
+}
+
+//! Column terms of a norm's dgamma (dy * xhat) and dbeta (dy), xhat = (x - mean) * rstd:
+//! the statistics are per row for layer norm, per column (channel) for batch norm.
+template <class X, class DY, bool StatisticsPerRow>
+struct norm_param_terms {
+  X const* x;
+  DY const* dy;
+  float const* mean;
+  float const* rstd;
+  std::size_t cols;
+  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
+    std::size_t const i = r * cols + j;
+    std::size_t const s = StatisticsPerRow ? r : j;
+    float const g = cast<float>(dy[i]);
+    a = g * ((cast<float>(x[i]) - mean[s]) * rstd[s]);
+    b = g;
+  }
+};
+
 // ---- LayerNorm ----
+// What layer norm's vectors must be (require_vectors' messages): gamma, beta and their
+// gradients one value per column, mean and rstd one per row.
+inline constexpr std::string_view per_column = "must be [cols], x's last extent";
+inline constexpr std::string_view per_row = "must be [rows], one per row of x";
+
 // The row bodies, written once for both executors (exec/lanes.hpp): three passes over a
 // row forward (sum, squared deviations, write), two backward.
 
@@ -112,22 +149,6 @@ struct layer_norm_backward_row {
   }
 };
 
-//! Column terms of layer_norm's dgamma (dy * xhat) and dbeta (dy).
-template <class X, class DY>
-struct layer_norm_param_terms {
-  X const* x;
-  DY const* dy;
-  float const* mean;
-  float const* rstd;
-  std::size_t cols;
-  MPX_HD void operator()(std::size_t r, std::size_t j, float& a, float& b) const {
-    std::size_t const i = r * cols + j;
-    float const g = cast<float>(dy[i]);
-    a = g * ((cast<float>(x[i]) - mean[r]) * rstd[r]);
-    b = g;
-  }
-};
-
 }  // namespace detail
 
 //! y = (x - mean) / sqrt(var + eps) * gamma + beta along the last axis of x (any rank
@@ -149,23 +170,16 @@ void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&&
   auto mv = mpx::view(mean);
   auto rv = mpx::view(rstd);
   detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<Y>, space_t<M>, space_t<R>>();
-  detail::require_float_tensor<decltype(gv)>("gamma");
-  detail::require_float_tensor<decltype(bv)>("beta");
-  detail::require_float_tensor<decltype(mv)>("mean");
-  detail::require_float_tensor<decltype(rv)>("rstd");
-  static_assert(!std::is_const_v<typename decltype(yv)::element_type> &&
-                    !std::is_const_v<typename decltype(mv)::element_type> &&
-                    !std::is_const_v<typename decltype(rv)::element_type>,
+  detail::require_float_tensors<decltype(gv), decltype(bv), decltype(mv), decltype(rv)>();
+  static_assert(detail::all_writable<decltype(yv), decltype(mv), decltype(rv)>,
                 "mpx::layer_norm_forward: y, mean and rstd are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_forward";
   auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
   detail::require_same_shape(op, xv.shape(), yv.shape());
-  auto const c = static_cast<std::int64_t>(cols);
-  auto const r = static_cast<std::int64_t>(rows);
-  detail::require_extent(op, "gamma", gv.shape(), "x", xv.shape(), c, "gamma must be [cols], x's last extent");
-  detail::require_extent(op, "beta", bv.shape(), "x", xv.shape(), c, "beta must be [cols], x's last extent");
-  detail::require_extent(op, "mean", mv.shape(), "x", xv.shape(), r, "mean must be [rows], one per row of x");
-  detail::require_extent(op, "rstd", rv.shape(), "x", xv.shape(), r, "rstd must be [rows], one per row of x");
+  detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(cols), detail::per_column,
+                          {{"gamma", gv.shape()}, {"beta", bv.shape()}});
+  detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,
+                          {{"mean", mv.shape()}, {"rstd", rv.shape()}});
   if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
   if (rows * cols == 0) return;
   for_each_row(exec, rows, cols,
@@ -195,30 +209,21 @@ void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, 
   auto dbv = mpx::view(dbeta);
   detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<G>, space_t<M>, space_t<R>, space_t<DX>,
                          space_t<DG>, space_t<DB>>();
-  detail::require_float_tensor<decltype(gv)>("gamma");
-  detail::require_float_tensor<decltype(mv)>("mean");
-  detail::require_float_tensor<decltype(rv)>("rstd");
-  detail::require_float_tensor<decltype(dgv)>("dgamma");
-  detail::require_float_tensor<decltype(dbv)>("dbeta");
-  static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
-                    !std::is_const_v<typename decltype(dgv)::element_type> &&
-                    !std::is_const_v<typename decltype(dbv)::element_type>,
+  detail::require_float_tensors<decltype(gv), decltype(mv), decltype(rv), decltype(dgv), decltype(dbv)>();
+  static_assert(detail::all_writable<decltype(dxv), decltype(dgv), decltype(dbv)>,
                 "mpx::layer_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_backward";
   auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
   detail::require_same_shape(op, xv.shape(), dyv.shape());
   detail::require_same_shape(op, xv.shape(), dxv.shape());
-  auto const c = static_cast<std::int64_t>(cols);
-  auto const r = static_cast<std::int64_t>(rows);
-  detail::require_extent(op, "gamma", gv.shape(), "x", xv.shape(), c, "gamma must be [cols], x's last extent");
-  detail::require_extent(op, "dgamma", dgv.shape(), "x", xv.shape(), c, "dgamma must be [cols], x's last extent");
-  detail::require_extent(op, "dbeta", dbv.shape(), "x", xv.shape(), c, "dbeta must be [cols], x's last extent");
-  detail::require_extent(op, "mean", mv.shape(), "x", xv.shape(), r, "mean must be [rows], one per row of x");
-  detail::require_extent(op, "rstd", rv.shape(), "x", xv.shape(), r, "rstd must be [rows], one per row of x");
+  detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(cols), detail::per_column,
+                          {{"gamma", gv.shape()}, {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});
+  detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,
+                          {{"mean", mv.shape()}, {"rstd", rv.shape()}});
   if (cols == 0) return;
   using x_t = value_t<X>;
   using dy_t = value_t<DY>;
-  detail::layer_norm_param_terms<x_t, dy_t> const terms{xv.data(), dyv.data(), mv.data(), rv.data(), cols};
+  detail::norm_param_terms<x_t, dy_t, true> const terms{xv.data(), dyv.data(), mv.data(), rv.data(), cols};
   detail::store_two_sums const store{dgv.data(), dbv.data()};
   // The parameter sums read dy before dx is written, so dx may be dy.
   detail::column_sums(exec, terms, store, rows, cols);

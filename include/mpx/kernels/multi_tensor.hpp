@@ -1,5 +1,5 @@
 // Multi-tensor launches: one kernel over a list of tensors of any count and sizes.
-// The list is cut into chunks of multi_tensor_chunk elements, one CUDA block each. The
+// The list is cut into chunks of multi_tensor_chunk elements, one CUDA block at a time. The
 // table of pointers and chunk offsets travels in the kernel's parameters (up to 32 KB
 // since CUDA 12.1: about 1,600 tensors per launch for one pointer each), and a list too
 // long for one launch is split into tables, each tensor in exactly one, so no element
@@ -126,24 +126,23 @@ MPX_HD inline std::size_t elements_to_alignment(T const* p) noexcept {
   return misaligned ? Width - misaligned : 0;
 }
 
-#if MPX_HAS_CUDA
 //! Calls body(std::integral_constant<int, W>{}, i) over a chunk of `count` elements,
-//! spread over the block. When `aligned` (every pointer reaches a vector boundary after
-//! the same `head` elements): W = 1 for the head, W = Width (16-byte accesses) for the
-//! body, W = 1 for the tail. Otherwise W = 1 throughout.
-template <int Width, class Body>
-__device__ __forceinline__ void for_each_in_chunk(std::size_t count, std::size_t head, bool aligned, Body&& body) {
+//! shared by the lanes (exec/lanes.hpp: a block's threads on the GPU, emulated on the
+//! host). When `aligned` (every pointer reaches a vector boundary after the same `head`
+//! elements): W = 1 for the head, W = Width (16-byte accesses) for the body, W = 1 for
+//! the tail. Otherwise W = 1 throughout.
+template <int Width, class Lanes, class Body>
+MPX_HD inline void for_each_in_chunk(Lanes const& lanes, std::size_t count, std::size_t head, bool aligned,
+                                     Body&& body) {
   std::size_t scalar_from = 0;
   if (aligned) {
     head = head < count ? head : count;
-    if (threadIdx.x < head) body(std::integral_constant<int, 1>{}, static_cast<std::size_t>(threadIdx.x));
+    lanes.for_each(head, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, i); });
     std::size_t const vectors = (count - head) / Width;
-    for (std::size_t v = threadIdx.x; v < vectors; v += blockDim.x)
-      body(std::integral_constant<int, Width>{}, head + v * Width);
+    lanes.for_each(vectors, [&](std::size_t v) { body(std::integral_constant<int, Width>{}, head + v * Width); });
     scalar_from = head + vectors * Width;
   }
-  for (std::size_t i = scalar_from + threadIdx.x; i < count; i += blockDim.x) body(std::integral_constant<int, 1>{}, i);
+  lanes.for_each(count - scalar_from, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, scalar_from + i); });
 }
-#endif
 
 }  // namespace mpx::detail

@@ -2,7 +2,7 @@
 // that plan and call it): one pass per dtype over value, gradient, float master weight
 // and the rule's slots, which reads the gradient check's verdict where it runs and skips
 // the step when it says so, and writes 16-bit results back rounded to nearest even or
-// stochastically. The host loop visits the elements one by one with the same arithmetic.
+// stochastically. One row body for both executors: a row is a chunk of a tensor list.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -102,71 +102,57 @@ MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants co
 //! null for a 16-bit one without master weights), then the rule's slots.
 inline constexpr int fixed_lists = 3;
 
+//! One step of the rule over one chunk of a table of dtype T: a row body of
+//! for_each_row (a block's threads share the chunk on the GPU; the host emulates them).
+//! Skipped when the verdict (may be null) found a non-finite gradient; `steps` (the
+//! steps applied so far, in the executor's memory) is read where the update runs.
 template <class T, class Rule, int Lists>
-void host_optimizer_step(tensor_table<Lists> const& table, Rule const& rule, std::uint64_t steps,
-                         gradient_summary const* verdict, weight_rounding const& rounding = {}) {
-  if (verdict && verdict->found_nonfinite) return;
-  float const factor = verdict ? verdict->gradient_factor : 1.0f;
-  auto const c = rule.at(steps + 1);
-  for (std::uint32_t t = 0; t < table.count; ++t) {
-    float* slot[Lists - fixed_lists > 0 ? Lists - fixed_lists : 1];
-    for (int j = 0; j < Lists - fixed_lists; ++j) slot[j] = static_cast<float*>(table.data[fixed_lists + j][t]);
-    for (std::size_t i = 0; i < table.size[t]; ++i)
-      update_elements<1>(rule, c, factor, i, static_cast<T*>(table.data[0][t]), static_cast<T const*>(table.data[1][t]),
-                         static_cast<float*>(table.data[2][t]), slot, rounding,
-                         rounding_position{steps + 1, rounding.first_stream + t, 0});
+struct optimizer_update_chunk {
+  tensor_table<Lists> table;
+  Rule rule;
+  std::uint64_t const* steps;
+  gradient_summary const* verdict;
+  weight_rounding rounding;
+
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t chunk) const {
+    // The verdict is one value for the whole pass: every chunk returns, or none does.
+    if (verdict && verdict->found_nonfinite) return;
+    float const factor = verdict ? verdict->gradient_factor : 1.0f;
+    std::uint64_t const step = *steps + 1;
+    auto const c = rule.at(step);
+    chunk_location const loc = locate_chunk(table, static_cast<std::uint32_t>(chunk));
+    T* const value = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
+    T const* const gradient = static_cast<T const*>(table.data[1][loc.tensor]) + loc.begin;
+    float* const master =
+        table.data[2][loc.tensor] ? static_cast<float*>(table.data[2][loc.tensor]) + loc.begin : nullptr;
+    constexpr int slots = Lists - fixed_lists;
+    constexpr int width = vector_width<T, float>;
+    float* slot[slots > 0 ? slots : 1];
+    bool aligned = vector_aligned<width>(value, gradient, master);
+    for (int j = 0; j < slots; ++j) {
+      slot[j] = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]) + loc.begin;
+      aligned = aligned && vector_aligned<width>(slot[j]);
+    }
+    rounding_position const at{step, rounding.first_stream + loc.tensor, loc.begin};
+    // Several pointers: vectorised only when all start on a boundary (the float master and
+    // slots always do; a 16-bit value carved out of a packed buffer may not). The
+    // arithmetic is per element, so the vectors change no bits.
+    for_each_in_chunk<width>(lanes, loc.count, 0, aligned, [&](auto w, std::size_t i) {
+      update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot, rounding, at);
+    });
   }
-}
+};
 
-#if MPX_HAS_CUDA
-template <class T, class Rule, int Lists>
-__global__ void __launch_bounds__(block_size)
-    optimizer_step_kernel(tensor_table<Lists> const table, Rule const rule, std::uint64_t const* __restrict__ steps,
-                          gradient_summary const* __restrict__ verdict, weight_rounding const rounding = {}) {
-  // The verdict is one value for the whole grid: every block returns, or none does.
-  if (verdict && verdict->found_nonfinite) return;
-  float const factor = verdict ? verdict->gradient_factor : 1.0f;
-  std::uint64_t const step = *steps + 1;
-  auto const c = rule.at(step);
-  chunk_location const loc = locate_chunk(table, blockIdx.x);
-  T* const value = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-  T const* const gradient = static_cast<T const*>(table.data[1][loc.tensor]) + loc.begin;
-  float* const master =
-      table.data[2][loc.tensor] ? static_cast<float*>(table.data[2][loc.tensor]) + loc.begin : nullptr;
-  constexpr int slots = Lists - fixed_lists;
-  float* slot[slots > 0 ? slots : 1];
-  bool aligned = vector_aligned<vector_width<T, float>>(value, gradient, master);
-  for (int j = 0; j < slots; ++j) {
-    slot[j] = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]) + loc.begin;
-    aligned = aligned && vector_aligned<vector_width<T, float>>(slot[j]);
-  }
-  // Several pointers: vectorised only when all start on a boundary (the float master and
-  // slots always do; a 16-bit value carved out of a packed buffer may not).
-  for_each_in_chunk<vector_width<T, float>>(loc.count, 0, aligned, [&](auto w, std::size_t i) {
-    update_elements<decltype(w)::value>(rule, c, factor, i, value, gradient, master, slot, rounding,
-                                        rounding_position{step, rounding.first_stream + loc.tensor, loc.begin});
-  });
-}
-
-#endif
-
-//! One step of the rule over a table of one dtype T, host or CUDA: skipped when the
-//! verdict (may be null) found a non-finite gradient; `steps` (the steps applied so far,
-//! in the executor's memory) is read where the update runs, not advanced.
+//! One step of the rule over a table of one dtype T, host or CUDA (see
+//! optimizer_update_chunk): one row of for_each_row per chunk of the table.
 template <class T, class Exec, class Rule, int Lists>
-void optimizer_update_pass([[maybe_unused]] Exec const& exec, tensor_table<Lists> const& table, Rule const& rule,
+void optimizer_update_pass(Exec const& exec, tensor_table<Lists> const& table, Rule const& rule,
                            std::uint64_t const* steps, gradient_summary const* verdict, weight_rounding const& rounding) {
-  if constexpr (is_host_executor_v<Exec>) {
-    host_optimizer_step<T>(table, rule, *steps, verdict, rounding);
-  } else {
-#if MPX_HAS_CUDA
-    if (table.blocks() == 0) return;
-    optimizer_step_kernel<T><<<table.blocks(), block_size, 0, exec.stream()>>>(table, rule, steps, verdict, rounding);
-    MPX_CUDA_CHECK_LAUNCH("mpx::optimizer_step_kernel");
-#else
-    kernels_need_nvcc<Exec>();
-#endif
-  }
+  using body = optimizer_update_chunk<T, Rule, Lists>;
+  static_assert(sizeof(body) + sizeof(std::size_t) <= kernel_parameter_limit,
+                "optimizer_update_chunk's parameters exceed what CUDA 12.1+ accepts");
+  for_each_row(exec, table.blocks(), multi_tensor_chunk, body{table, rule, steps, verdict, rounding});
 }
 
 //! ++*steps.

@@ -7,6 +7,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 
@@ -156,7 +157,8 @@ __global__ void __launch_bounds__(block_size)
   // One pointer: a misaligned tensor (a view into a packed buffer) is always brought to
   // a vector boundary by a scalar head; chunks start at multiples of 16384 elements, so
   // every chunk of a tensor has the same head.
-  for_each_in_chunk<width>(loc.count, elements_to_alignment<width>(data), true, [&](auto w, std::size_t i) {
+  device_lanes<block_size> const lanes{static_cast<int>(threadIdx.x)};
+  for_each_in_chunk<width>(lanes, loc.count, elements_to_alignment<width>(data), true, [&](auto w, std::size_t i) {
     constexpr int n = decltype(w)::value;
     auto v = *reinterpret_cast<aligned_vector<T, n>*>(data + i);
 #pragma unroll

@@ -14,6 +14,22 @@
 
 namespace mpx {
 
+namespace detail {
+//! The counts every rule keeps: the step skipped or applied, and the run of non-finite
+//! steps at the rule's floor (`at_floor`: the scale can go no lower), which the scaler
+//! reports after report_after of them.
+MPX_HD constexpr void count_step(loss_scale_state& s, bool found_nonfinite, bool at_floor) noexcept {
+  s.last_step_skipped = found_nonfinite ? 1u : 0u;
+  if (found_nonfinite) {
+    ++s.skipped_steps;
+    s.overflows_at_minimum = at_floor ? s.overflows_at_minimum + 1 : 0u;
+  } else {
+    ++s.applied_steps;
+    s.overflows_at_minimum = 0;
+  }
+}
+}  // namespace detail
+
 //! A dynamic scale: grow after `growth_interval` finite steps in a row, back off when a
 //! step overflows, skip that step, stay within [min_scale, max_scale].
 struct dynamic_scale_rule {
@@ -39,10 +55,8 @@ struct dynamic_scale_rule {
   }
 
   MPX_HD constexpr void update(loss_scale_state& s, bool found_nonfinite) const noexcept {
-    s.last_step_skipped = found_nonfinite ? 1u : 0u;
+    detail::count_step(s, found_nonfinite, s.scale <= min_scale);
     if (found_nonfinite) {
-      ++s.skipped_steps;
-      s.overflows_at_minimum = s.scale <= min_scale ? s.overflows_at_minimum + 1 : 0u;
       s.good_steps = 0;
       if (s.overflows_left > 0) --s.overflows_left;
       if (s.overflows_left == 0) {
@@ -51,8 +65,6 @@ struct dynamic_scale_rule {
       }
       return;
     }
-    ++s.applied_steps;
-    s.overflows_at_minimum = 0;
     if (++s.good_steps < growth_interval) return;
     s.good_steps = 0;
     s.overflows_left = hysteresis;
@@ -74,14 +86,7 @@ struct static_scale_rule {
     return s;
   }
   MPX_HD constexpr void update(loss_scale_state& s, bool found_nonfinite) const noexcept {
-    s.last_step_skipped = found_nonfinite ? 1u : 0u;
-    if (found_nonfinite) {
-      ++s.skipped_steps;
-      ++s.overflows_at_minimum;
-    } else {
-      ++s.applied_steps;
-      s.overflows_at_minimum = 0;
-    }
+    detail::count_step(s, found_nonfinite, true);  // a fixed scale is always at its floor
   }
 };
 
