@@ -71,6 +71,7 @@ void checkpoint_corpus(fs::path const& dir, fs::path const& scratch) {
   auto& o = mpx_fuzz::objects();
   o.optimizer.save(o.exec, scratch);
   put_with_damage(dir, "fresh.ckpt", file_bytes(scratch));
+  o.optimizer.optimizer().allow_step_without_backward(true);  // the built model's zero gradients, on purpose
   o.optimizer.step(o.exec);  // zero gradients: finite, applied
   o.optimizer.step(o.exec);
   o.optimizer.save(o.exec, scratch);

@@ -7,9 +7,11 @@
 #include <mpx/core/config.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
+#include <mpx/exec/launch.hpp>
 #include <mpx/kernels/unscale_and_check.hpp>
 
 #include <cstdint>
+#include <cstring>
 
 namespace mpx {
 
@@ -71,7 +73,11 @@ MPX_HD inline void finish_step(Rule const& rule, loss_scale_state* state, gradie
   s.first_nonfinite = signal_index(summary->first_nonfinite);
   s.last_nonfinite = signal_index(summary->last_nonfinite);
   s.scale = scale_used;
-  *signal = s;
+  // As one 16-byte store: copied as a struct, nvcc writes the int16 pair and the scale
+  // separately (three stores), and a host polling between them would read half a signal.
+  aligned_vector<std::uint32_t, 4> words;
+  std::memcpy(words.v, &s, sizeof words.v);
+  *reinterpret_cast<aligned_vector<std::uint32_t, 4>*>(signal) = words;
 }
 
 template <class Rule>
