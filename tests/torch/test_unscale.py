@@ -2,6 +2,8 @@
 on CPU tensors: the same bits, the same found_inf, in place; its diagnostics."""
 
 import math
+import pathlib
+import re
 
 import pytest
 import torch
@@ -152,6 +154,16 @@ def test_other_dtypes_are_refused_with_mpx_message(dtype):
         mpx_torch.non_finite_check_and_unscale_(grads, torch.zeros(1), torch.tensor([0.5]))
     assert torch.equal(grads[0], torch.ones(4)), "nothing may change when a call is refused"
     assert issubclass(mpx_torch.Error, ValueError)
+
+
+def test_the_refusal_docs_quote_is_the_message():
+    """docs/pytorch.md quotes the float64 refusal word for word (up to the file and line)."""
+    with pytest.raises(mpx_torch.Error) as refused:
+        mpx_torch.non_finite_check_and_unscale_([torch.ones(4), torch.zeros(4, dtype=torch.float64)], torch.zeros(1),
+                                                torch.tensor([0.5]))
+    message = " ".join(str(refused.value).split(" (at ")[0].split())
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "pytorch.md"
+    assert message in re.sub(r"\s+", " ", doc.read_text()), f"docs/pytorch.md does not quote: {message}"
 
 
 def test_bad_arguments_are_refused():
