@@ -289,25 +289,16 @@ void adam_step(std::vector<at::Tensor> const& params, std::vector<at::Tensor> co
   auto* const verdict = reinterpret_cast<mpx::gradient_summary*>(verdict_storage.data_ptr());
 
   on_executor(device, op, [&](auto exec) {
-    using Exec = decltype(exec);
     run_once(exec, torch_verdict{found, scale, verdict});
     for (std::size_t d = 0; d < mpx::detail::all_dtypes.size(); ++d) {
       if (rows[d].empty()) continue;
       auto const plan = mpx::detail::plan_multi_tensor<lists>(rows[d], sizes[d]);
       mpx::visit_dtype(mpx::detail::all_dtypes[d], [&](auto z) {
         using T = decltype(z);
-        for (auto const& table : plan.tables) {
-          if constexpr (mpx::is_host_executor_v<Exec>) {
-            mpx::detail::host_optimizer_step<T>(table, rule, static_cast<std::uint64_t>(*step_count), verdict);
-          } else {
-#if MPX_HAS_CUDA
-            if (table.blocks() == 0) continue;
-            mpx::detail::optimizer_step_kernel<T><<<table.blocks(), mpx::detail::block_size, 0, exec.stream()>>>(
-                table, rule, reinterpret_cast<std::uint64_t const*>(step_count), verdict);
-            MPX_CUDA_CHECK_LAUNCH("mpx::optimizer_step_kernel");
-#endif
-          }
-        }
+        // mpx's own update pass, on either executor: the step count is read where it runs.
+        for (auto const& table : plan.tables)
+          mpx::detail::optimizer_update_pass<T>(exec, table, rule, reinterpret_cast<std::uint64_t const*>(step_count),
+                                                verdict, mpx::detail::weight_rounding{});
       });
     }
     run_once(exec, advance_step{step_count, verdict});
