@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harness of mpx's file readers (fuzz/fuzz_reader.cpp) with clang,
-# AddressSanitizer and UndefinedBehaviorSanitizer, and runs each reader's fuzzer for
-# SECONDS (default 60) on top of its stored corpus (fuzz/corpus/<reader>/); what it
-# finds new goes to build-fuzz/corpus/<reader>/, not into the repository. Prints each
-# fuzzer's execution count. Any finding (a crash, a sanitizer report, an exception that
-# is not an mpx::error, a slow input, memory past the limit) fails the script and
-# leaves its reproducer in build-fuzz/findings/<reader>/: fix the reader, then copy the
-# reproducer to fuzz/regressions/<reader>/, where the host suite replays it
-# (tests/model/test_fuzz_corpus.cpp).
-#   fuzz/run.sh [SECONDS]       build, then fuzz every reader
+# Builds mpx's two libFuzzer harnesses with clang, AddressSanitizer and
+# UndefinedBehaviorSanitizer: the file readers' (fuzz/fuzz_reader.cpp) and the public
+# API's (fuzz/fuzz_api.cpp, shapes and values through every kernel and layer, in
+# groups: fuzz/api/groups.hpp). Runs each reader's and each API group's fuzzer for
+# SECONDS (default 60) on top of its stored corpus (fuzz/corpus/<name>/, the API groups'
+# named api_<group>); what it finds new goes to build-fuzz/corpus/<name>/, not into the
+# repository. Prints each fuzzer's execution count. Any finding (a crash, a sanitizer
+# report, an exception that is not an mpx::error, a result off its float64 reference, a
+# slow input, memory past the limit) fails the script and leaves its reproducer in
+# build-fuzz/findings/<name>/: fix mpx, then copy the reproducer to
+# fuzz/regressions/<name>/, where the host suite replays it
+# (tests/model/test_fuzz_corpus.cpp, tests/model/test_fuzz_api.cpp).
+#   fuzz/run.sh [SECONDS] [NAME...]  build, then fuzz every reader and API group (or those named)
 #   fuzz/run.sh --regenerate    rewrite fuzz/corpus/ and the issue-21 files in fuzz/regressions/
 #                               with fuzz/make_corpus.cpp
 # CXX picks the compiler; by default the newest of clang++-19, -16, -14 found.
@@ -36,30 +39,42 @@ if [ "${1:-}" = "--regenerate" ]; then
   exit 0
 fi
 seconds=${1:-60}
+shift || true
 
 echo "== building the fuzzers with $cxx"
-"${launcher[@]}" "$cxx" "${common[@]}" -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-  fuzz/fuzz_reader.cpp -lz -o "$out/fuzz_readers"
+sanitize=(-O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
+"${launcher[@]}" "$cxx" "${common[@]}" "${sanitize[@]}" fuzz/fuzz_reader.cpp -lz -o "$out/fuzz_readers" &
+"${launcher[@]}" "$cxx" "${common[@]}" "${sanitize[@]}" fuzz/fuzz_api.cpp -o "$out/fuzz_api" &
+wait -n && wait -n || { echo "fuzz/run.sh: a fuzzer did not build" >&2; exit 1; }
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 failed=()
 summary=()
-for reader in $(MPX_FUZZ_READER=list "$out/fuzz_readers"); do
-  mkdir -p "$out/corpus/$reader" "$out/findings/$reader"
-  echo "== fuzzing $reader for $seconds s"
-  status=0
+# fuzz NAME ENV_VAR VALUE BINARY: one fuzzer for $seconds s on its corpus.
+fuzz() {
+  local name=$1 variable=$2 value=$3 binary=$4 status=0 runs
+  if [ ${#wanted[@]} -gt 0 ] && [[ " ${wanted[*]} " != *" $name "* ]]; then return; fi
+  mkdir -p "$out/corpus/$name" "$out/findings/$name" "fuzz/corpus/$name"
+  echo "== fuzzing $name for $seconds s"
   # -rss_limit_mb also caps any single allocation (malloc_limit_mb defaults to it):
   # a header that makes a reader ask for gigabytes is a finding.
-  MPX_FUZZ_READER=$reader "$out/fuzz_readers" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 \
-    -max_len=16384 -print_final_stats=1 -artifact_prefix="$out/findings/$reader/" \
-    "$out/corpus/$reader" "fuzz/corpus/$reader" >"$out/$reader.log" 2>&1 || status=$?
-  runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$out/$reader.log")
+  env "$variable=$value" "$binary" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 \
+    -max_len=16384 -print_final_stats=1 -artifact_prefix="$out/findings/$name/" \
+    "$out/corpus/$name" "fuzz/corpus/$name" >"$out/$name.log" 2>&1 || status=$?
+  runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$out/$name.log")
   if [ "$status" -ne 0 ]; then
-    failed+=("$reader")
-    grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$out/$reader.log" | head -20 || true
+    failed+=("$name")
+    grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$out/$name.log" | head -20 || true
   fi
-  summary+=("$(printf '%-12s %12s executions  %s' "$reader" "${runs:-?}" "$([ "$status" -eq 0 ] && echo ok || echo "FOUND (log: $out/$reader.log)")")")
+  summary+=("$(printf '%-16s %12s executions  %s' "$name" "${runs:-?}" "$([ "$status" -eq 0 ] && echo ok || echo "FOUND (log: $out/$name.log)")")")
+}
+wanted=("$@")
+for reader in $(MPX_FUZZ_READER=list "$out/fuzz_readers"); do
+  fuzz "$reader" MPX_FUZZ_READER "$reader" "$out/fuzz_readers"
+done
+for group in $(MPX_FUZZ_API=list "$out/fuzz_api"); do
+  fuzz "api_$group" MPX_FUZZ_API "$group" "$out/fuzz_api"
 done
 echo "== fuzzers ($seconds s each, $cxx)"
 printf '%s\n' "${summary[@]}"

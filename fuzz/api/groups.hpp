@@ -1,0 +1,47 @@
+// The groups of the API fuzzer, one fuzzer each (fuzz/fuzz_api.cpp), with a corpus
+// folder each (fuzz/corpus/api_<group>/, reproducers in fuzz/regressions/api_<group>/)
+// that the host suite replays (tests/model/test_fuzz_api.cpp). The first bytes of an
+// input pick the operation within the group, the rest its shapes, dtypes and values.
+#pragma once
+
+#include "elementwise.hpp"
+#include "matmul.hpp"
+#include "optim.hpp"
+#include "rows.hpp"
+#include "sequence.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string_view>
+
+namespace mpx_fuzz::api {
+
+struct group {
+  std::string_view name;
+  void (*run)(draw&);
+  std::string_view covers;  //!< what the group calls, for run.sh's report and the docs
+};
+
+inline constexpr group groups[] = {
+    {"elementwise", run_elementwise, "fill, cast, scale, axpy, fp8 casts, reductions and finite checks, statistics"},
+    {"matmul", run_matmul, "gemm, fp8_gemm, conv2d, max_pool2d"},
+    {"rows", run_rows, "layer and batch norm, dropout, softmax, the losses, embedding"},
+    {"sequence", run_sequence, "attention, LSTM"},
+    {"optim", run_optim, "unscale and check, every optimizer's step"},
+};
+
+//! The group a fuzzer or corpus folder ("api_<group>") is named after.
+inline group const* find_group(std::string_view name) {
+  for (auto const& g : groups)
+    if (g.name == name) return &g;
+  return nullptr;
+}
+
+//! One input through one group.
+inline void run_input(group const& g, std::span<std::uint8_t const> bytes) {
+  draw d(bytes);
+  g.run(d);
+}
+
+}  // namespace mpx_fuzz::api
