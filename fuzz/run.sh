@@ -3,9 +3,9 @@
 # UndefinedBehaviorSanitizer: the file readers' (fuzz/fuzz_reader.cpp) and the public
 # API's (fuzz/fuzz_api.cpp, shapes and values through every kernel and layer, in
 # groups: fuzz/api/groups.hpp). Runs each reader's and each API group's fuzzer for
-# SECONDS (default 60) on top of its stored corpus (fuzz/corpus/<name>/, the API groups'
-# named api_<group>); what it finds new goes to build-fuzz/corpus/<name>/, not into the
-# repository. Prints each fuzzer's execution count. Any finding (a crash, a sanitizer
+# SECONDS (default 60), as many at a time as there are cores (MPX_FUZZ_JOBS), on top of
+# its stored corpus (fuzz/corpus/<name>/, the API groups' named api_<group>); what it
+# finds new goes to build-fuzz/corpus/<name>/, not into the repository. Prints each fuzzer's execution count. Any finding (a crash, a sanitizer
 # report, an exception that is not an mpx::error, a result off its float64 reference, a
 # slow input, memory past the limit) fails the script and leaves its reproducer in
 # build-fuzz/findings/<name>/: fix mpx, then copy the reproducer to
@@ -49,34 +49,49 @@ wait -n && wait -n || { echo "fuzz/run.sh: a fuzzer did not build" >&2; exit 1; 
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-failed=()
-summary=()
-# fuzz NAME ENV_VAR VALUE BINARY: one fuzzer for $seconds s on its corpus.
+# fuzz NAME ENV_VAR VALUE BINARY: one fuzzer for $seconds s on its corpus; its outcome
+# goes to $out/NAME.result (the fuzzers run side by side, one per core).
 fuzz() {
   local name=$1 variable=$2 value=$3 binary=$4 status=0 runs
-  if [ ${#wanted[@]} -gt 0 ] && [[ " ${wanted[*]} " != *" $name "* ]]; then return; fi
-  mkdir -p "$out/corpus/$name" "$out/findings/$name" "fuzz/corpus/$name"
-  echo "== fuzzing $name for $seconds s"
+  mkdir -p "$out/corpus/$name" "$out/findings/$name"
   # -rss_limit_mb also caps any single allocation (malloc_limit_mb defaults to it):
   # a header that makes a reader ask for gigabytes is a finding.
   env "$variable=$value" "$binary" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 \
     -max_len=16384 -print_final_stats=1 -artifact_prefix="$out/findings/$name/" \
-    "$out/corpus/$name" "fuzz/corpus/$name" >"$out/$name.log" 2>&1 || status=$?
+    "$out/corpus/$name" $([ -d "fuzz/corpus/$name" ] && echo "fuzz/corpus/$name") >"$out/$name.log" 2>&1 || status=$?
   runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$out/$name.log")
-  if [ "$status" -ne 0 ]; then
+  printf '%-16s %12s executions  %s\n' "$name" "${runs:-?}" \
+    "$([ "$status" -eq 0 ] && echo ok || echo "FOUND (log: $out/$name.log)")" >"$out/$name.result"
+}
+wanted=("$@")
+jobs=${MPX_FUZZ_JOBS:-$(nproc)}
+names=()
+start() {  # start NAME ...: the fuzzer in the background, at most $jobs at a time
+  if [ ${#wanted[@]} -gt 0 ] && [[ " ${wanted[*]} " != *" $1 "* ]]; then return; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  echo "== fuzzing $1 for $seconds s"
+  names+=("$1")
+  rm -f "$out/$1.result"
+  fuzz "$@" &
+}
+for reader in $(MPX_FUZZ_READER=list "$out/fuzz_readers"); do
+  start "$reader" MPX_FUZZ_READER "$reader" "$out/fuzz_readers"
+done
+for group in $(MPX_FUZZ_API=list "$out/fuzz_api"); do
+  start "api_$group" MPX_FUZZ_API "$group" "$out/fuzz_api"
+done
+wait
+failed=()
+summary=()
+for name in "${names[@]}"; do
+  result=$(cat "$out/$name.result" 2>/dev/null || echo "$name  did not report")
+  summary+=("$result")
+  if [[ "$result" != *" ok" ]]; then
     failed+=("$name")
     grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$out/$name.log" | head -20 || true
   fi
-  summary+=("$(printf '%-16s %12s executions  %s' "$name" "${runs:-?}" "$([ "$status" -eq 0 ] && echo ok || echo "FOUND (log: $out/$name.log)")")")
-}
-wanted=("$@")
-for reader in $(MPX_FUZZ_READER=list "$out/fuzz_readers"); do
-  fuzz "$reader" MPX_FUZZ_READER "$reader" "$out/fuzz_readers"
 done
-for group in $(MPX_FUZZ_API=list "$out/fuzz_api"); do
-  fuzz "api_$group" MPX_FUZZ_API "$group" "$out/fuzz_api"
-done
-echo "== fuzzers ($seconds s each, $cxx)"
+echo "== fuzzers ($seconds s each, $jobs at a time, $cxx)"
 printf '%s\n' "${summary[@]}"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz/run.sh: findings in ${failed[*]}; reproducers under $out/findings/" >&2

@@ -19,18 +19,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-// AddressSanitizer ends the process on an allocation it cannot serve (it does not throw
-// std::bad_alloc), so these cases run in the plain host suite and the CUDA suite.
-#if defined(__SANITIZE_ADDRESS__)
-#define MPX_TEST_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MPX_TEST_UNDER_ASAN 1
-#endif
-#endif
-#ifndef MPX_TEST_UNDER_ASAN
-#define MPX_TEST_UNDER_ASAN 0
-#endif
+// The cases that ask for more than the machine has run in the plain host suite and the
+// CUDA suite, not under AddressSanitizer (MPX_TEST_UNDER_ASAN).
 
 namespace allocation {
 
@@ -112,6 +102,20 @@ TEST_CASE("under RLIMIT_AS, a host tensor the limit does not allow is an allocat
       } catch (...) {
         status = 4;
       }
+      struct scratch_tag {};
+      try {  // the host kernels' scratch too, and the buffer it held is kept
+        float* held = mpx::detail::host_scratch_floats<scratch_tag, 0>(16);
+        try {
+          (void)mpx::detail::host_scratch_floats<scratch_tag, 0>(std::size_t{1} << 28);
+          if (status == 0) status = 6;
+        } catch (mpx::allocation_error const& e) {
+          if (std::string_view(e.what()).find("of host scratch memory for 268435456 elements") == std::string_view::npos ||
+              mpx::detail::host_scratch_floats<scratch_tag, 0>(16) != held)
+            status = 6;
+        }
+      } catch (...) {
+        status = 6;
+      }
       try {  // and what fits still allocates
         auto small = mpx::make_tensor<float>(mpx::host_executor{}, {1024});
         mpx::fill(mpx::host_executor{}, small, 1.0f);
@@ -127,10 +131,21 @@ TEST_CASE("under RLIMIT_AS, a host tensor the limit does not allow is an allocat
   REQUIRE(WIFEXITED(status));
   INFO("child exit status " << WEXITSTATUS(status)
                             << " (1: allocated past the limit, 2: another message, 3: setrlimit failed, 4: another "
-                               "exception, 5: a small tensor failed)");
+                               "exception, 5: a small tensor failed, 6: host scratch past the limit was not an allocation_error)");
   CHECK(WEXITSTATUS(status) == 0);
 }
 #endif
+#endif
+
+#if !MPX_HAS_CUDA
+TEST_CASE("host scratch more than a std::vector can hold is an allocation_error, and the buffer held is kept",
+          "[exec][allocation]") {
+  struct tag {};
+  float* held = mpx::detail::host_scratch_floats<tag, 0>(8);
+  CHECK_THROWS_TYPE_WITH((mpx::detail::host_scratch_floats<tag, 0>(SIZE_MAX / 2)), mpx::allocation_error,
+                         Contains("host scratch memory") && Contains("more than a std::vector can hold"));
+  CHECK(mpx::detail::host_scratch_floats<tag, 0>(8) == held);
+}
 #endif
 
 }  // namespace allocation

@@ -20,16 +20,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
-#define MPX_TEST_LARGE_SKIPPED 1  // shadow memory and instrumented loops: too slow and too big
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MPX_TEST_LARGE_SKIPPED 1
-#endif
-#endif
-#ifndef MPX_TEST_LARGE_SKIPPED
-#define MPX_TEST_LARGE_SKIPPED 0
-#endif
 
 namespace large_tensors {
 
@@ -61,7 +51,7 @@ std::vector<float> ramp() {
 
 TEMPLATE_LIST_TEST_CASE("past 2^31 elements: elementwise, casts, reductions and finite checks reach the last element",
                         "[2g]", mpx_test::executors) {
-  if (MPX_TEST_LARGE_SKIPPED) return;
+  if (MPX_TEST_UNDER_ASAN) return;
   TestType exec;
   auto x = mpx::make_tensor<mpx::half>(exec, {static_cast<std::int64_t>(past_2g)});
   mpx::fill(exec, x, mpx::cast<mpx::half>(1.0f));
@@ -99,7 +89,7 @@ TEMPLATE_LIST_TEST_CASE("past 2^31 elements: elementwise, casts, reductions and 
 TEMPLATE_LIST_TEST_CASE("past 2^31 elements: unscale-and-check over a list that crosses 2^31 in total, and an "
                         "optimizer step over one parameter past it",
                         "[2g]", mpx_test::executors) {
-  if (MPX_TEST_LARGE_SKIPPED) return;
+  if (MPX_TEST_UNDER_ASAN) return;
   TestType exec;
   using Space = mpx::memory_space_t<TestType>;
   std::int64_t const half_count = (std::int64_t{1} << 30) + 9;  // two of them: 2^31 + 18
@@ -140,7 +130,7 @@ TEMPLATE_LIST_TEST_CASE("past 2^31 elements: unscale-and-check over a list that 
 
 TEMPLATE_LIST_TEST_CASE("past 2^31 elements: a column reduction and a row reduction over [2^21 + 1, 1024]", "[2g]",
                         mpx_test::executors) {
-  if (MPX_TEST_LARGE_SKIPPED) return;
+  if (MPX_TEST_UNDER_ASAN) return;
   TestType exec;
   std::int64_t const rows = (std::int64_t{1} << 21) + 1, cols = 1024;
   auto x = mpx::make_tensor<mpx::half>(exec, {rows, cols});

@@ -33,6 +33,20 @@
     CHECK_THROWS_WITH(expr, matcher);               \
   } while (false)
 
+//! 1 in a build with AddressSanitizer, which ends the process on an allocation it cannot
+//! serve (it does not throw std::bad_alloc) and makes 2^31-element loops too slow and too
+//! big: the cases that need either skip themselves there.
+#if defined(__SANITIZE_ADDRESS__)
+#define MPX_TEST_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MPX_TEST_UNDER_ASAN 1
+#endif
+#endif
+#ifndef MPX_TEST_UNDER_ASAN
+#define MPX_TEST_UNDER_ASAN 0
+#endif
+
 namespace mpx_test {
 
 #if MPX_HAS_CUDA

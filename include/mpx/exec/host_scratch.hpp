@@ -3,8 +3,10 @@
 #pragma once
 
 #include <mpx/core/convert_span.hpp>
+#include <mpx/exec/memory_space.hpp>
 
 #include <cstddef>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -16,13 +18,23 @@ namespace mpx::detail {
 //! (conv2d calls gemm) never gets a buffer the other is using; a kernel that needs
 //! several buffers at once gives each its own Slot (an enumerator, so the names say
 //! which is which). The pointer stays valid until the same thread asks the same
-//! (T, Tag, Slot) for more than it holds. Contents are unspecified.
+//! (T, Tag, Slot) for more than it holds. Contents are unspecified. Scratch the host
+//! cannot give is an mpx::allocation_error, as a tensor's is, and the buffer held before
+//! is kept.
 template <class T, class Tag, std::size_t Slot>
 T* host_scratch(std::size_t n) {
   static_assert(sizeof(Tag) > 0, "a scratch tag is a complete type");
   static_assert(std::is_trivially_copyable_v<T>, "host scratch holds plain values");
   thread_local std::vector<T> buffer;  // one per (T, Tag, Slot) instantiation
-  if (buffer.size() < n) buffer.resize(n);
+  if (buffer.size() < n) {
+    try {
+      buffer.resize(n);
+    } catch (std::bad_alloc const&) {
+      fail_allocation("host scratch", n, sizeof(T), "the system has no more to give (std::bad_alloc)");
+    } catch (std::length_error const&) {
+      fail_allocation("host scratch", n, sizeof(T), "more than a std::vector can hold");
+    }
+  }
   return buffer.data();
 }
 
