@@ -23,12 +23,13 @@
 #include <mpx/optim/parameter.hpp>
 #include <mpx/scaling/unscale_and_check.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -350,25 +351,40 @@ class optimizer_core {
   //! since the previous step, before anything is changed; then remembers the counts.
   void require_backward_since_last_step() {
     if (step_without_backward_allowed_) return;
-    for (auto const& p : params_) {
-      if (!p.written_by) continue;
-      std::uint64_t& seen = backward_passes_seen_[p.written_by.get()];
-      if (p.written_by->passes == seen)
+    if (!models_found_) watch_models();
+    for (auto const& w : watched_)
+      if (w.count->passes == w.seen)
         fail<invalid_argument>(
             "mpx::" + kind_,
-            std::string(seen == 0 ? "a step before any backward" : "a second step with no backward since the last one") +
-                ": the gradients (e.g. '" + p.name + "') are " +
-                (seen == 0 ? "the zeros the model was built with" : "the ones the last step already applied") +
+            std::string(w.seen == 0 ? "a step before any backward" : "a second step with no backward since the last one") +
+                ": the gradients (e.g. '" + w.first_parameter + "') are " +
+                (w.seen == 0 ? "the zeros the model was built with" : "the ones the last step already applied") +
                 ". Run forward(exec, x, true) and backward before each step, or call "
                 "allow_step_without_backward(true) if you wrote the gradients yourself");
+    for (auto& w : watched_) w.seen = w.count->passes;
+  }
+
+  //! Each distinct model (backward-pass counter) among the parameters, found once, so a
+  //! step checks a handful of counters, not every parameter.
+  void watch_models() {
+    for (auto const& p : params_) {
+      if (!p.written_by) continue;
+      bool const known = std::any_of(watched_.begin(), watched_.end(),
+                                     [&](watched_model const& w) { return w.count == p.written_by; });
+      if (!known) watched_.push_back({p.written_by, 0, p.name});
     }
-    for (auto const& p : params_)
-      if (p.written_by) backward_passes_seen_[p.written_by.get()] = p.written_by->passes;
+    models_found_ = true;
   }
 
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints
   std::vector<parameter<space>> params_;
-  std::map<backward_count const*, std::uint64_t> backward_passes_seen_;  // each model's passes at the last step
+  struct watched_model {
+    std::shared_ptr<backward_count const> count;
+    std::uint64_t seen = 0;  // the model's backward passes at this optimizer's last step
+    std::string first_parameter;
+  };
+  std::vector<watched_model> watched_;
+  bool models_found_ = false;
   bool step_without_backward_allowed_ = false;
   Rule rule_;
   master_weight_options master_options_;
