@@ -477,25 +477,24 @@ class sequential_model {
   }
 
   //! A model lives where the executor it was built with keeps memory: running it with
-  //! another executor is refused at the first call, naming both.
+  //! another executor, or asking for its parameters in another space, is refused at the
+  //! first call, naming both.
   template <class Exec>
   void require_built_for(std::string_view what) const {
     require_built(what);
     if (built_with_ != std::remove_cvref_t<Exec>::name)
-      detail::fail<invalid_argument>(
-          "sequential::" + std::string(what),
-          "the model was built with mpx::" + std::string(built_with_) + "_executor (its parameters are in " +
-              std::string(built_in_) + ") but is run with mpx::" + std::string(std::remove_cvref_t<Exec>::name) +
-              "_executor: build it with the executor that runs it");
+      refuse_elsewhere(what, "is run with mpx::" + std::string(std::remove_cvref_t<Exec>::name) +
+                                 "_executor: build it with the executor that runs it");
   }
   template <class Space>
   void require_built_in(std::string_view what) const {
     require_built(what);
-    if (built_in_ != Space::name)
-      detail::fail<invalid_argument>("sequential::" + std::string(what),
-                                     "the model was built with mpx::" + std::string(built_with_) +
-                                         "_executor (its parameters are in " + std::string(built_in_) +
-                                         ") but its parameters were asked for in " + std::string(Space::name));
+    if (built_in_ != Space::name) refuse_elsewhere(what, "its parameters were asked for in " + std::string(Space::name));
+  }
+  [[noreturn]] void refuse_elsewhere(std::string_view what, std::string const& but) const {
+    detail::fail<invalid_argument>("sequential::" + std::string(what),
+                                   "the model was built with mpx::" + std::string(built_with_) +
+                                       "_executor (its parameters are in " + std::string(built_in_) + ") but " + but);
   }
 
   //! The summary's note on fp8 where it hurts most: the first layer reads the raw
