@@ -17,6 +17,16 @@
 #include <memory>
 #include <optional>
 
+// Known: aliasing is not drawn. gradient_list and the optimizers accept overlapping
+// tensors (one gradient listed twice, a parameter whose gradient is its value, two
+// parameters sharing memory) without a refusal; in place, such a list is unscaled twice.
+// Refusing it needs an overlap check in gradient_list's and optimizer_core's
+// constructors (and the docs), left to a change of its own. The views drawn here are
+// disjoint, each with its own offset and guard bands.
+// Known: the unscaled value is checked as the kernel (and PyTorch) computes it,
+// cast<T>(float(g) * factor), rounded to float and then to T; inverse_scale's comment says
+// "rounded once", which holds for float gradients only.
+
 namespace mpx_fuzz::api {
 namespace optim_detail {
 
