@@ -621,6 +621,45 @@ inline void run_optimizer(draw& d, rule_kind rule) {
 
 // --- loss_scale_optimizer -------------------------------------------------------------
 
+//! docs/loss_scaling.md's rule, transcribed from the docs (not mpx's code): a dynamic
+//! rule, or a static one (fixed scale, always at its floor).
+struct scale_reference {
+  bool dynamic;
+  mpx::dynamic_scale_rule r;
+  float scale;
+  std::int32_t good = 0, left;
+  std::uint64_t applied = 0, skipped = 0;
+  std::uint32_t at_minimum = 0, last_skipped = 0;
+
+  void step(bool found) {
+    last_skipped = found ? 1 : 0;
+    if (found) {
+      skipped += 1;
+      at_minimum = !dynamic || scale <= r.min_scale ? at_minimum + 1 : 0;
+      if (!dynamic) return;
+      good = 0;
+      if (left > 0) left -= 1;
+      if (left == 0) scale = std::max(scale * r.backoff_factor, r.min_scale);
+      return;
+    }
+    applied += 1;
+    at_minimum = 0;
+    if (!dynamic) return;
+    good += 1;
+    if (good == r.growth_interval) {
+      good = 0;
+      left = r.hysteresis;
+      float const grown = scale * r.growth_factor;
+      if (std::isfinite(grown)) scale = std::min(grown, r.max_scale);
+    }
+  }
+  bool matches(mpx::loss_scale_state const& s) const {
+    return mpx::bits(s.scale) == mpx::bits(scale) && s.applied_steps == applied && s.skipped_steps == skipped &&
+           s.overflows_at_minimum == at_minimum && s.last_step_skipped == last_skipped &&
+           (!dynamic || (s.good_steps == good && s.overflows_left == left));
+  }
+};
+
 inline void run_loss_scale(draw& d) {
   mpx::host_executor exec;
   call_name call("loss_scale_optimizer ");
@@ -678,7 +717,7 @@ inline void run_loss_scale(draw& d) {
     std::size_t reports = 0;
     mpx::loss_scale_optimizer lso(std::move(opt), std::move(scaler), {clip});
     lso.scaler().on_stuck([&](mpx::loss_scale_report const&) { ++reports; });
-    mpx::loss_scale_state want = dynamic ? r.initial_state() : sr.initial_state();
+    scale_reference want{dynamic, r, r.initial_scale, 0, r.hysteresis};
     std::size_t want_reports = 0;
     for (std::size_t t = 1; t <= steps; ++t) {
       bool const hostile_grads = d.coin();
@@ -703,10 +742,9 @@ inline void run_loss_scale(draw& d) {
       auto const verdict = lso.last_check(exec);
       if ((verdict.found_nonfinite != 0) != found)
         fail(call.str() + ": step " + std::to_string(t) + " found_nonfinite is " + std::to_string(verdict.found_nonfinite));
-      std::uint64_t const applied_before = want.applied_steps;
-      if (dynamic) r.update(want, found);
-      else sr.update(want, found);
-      if (want.overflows_at_minimum == (dynamic ? r.report_after : sr.report_after)) ++want_reports;
+      std::uint64_t const applied_before = want.applied;
+      want.step(found);
+      if (want.at_minimum == r.report_after) ++want_reports;
       if (found) {
         // Skipped: every value bit for bit as it was (the masters and slots show in the next applied step).
         for (std::size_t p = 0; p < m.values.size(); ++p)
@@ -726,18 +764,17 @@ inline void run_loss_scale(draw& d) {
         check_values(call, m, h, t);
       }
       auto const got = lso.scaler().state(exec);
-      if (mpx::bits(got.scale) != mpx::bits(want.scale) || got.good_steps != want.good_steps ||
-          got.overflows_left != want.overflows_left || got.applied_steps != want.applied_steps ||
-          got.skipped_steps != want.skipped_steps || got.overflows_at_minimum != want.overflows_at_minimum ||
-          got.last_step_skipped != want.last_step_skipped)
+      if (!want.matches(got))
         fail(call.str() + ": after step " + std::to_string(t) + " the scaler's state is scale " + std::to_string(got.scale) +
-             " good " + std::to_string(got.good_steps) + " applied " + std::to_string(got.applied_steps) + " skipped " +
-             std::to_string(got.skipped_steps) + "; the documented rule gives scale " + std::to_string(want.scale) +
-             " good " + std::to_string(want.good_steps) + " applied " + std::to_string(want.applied_steps) + " skipped " +
-             std::to_string(want.skipped_steps));
-      if (lso.optimizer().steps(exec) != want.applied_steps)
+             " good " + std::to_string(got.good_steps) + " left " + std::to_string(got.overflows_left) + " applied " +
+             std::to_string(got.applied_steps) + " skipped " + std::to_string(got.skipped_steps) + " at minimum " +
+             std::to_string(got.overflows_at_minimum) + "; the documented rule gives scale " + std::to_string(want.scale) +
+             " good " + std::to_string(want.good) + " left " + std::to_string(want.left) + " applied " +
+             std::to_string(want.applied) + " skipped " + std::to_string(want.skipped) + " at minimum " +
+             std::to_string(want.at_minimum));
+      if (lso.optimizer().steps(exec) != want.applied)
         fail(call.str() + ": the optimizer counts " + std::to_string(lso.optimizer().steps(exec)) + " steps, " +
-             std::to_string(want.applied_steps) + " applied");
+             std::to_string(want.applied) + " applied");
       if (reports != want_reports)
         fail(call.str() + ": " + std::to_string(reports) + " stuck reports after step " + std::to_string(t) + ", " +
              std::to_string(want_reports) + " due");
