@@ -583,6 +583,16 @@ TEMPLATE_LIST_TEST_CASE("optimizers refuse bad parameters and options with messa
                          Catch::Contains("Nesterov"));
   CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, 0.1f, {.beta1 = 1.0f}), mpx::invalid_argument, Catch::Contains("beta1"));
   CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, 0.1f, {.epsilon = 0}), mpx::invalid_argument, Catch::Contains("epsilon"));
+  // A NaN or infinite decay or dampening would poison every weight at the first step (the API fuzzer found them accepted).
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, 0.1f, {.weight_decay = std::nanf("")}), mpx::invalid_argument,
+                         Catch::Contains("weight_decay must be finite and >= 0, got nan"));
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, 0.1f, {.weight_decay = -0.1f}), mpx::invalid_argument, Catch::Contains("weight_decay"));
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, 0.1f, {.momentum = 0.9f, .dampening = HUGE_VALF}), mpx::invalid_argument,
+                         Catch::Contains("dampening must be finite"));
+  CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, 0.1f, {.weight_decay = HUGE_VALF}), mpx::invalid_argument,
+                         Catch::Contains("weight_decay"));
+  CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, 0.1f, {.weight_decay = std::nanf("")}), mpx::invalid_argument,
+                         Catch::Contains("adamw: weight_decay"));
   CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, -0.1f), mpx::invalid_argument,
                          Catch::Contains("sgd: the learning rate must be finite and >= 0; at step 0 the schedule gives -0.1"));
   CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, std::nanf("")), mpx::invalid_argument, Catch::Contains("gives nan"));

@@ -73,6 +73,10 @@ inline void validate_adam(std::string_view op, adam_options const& o) {
     fail<invalid_argument>(op, "beta1 and beta2 must lie in [0, 1), got " + to_text(o.beta1) + " and " +
                                    to_text(o.beta2));
   if (!(o.epsilon > 0)) fail<invalid_argument>(op, "epsilon must be > 0, got " + to_text(o.epsilon));
+  // A NaN or inf decay poisons every weight at the first step, as a NaN learning rate
+  // would; PyTorch refuses a negative one.
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay))
+    fail<invalid_argument>(op, "weight_decay must be finite and >= 0, got " + to_text(o.weight_decay));
 }
 }  // namespace detail
 

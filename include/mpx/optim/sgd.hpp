@@ -7,6 +7,7 @@
 #include <mpx/optim/learning_rate.hpp>
 #include <mpx/optim/optimizer.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -62,6 +63,12 @@ class sgd : public detail::optimizer_core<Exec, sgd_rule<Schedule>> {
     if (o.nesterov && !(o.momentum > 0 && o.dampening == 0))
       detail::fail<invalid_argument>("sgd", "Nesterov momentum needs momentum > 0 and dampening 0");
     if (!(o.momentum >= 0)) detail::fail<invalid_argument>("sgd", "momentum must be >= 0");
+    // Used in every step's arithmetic: a NaN or inf here poisons every weight at once,
+    // as a NaN learning rate would (PyTorch refuses a negative weight_decay too).
+    if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay))
+      detail::fail<invalid_argument>("sgd", "weight_decay must be finite and >= 0, got " + detail::to_text(o.weight_decay));
+    if (!std::isfinite(o.dampening))
+      detail::fail<invalid_argument>("sgd", "dampening must be finite, got " + detail::to_text(o.dampening));
     return {s, o};
   }
 };
