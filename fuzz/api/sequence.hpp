@@ -391,7 +391,7 @@ void run_causal_softmax_backward(draw& d) {
   if (total > max_elements) return;
   bool const hostile = d.coin();
   float const scale = d.pick({1.0f, 0.5f, 0.125f, 0.35355339f, 2.0f});
-  std::uint8_t const invalid = d.byte() % 8;  // 0: p short, 1: dp long, 2: ds short
+  std::uint8_t const invalid = d.byte() % 8;  // 0: p short, 1: dp long, 2: ds short, 3: ds overlapping dp, 4: in place
   call_name call("causal_softmax_backward");
   call << " p, dp float[" << rows << "," << dims.tokens << "] -> ds " << dtype_text<G>() << " scale " << scale
        << (hostile ? " hostile" : "");
@@ -404,12 +404,26 @@ void run_causal_softmax_backward(draw& d) {
                     [&] { mpx::causal_softmax_backward(exec, p.cview(), dp.cview(), ds.view(), dims, scale); });
     return;
   }
-  guarded<float> p(exec, {total}, d), dp(exec, {total}, d);
+  guarded<float> p(exec, {total}, d), dp(exec, {total + total}, d);
   p.assign(d.values<float>(uz(total), hostile));
   dp.assign(d.values<float>(uz(total), hostile));
-  guarded<G> ds(exec, {total}, d);
-  require_accepted(call, [&] { mpx::causal_softmax_backward(exec, p.cview(), dp.cview(), ds.view(), dims, scale); });
-  auto const pb = exact_balls(p), dpb = exact_balls(dp);
+  mpx::tensor_view<float const> dpv(dp.data(), mpx::shape{total});
+  if (invalid == 3 && std::is_same_v<G, float> && total > 1) {  // ds starting inside dp
+    std::int64_t const shift = 1 + static_cast<std::int64_t>(d.below(uz(total - 1)));
+    mpx::tensor_view<G> ds(reinterpret_cast<G*>(dp.data() + shift), mpx::shape{total});
+    call << " ds overlapping dp by " << total - shift;
+    require_refusal(call, {"causal_softmax_backward", "overlap"},
+                    [&] { mpx::causal_softmax_backward(exec, p.cview(), dpv, ds, dims, scale); });
+    return;
+  }
+  bool const in_place = invalid == 4 && std::is_same_v<G, float>;  // ds over dp, element for element
+  if (in_place) call << " ds in place over dp";
+  guarded<G> ds_own(exec, {total}, d);
+  mpx::tensor_view<G> ds = in_place ? mpx::tensor_view<G>(reinterpret_cast<G*>(dp.data()), mpx::shape{total}) : ds_own.view();
+  auto const pb = exact_balls(p);
+  std::vector<ball> dpb(uz(total));
+  for (std::size_t i = 0; i < dpb.size(); ++i) dpb[i] = {dp.data()[i], 0};
+  require_accepted(call, [&] { mpx::causal_softmax_backward(exec, p.cview(), dpv, ds, dims, scale); });
   std::vector<ball> want(uz(total)), terms(uz(dims.tokens));
   for (std::int64_t r = 0; r < rows; ++r) {
     std::size_t const at = uz(r * dims.tokens);
@@ -418,9 +432,14 @@ void run_causal_softmax_backward(draw& d) {
     for (std::size_t j = 0; j < terms.size(); ++j)
       want[at + j] = store<G>((ball{scale, 0} * pb[at + j]) * (dpb[at + j] - dot));
   }
-  check_all(call, "ds", ds, want);
+  if (in_place) {
+    dp.require_guards_intact(call, "ds (in place)");
+    for (std::size_t k = 0; k < want.size(); ++k) check(call, "ds", k, mpx::detail::to_double(ds.data()[k]), want[k]);
+  } else {
+    check_all(call, "ds", ds_own, want);
+    dp.require_guards_intact(call, "dp");
+  }
   p.require_guards_intact(call, "p");
-  dp.require_guards_intact(call, "dp");
 }
 
 // ---- the causal_self_attention layer ----
@@ -646,9 +665,9 @@ lstm_result lstm_reference(lstm_dims dm, std::vector<ball> const& x, std::vector
   std::copy(h0.begin(), h0.end(), h.begin());
   for (std::size_t t = 0; t < T; ++t)
     for (std::size_t n = 0; n < N; ++n) {
-      ball* zt = &z[(t * N + n) * 4 * U];
-      ball const* hp = &h[(t * N + n) * U];
-      ball const* cp = &c[(t * N + n) * U];
+      ball* zt = z.data() + (t * N + n) * 4 * U;
+      ball const* hp = h.data() + (t * N + n) * U;
+      ball const* cp = c.data() + (t * N + n) * U;
       for (std::size_t col = 0; col < 4 * U; ++col) {
         // x W (one float sum), then h R added onto it (another), then the bias.
         terms.resize(F);
@@ -677,8 +696,8 @@ lstm_result lstm_reference(lstm_dims dm, std::vector<ball> const& x, std::vector
     bool const last = t + 1 == T;
     for (std::size_t n = 0; n < N; ++n)
       for (std::size_t j = 0; j < U; ++j) {
-        ball const* zt = &z[(t * N + n) * 4 * U];
-        ball* d = &dz[(t * N + n) * 4 * U];
+        ball const* zt = z.data() + (t * N + n) * 4 * U;
+        ball* d = dz.data() + (t * N + n) * 4 * U;
         std::size_t const k = n * U + j;
         ball const ct = c[(t + 1) * N * U + k], cp = c[t * N * U + k];
         ball const dh = last ? (*dh_in)[(n * T + t) * U + j] : (*dh_in)[(n * T + t) * U + j] + dh_rec[k];
