@@ -589,6 +589,10 @@ void run_attention_layer(draw& d) {
   }
   mpx::causal_self_attention<P> layer(heads, scale_logits);
   layer.set_name("attention");
+  if (T == 0) {  // no tokens: refused when built (the projections could not run)
+    require_refusal(call, {"attention", "[tokens, width]"}, [&] { layer.build(exec, mpx::shape{T, D}, 7); });
+    return;
+  }
   require_accepted(call, [&] { layer.build(exec, mpx::shape{T, D}, 7); });
   if (invalid == 3 || invalid == 4 || invalid == 5) {  // another sequence length, an empty batch, another output
     std::int64_t const xt = invalid == 3 ? T + 1 + static_cast<std::int64_t>(d.below(3)) : T;
