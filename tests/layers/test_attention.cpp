@@ -256,3 +256,24 @@ TEST_CASE("attention and the dropout layer refuse a dropout rate outside [0, 1),
   CHECK_NOTHROW(mpx::causal_self_attention<mpx::mixed_bfloat16>(2, true, 0.0f));
   CHECK_NOTHROW(mpx::dropout<mpx::mixed_bfloat16>(0.5f));
 }
+
+TEST_CASE("the attention kernels refuse outputs that partly overlap their inputs, and the layer 0 tokens",
+          "[attention][kernels]") {
+  using Catch::Matchers::Contains;
+  mpx::host_executor exec;
+  mpx::attention_dims const d{1, 3, 2, 2};  // 12 elements per part
+  std::vector<float> buffer(40, 0.0f);
+  mpx::tensor_view<float> tokens(buffer.data(), mpx::shape{12}), heads(buffer.data() + 5, mpx::shape{12});
+  CHECK_THROWS_TYPE_WITH(mpx::permute_heads(exec, tokens, heads, d, 1, true), mpx::invalid_argument,
+                         Contains("permute_heads") && Contains("tokens and heads overlap"));
+  mpx::attention_dims const s{1, 3, 1, 1};  // logits [1, 3, 3]
+  mpx::tensor_view<float const> logits(buffer.data(), mpx::shape{9});
+  mpx::tensor_view<float> p(buffer.data() + 20, mpx::shape{9}), shifted(buffer.data() + 4, mpx::shape{9});
+  CHECK_THROWS_TYPE_WITH(mpx::causal_softmax(exec, logits, p, shifted, s), mpx::invalid_argument,
+                         Contains("p_store and logits overlap"));
+  CHECK_NOTHROW(mpx::causal_softmax(exec, logits, p, mpx::tensor_view<float>(buffer.data(), mpx::shape{9}), s));  // in place
+  CHECK_THROWS_TYPE_WITH(mpx::causal_softmax_backward(exec, mpx::tensor_view<float const>(p), logits, shifted, s, 1.0f),
+                         mpx::invalid_argument, Contains("ds and dp overlap"));
+  mpx::causal_self_attention<mpx::float32> layer(2);
+  CHECK_THROWS_TYPE_WITH(layer.build(exec, mpx::shape{0, 8}, 1), mpx::shape_error, Contains("[tokens, width]"));
+}

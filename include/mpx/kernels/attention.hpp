@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace mpx {
 
@@ -105,6 +106,17 @@ struct causal_softmax_backward_row {
   }
 };
 
+//! Refuses an output that overlaps an input other than element for element (the same
+//! address and element size): the row kernels below read a row's inputs before writing
+//! any of its outputs, so in place is safe, but an output shifted into another row's
+//! inputs would overwrite them before they are read.
+template <class Out, class In, class Space>
+void require_rowwise_in_place_or_disjoint(std::string_view op, std::string_view out_name, tensor_view<Out, Space> out,
+                                          std::string_view in_name, tensor_view<In, Space> in) {
+  if (static_cast<void const*>(out.data()) == static_cast<void const*>(in.data()) && sizeof(Out) == sizeof(In)) return;
+  require_disjoint(op, out_name, out, in_name, in);
+}
+
 }  // namespace detail
 
 //! Copies tokens [B*T, parts*H*dh] into heads [parts*B*H, T, dh] (to_heads) or back.
@@ -117,6 +129,8 @@ void permute_heads(Exec const& exec, tensor_view<T, Space> tokens, tensor_view<T
                                                    heads.shape().to_string() + " for " + std::to_string(parts) +
                                                    " part(s) of [" + std::to_string(d.batch) + ", " +
                                                    std::to_string(d.tokens) + ", " + std::to_string(d.width()) + "]");
+  // A permutation cannot run in place: any overlap would overwrite elements before they move.
+  detail::require_disjoint("permute_heads", "tokens", tokens, "heads", heads);
   auto const B = static_cast<std::size_t>(d.batch), Tn = static_cast<std::size_t>(d.tokens),
              H = static_cast<std::size_t>(d.heads), dh = static_cast<std::size_t>(d.head_width),
              P = static_cast<std::size_t>(parts);
@@ -141,6 +155,9 @@ void causal_softmax(Exec const& exec, tensor_view<S const, Space> logits, tensor
                                                     p.shape().to_string() + " and " + p_store.shape().to_string() +
                                                     " for [" + std::to_string(d.batch * d.heads) + ", " +
                                                     std::to_string(d.tokens) + ", " + std::to_string(d.tokens) + "]");
+  detail::require_rowwise_in_place_or_disjoint("causal_softmax", "probabilities", p, "logits", logits);
+  detail::require_rowwise_in_place_or_disjoint("causal_softmax", "p_store", p_store, "logits", logits);
+  detail::require_rowwise_in_place_or_disjoint("causal_softmax", "p_store", p_store, "probabilities", p);
   if (total == 0) return;
   for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
                        detail::causal_softmax_row<S, P>{logits.data(), p.data(), p_store.data(), d.tokens, d.heads,
@@ -158,6 +175,8 @@ void causal_softmax_backward(Exec const& exec, tensor_view<float const, Space> p
   if (p.size() != total || dp.size() != total || ds.size() != total)
     detail::fail<shape_error>("causal_softmax_backward", "p " + p.shape().to_string() + ", dp " + dp.shape().to_string() +
                                                              " and ds " + ds.shape().to_string() + " differ in size");
+  detail::require_rowwise_in_place_or_disjoint("causal_softmax_backward", "ds", ds, "p", p);
+  detail::require_rowwise_in_place_or_disjoint("causal_softmax_backward", "ds", ds, "dp", dp);
   if (total == 0) return;
   for_each_row(exec, rows, static_cast<std::size_t>(d.tokens),
                        detail::causal_softmax_backward_row<G>{p.data(), dp.data(), ds.data(),

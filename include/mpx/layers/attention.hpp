@@ -61,7 +61,7 @@ class causal_self_attention : public layer_base {
 
   //! [tokens, width] -> [tokens, width].
   [[nodiscard]] shape compute_output_shape(shape const& in) const {
-    if (in.rank() != 2 || in[1] % config_.heads != 0 || in[1] == 0)
+    if (in.rank() != 2 || in[0] < 1 || in[1] % config_.heads != 0 || in[1] == 0)  // no tokens: nothing to attend to, and the projections refuse an empty batch
       detail::fail<shape_error>(name_.empty() ? "causal_self_attention" : name_,
                                 "expects samples of shape [tokens, width] with width a multiple of the " +
                                     std::to_string(config_.heads) + " heads, got " + in.to_string());
