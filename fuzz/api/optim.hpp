@@ -17,11 +17,9 @@
 #include <memory>
 #include <optional>
 
-// Known: aliasing is not drawn. gradient_list and the optimizers accept overlapping
-// tensors (one gradient listed twice, a parameter whose gradient is its value, two
-// parameters sharing memory) without a refusal; in place, such a list is unscaled twice.
-// Refusing it needs an overlap check in gradient_list's and optimizer_core's
-// constructors (and the docs), left to a change of its own. The views drawn here are
+// Aliasing: a gradient listed twice, a parameter listed twice and a gradient in its own
+// value's memory must be refused, naming "overlap" (the fuzzer first found them
+// accepted; gradient_list and optimizer_core now check). Otherwise the views drawn are
 // disjoint, each with its own offset and guard bands.
 // Known: the unscaled value is checked as the kernel (and PyTorch) computes it,
 // cast<T>(float(g) * factor), rounded to float and then to T; inverse_scale's comment says
@@ -277,6 +275,14 @@ inline void run_unscale(draw& d) {
   }
   if (names_variant <= 3)
     for (std::size_t i = 0; i < count; ++i) names.push_back("layer" + std::to_string(i) + "/w");
+  if (std::size_t const twice = d.byte() >= 240 && count > 0 ? d.below(count) : count;
+      twice < count && refs[twice].size() != 0) {  // a gradient listed twice: unscaled twice in place, so refused
+    refs.push_back(refs[twice]);
+    if (!names.empty()) names.push_back("again");
+    call << " with gradient " << twice << " listed twice";
+    require_refusal(call, {"overlap"}, [&] { mpx::gradient_list<mpx::host_executor> list(exec, refs, names); });
+    return;
+  }
 
   std::vector<std::vector<double>> before;
   std::vector<std::vector<std::uint32_t>> before_bits;
@@ -577,6 +583,19 @@ inline void run_optimizer(draw& d, rule_kind rule) {
       require_refusal(call, {"backward", "allow_step_without_backward"}, [&] { opt.step(exec); });
       require_same_bits(call, "p0 after the refused step", m.values[0].bits(), before);
     });
+    return;
+  }
+  if (variant == 7 && !params.empty()) {  // a parameter listed twice, or a gradient in its value's memory
+    std::size_t const p = d.below(params.size());
+    if (params[p].value.size() == 0) return;  // an empty tensor shares no memory
+    if (d.coin()) {
+      params.push_back(params[p]);
+      call << " with " << m.names[p] << " listed twice";
+    } else {
+      params[p].gradient = params[p].value;
+      call << " with " << m.names[p] << "'s gradient in its value's memory";
+    }
+    require_refusal(call, {"overlap", "'" + m.names[p] + "'"}, [&] { make(h, params); });
     return;
   }
   if (variant == 6) {  // A weight decay or dampening that is negative, NaN or infinite

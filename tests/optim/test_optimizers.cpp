@@ -593,6 +593,12 @@ TEMPLATE_LIST_TEST_CASE("optimizers refuse bad parameters and options with messa
                          Catch::Contains("weight_decay"));
   CHECK_THROWS_TYPE_WITH(mpx::adamw(exec, ok, 0.1f, {.weight_decay = std::nanf("")}), mpx::invalid_argument,
                          Catch::Contains("adamw: weight_decay"));
+  // A parameter listed twice would be stepped twice; a gradient in its value's memory overwritten by its own update.
+  auto g2 = mpx::make_tensor<mpx::half>(exec, {4, 3});
+  CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, std::vector<P>{{"a", w, g}, {"b", w, g2}}, 0.1f), mpx::invalid_argument,
+                         Catch::Contains("the value of 'a' and the value of 'b' overlap in memory (a parameter listed twice?"));
+  CHECK_THROWS_TYPE_WITH(mpx::adam(exec, std::vector<P>{{"a", w, w}}, 0.1f), mpx::invalid_argument,
+                         Catch::Contains("adam: the value of 'a' and the gradient of 'a' overlap in memory"));
   CHECK_THROWS_TYPE_WITH(mpx::sgd(exec, ok, -0.1f), mpx::invalid_argument,
                          Catch::Contains("sgd: the learning rate must be finite and >= 0; at step 0 the schedule gives -0.1"));
   CHECK_THROWS_TYPE_WITH(mpx::adam(exec, ok, std::nanf("")), mpx::invalid_argument, Catch::Contains("gives nan"));

@@ -325,6 +325,26 @@ TEMPLATE_LIST_TEST_CASE("gradient_list refuses names that do not match its gradi
   CHECK(unnamed.name(1) == "gradient 1");
 }
 
+TEMPLATE_LIST_TEST_CASE("gradient_list refuses gradients that share memory: in place they would be unscaled twice",
+                        "[scaling]", mpx_test::executors) {
+  TestType exec;
+  auto a = mpx::make_tensor<float>(exec, {10});
+  auto b = mpx::make_tensor<mpx::half>(exec, {4});
+  using ref = mpx::tensor_ref<mpx::memory_space_t<TestType>>;
+  CHECK_THROWS_TYPE_WITH(mpx::gradient_list<TestType>(exec, {ref(a), ref(b), ref(a)}, {"x", "y", "z"}),
+                         mpx::invalid_argument,
+                         Catch::Contains("gradient_list: 'x' and 'z' overlap in memory (a gradient listed twice?"));
+  // A view into the middle of another gradient overlaps it too, whatever its dtype.
+  mpx::tensor_view<mpx::half, mpx::memory_space_t<TestType>> const inside(reinterpret_cast<mpx::half*>(a.data() + 9),
+                                                                          mpx::shape{1});
+  CHECK_THROWS_TYPE_WITH(mpx::gradient_list<TestType>(exec, {ref(inside), ref(b), ref(a)}), mpx::invalid_argument,
+                         Catch::Contains("'gradient 0' and 'gradient 2' overlap"));
+  // Neighbours that only touch, and empty tensors anywhere, are fine.
+  mpx::tensor_view<float, mpx::memory_space_t<TestType>> const first(a.data(), mpx::shape{5}), second(a.data() + 5, mpx::shape{5}),
+      none(a.data() + 2, mpx::shape{0});
+  CHECK_NOTHROW(mpx::gradient_list<TestType>(exec, {ref(first), ref(second), ref(none), ref(b)}));
+}
+
 namespace test_unscale_and_check {
 
 //! Tensors of more chunks than this are folded by a warp in the finish kernel, smaller

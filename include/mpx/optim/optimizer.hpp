@@ -257,10 +257,16 @@ class optimizer_core {
  private:
   static std::vector<tensor_ref<space>> gradient_refs(std::string const& kind, std::vector<parameter<space>> const& ps) {
     std::vector<tensor_ref<space>> out;
+    std::vector<std::pair<std::string, tensor_ref<space>>> named;  // every tensor the step reads or writes
     for (auto const& p : ps) {
       require_matching_gradient(kind, p);
       out.push_back(p.gradient);
+      named.emplace_back("the value of '" + p.name + "'", p.value);
+      named.emplace_back("the gradient of '" + p.name + "'", p.gradient);
     }
+    // A parameter listed twice would be stepped twice; a gradient in a value's memory
+    // would be overwritten by the update it feeds.
+    detail::require_no_overlap("mpx::" + kind, named, "a parameter listed twice? each value and gradient needs memory of its own");
     return out;
   }
   static std::vector<std::string> parameter_names(std::vector<parameter<space>> const& ps) {

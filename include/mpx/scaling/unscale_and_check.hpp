@@ -68,6 +68,7 @@ class gradient_list {
       detail::fail<invalid_argument>("gradient_list", std::to_string(names_.size()) + " names for " +
                                                           std::to_string(gradients_.size()) + " gradients");
     for (std::size_t i = names_.size(); i < gradients_.size(); ++i) names_.push_back("gradient " + std::to_string(i));
+    require_no_overlap();
     // One plan per dtype; chunk results numbered dtype after dtype, and each tensor
     // remembers its range of them, in list order.
     std::vector<std::uint32_t> ranges(2 * gradients_.size());
@@ -119,6 +120,14 @@ class gradient_list {
   }
 
  private:
+  //! A gradient listed twice, or two that share memory, would be unscaled twice in place
+  //! (and counted twice in the norms).
+  void require_no_overlap() const {
+    std::vector<std::pair<std::string, tensor_ref<space>>> named;
+    for (std::size_t i = 0; i < gradients_.size(); ++i) named.emplace_back("'" + names_[i] + "'", gradients_[i]);
+    detail::require_no_overlap("gradient_list", named, "a gradient listed twice? each gradient needs memory of its own");
+  }
+
   template <executor E>
   friend void unscale_and_check(E const& exec, gradient_list<E>& gradients, detail::scale_operand scale,
                                 float max_norm, unscaling mode);
