@@ -165,7 +165,8 @@ void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, float c
 }
 
 //! The same, multiplying by *inverse.value as given (GradScaler's inv_scale), so the
-//! result is bit for bit `g * inv_scale` rounded once to the gradient's dtype.
+//! result is bit for bit GradScaler's: `float(g) * inv_scale` rounded to float, then to
+//! the gradient's dtype (one rounding for float gradients, two for 16-bit ones).
 template <executor Exec>
 void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, inverse_scale inverse, float max_norm = 0,
                        unscaling mode = unscaling::in_place) {
