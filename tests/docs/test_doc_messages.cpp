@@ -73,6 +73,19 @@ TEMPLATE_LIST_TEST_CASE("docs/optimizers.md: the parameter checks and the step t
   check_doc_quote("optimizers.md", "mpx::adam: parameter 'dense/kernel' is float16 but its gradient is float32 (at ...)",
                   message_of([&] { mpx::adam(exec, params{{"dense/kernel", h, w}}, 0.1f); }));
 
+  auto g = mpx::make_tensor<float>(exec, {4, 3});
+  auto g2 = mpx::make_tensor<float>(exec, {4, 3});
+  check_doc_quote("optimizers.md",
+                  "mpx::sgd: the value of 'a' and the value of 'b' overlap in memory (a parameter listed twice? each "
+                  "value and gradient needs memory of its own) (at ...)",
+                  message_of([&] { mpx::sgd(exec, params{{"a", w, g}, {"b", w, g2}}, 0.1f); }));
+  check_doc_quote("optimizers.md", "weight_decay must be finite and >= 0, got nan", message_of([&] {
+                    mpx::adamw(exec, params{{"w", w, g}}, 0.1f, {.weight_decay = std::nanf("")});
+                  }));
+  check_doc_quote("optimizers.md", "dampening must be finite, got inf", message_of([&] {
+                    mpx::sgd(exec, params{{"w", w, g}}, 0.1f, {.momentum = 0.9f, .dampening = HUGE_VALF});
+                  }));
+
   auto model = trained_model(exec);
   mpx::adam optimizer(exec, model.parameters(exec), 1e-3f);
   check_doc_quote("optimizers.md",
