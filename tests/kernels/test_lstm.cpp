@@ -491,3 +491,37 @@ TEMPLATE_LIST_TEST_CASE("lstm refuses mismatched shapes, naming both", "[lstm]",
                          Contains("mpx::lstm_backward") && Contains("[10]"));
   CHECK_THROWS_TYPE_WITH(mpx::lstm_workspace_elements<P>(-1, 2, 3, 4), mpx::invalid_argument, Contains("N = -1"));
 }
+
+TEMPLATE_LIST_TEST_CASE("lstm refuses an output that shares memory with another tensor of the call", "[lstm]",
+                        mpx_test::executors) {
+  using Catch::Matchers::Contains;
+  TestType exec;
+  using P = mpx::float32;
+  using space = mpx::memory_space_t<TestType>;
+  std::int64_t const N = 2, T = 3, F = 4, U = 5;
+  auto x = mpx::make_tensor<float>(exec, {N, T, F});
+  auto w = mpx::make_tensor<float>(exec, {F, 4 * U});
+  auto r = mpx::make_tensor<float>(exec, {U, 4 * U});
+  auto b = mpx::make_tensor<float>(exec, {4 * U});
+  auto h = mpx::make_tensor<float>(exec, {N, T, U});
+  auto ws = mpx::make_tensor<float>(exec, {i64(mpx::lstm_workspace_elements<P>(N, T, F, U))});
+  auto dw = mpx::make_tensor<float>(exec, {F, 4 * U});
+  auto dr = mpx::make_tensor<float>(exec, {U, 4 * U});
+  auto db = mpx::make_tensor<float>(exec, {4 * U});
+  // h written over the recurrent kernel it reads at every step, c0 inside the workspace.
+  mpx::tensor_view<float, space> const h_in_r(r.data(), {N, T, U});
+  CHECK_THROWS_TYPE_WITH(mpx::lstm_forward<P>(exec, x, w, r, b, h_in_r, ws), mpx::invalid_argument,
+                         Contains("mpx::lstm_forward: h and recurrent_kernel overlap in memory"));
+  mpx::tensor_view<float, space> const c0_in_ws(ws.data() + 3, {N, U});
+  auto h0 = mpx::make_tensor<float>(exec, {N, U});
+  CHECK_THROWS_TYPE_WITH(mpx::lstm_forward<P>(exec, x, w, r, b, h0, c0_in_ws, h, ws), mpx::invalid_argument,
+                         Contains("the workspace and c0 overlap in memory"));
+  mpx::lstm_forward<P>(exec, x, w, r, b, h, ws);  // apart, it runs
+  // dx over dh, and dbias inside dkernel.
+  mpx::tensor_view<float, space> const dx_over_dh(h.data(), {N, T, F});
+  CHECK_THROWS_TYPE_WITH(mpx::lstm_backward<P>(exec, h, w, r, dx_over_dh, dw, dr, db, ws), mpx::invalid_argument,
+                         Contains("mpx::lstm_backward: dx and dh overlap in memory"));
+  mpx::tensor_view<float, space> const db_in_dw(dw.data() + 10, {4 * U});
+  CHECK_THROWS_TYPE_WITH(mpx::lstm_backward<P>(exec, h, w, r, x, dw, dr, db_in_dw, ws), mpx::invalid_argument,
+                         Contains("dkernel and dbias overlap in memory"));
+}

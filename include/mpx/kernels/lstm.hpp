@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -253,6 +254,29 @@ tensor_view<S, Space> lstm_part(float* base, std::size_t offset, shape const& s)
   return tensor_view<S, Space>(reinterpret_cast<S*>(base + offset), s);
 }
 
+//! A tensor of an LSTM call, as the memory it covers.
+struct lstm_memory {
+  std::string_view name;
+  void const* data;
+  std::size_t bytes;
+};
+template <class V>
+lstm_memory lstm_memory_of(std::string_view name, V const& v) {
+  return {name, v.data(), v.size_bytes()};
+}
+
+//! The passes write their outputs step after step while still reading the inputs (and
+//! the workspace), so no output may share memory with any other tensor of the call.
+inline void lstm_require_apart(std::string_view op, std::initializer_list<lstm_memory> outputs,
+                               std::initializer_list<lstm_memory> tensors, mpx::source_location loc) {
+  auto const at = [](lstm_memory const& m) { return reinterpret_cast<std::uintptr_t>(m.data); };
+  for (auto const& o : outputs)
+    for (auto const& t : tensors)
+      if (t.name != o.name && o.bytes != 0 && t.bytes != 0 && at(o) < at(t) + t.bytes && at(t) < at(o) + o.bytes)
+        fail<invalid_argument>(op, std::string(o.name) + " and " + std::string(t.name) +
+                                       " overlap in memory; give them separate buffers", loc);
+}
+
 template <class Policy, class Exec, class XV, class WV, class RV, class BV, class HV, class WSV>
 void lstm_forward_impl(Exec const& exec, XV const& xv, WV const& wv, RV const& rv, BV const& bv,
                        typename Policy::storage_type const* h0, float const* c0, HV const& hv, WSV const& wsv,
@@ -273,6 +297,15 @@ void lstm_forward_impl(Exec const& exec, XV const& xv, WV const& wv, RV const& r
   lstm_require_shape(op, "h", hv.shape(), shape{e.n, e.t, e.u}, "x", xs, loc);
   lstm_layout const l = lstm_layout_for<S>(e.n, e.t, e.f, e.u);
   lstm_require_workspace(op, wsv.shape(), l.total, e, loc);
+  {
+    std::size_t const state_elements = static_cast<std::size_t>(e.n * e.u);
+    lstm_memory const h_out = lstm_memory_of("h", hv), ws_out = lstm_memory_of("the workspace", wsv);
+    lstm_require_apart(op, {h_out, ws_out},
+                       {lstm_memory_of("x", xv), lstm_memory_of("kernel", wv), lstm_memory_of("recurrent_kernel", rv),
+                        lstm_memory_of("bias", bv), h_out, ws_out,
+                        {"h0", h0, h0 ? state_elements * sizeof(S) : 0}, {"c0", c0, c0 ? state_elements * sizeof(float) : 0}},
+                       loc);
+  }
 
   auto const n = static_cast<std::size_t>(e.n), t_count = static_cast<std::size_t>(e.t);
   auto const f = static_cast<std::size_t>(e.f), u = static_cast<std::size_t>(e.u);
@@ -454,6 +487,16 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
   detail::lstm_require_shape(op, "dbias", dbv.shape(), shape{4 * e.u}, "recurrent_kernel", rs, loc);
   detail::lstm_layout const l = detail::lstm_layout_for<S>(e.n, e.t, e.f, e.u);
   detail::lstm_require_workspace(op, wsv.shape(), l.total, e, loc);
+  {
+    using detail::lstm_memory_of;
+    detail::lstm_memory const outputs[] = {lstm_memory_of("dx", dxv), lstm_memory_of("dkernel", dwv),
+                                           lstm_memory_of("drecurrent_kernel", drv), lstm_memory_of("dbias", dbv),
+                                           lstm_memory_of("the workspace", wsv)};
+    detail::lstm_require_apart(op, {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4]},
+                               {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], lstm_memory_of("dh", dhv),
+                                lstm_memory_of("kernel", wv), lstm_memory_of("recurrent_kernel", rv)},
+                               loc);
+  }
 
   auto const n = static_cast<std::size_t>(e.n), t_count = static_cast<std::size_t>(e.t);
   auto const f = static_cast<std::size_t>(e.f), u = static_cast<std::size_t>(e.u);
