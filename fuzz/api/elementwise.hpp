@@ -208,7 +208,7 @@ void cast_case(draw& d, mpx::host_executor const& exec) {
     auto const e2 = other_shape(d, e);
     guarded<To> dst(exec, e2, d);
     call << shape_text<To>(e2) << " (shapes differ)";
-    require_refusal(call, {shape_string(e), shape_string(e2)}, [&] { mpx::cast(exec, src.cview(), dst.view()); });
+    require_refusal(call, {"src has shape " + shape_string(e), "dst has shape " + shape_string(e2)}, [&] { mpx::cast(exec, src.cview(), dst.view()); });
     require_untouched(call, dst, "dst");
     return;
   }
@@ -284,7 +284,7 @@ void axpy_case(draw& d, mpx::host_executor const& exec) {
     x.assign(d.values<X>(x.size(), hostile));
     call << " (x " << shape_text<X>(e2) << ", shapes differ) + " << shape_text<Y>(e);
     auto const before = y.values();
-    require_refusal(call, {shape_string(e), shape_string(e2)}, [&] { mpx::axpy(exec, alpha, x.cview(), y.view()); });
+    require_refusal(call, {"x has shape " + shape_string(e2), "y has shape " + shape_string(e)}, [&] { mpx::axpy(exec, alpha, x.cview(), y.view()); });
     require_same<Y>(call, "y (refused)", y.values(), before);
     return;
   }
@@ -345,7 +345,7 @@ void copy_case(draw& d, mpx::host_executor const& exec) {
     auto const e2 = other_shape(d, e);
     guarded<T> dst(exec, e2, d);
     call << " -> " << shape_text<T>(e2) << " (shapes differ)";
-    require_refusal(call, {shape_string(e), shape_string(e2)}, [&] { mpx::copy(exec, src.cview(), dst.view()); });
+    require_refusal(call, {"src has shape " + shape_string(e), "dst has shape " + shape_string(e2)}, [&] { mpx::copy(exec, src.cview(), dst.view()); });
     require_untouched(call, dst, "dst");
     return;
   }

@@ -392,7 +392,7 @@ TEST_CASE("docs/executors_and_tensors.md, docs/data.md: refused views and a trun
                   "mpx::tensor_view::flat: elements [4, 7) of a view of shape [2, 3] are out of range (at ...)",
                   message_of([&] { (void)v.flat(4, 3); }));
   std::vector<float> other(6);
-  check_doc_quote("executors_and_tensors.md", "mpx::copy: shapes [2, 3] and [3, 2] differ (at .../copy.hpp:<line>)",
+  check_doc_quote("executors_and_tensors.md", "mpx::copy: src has shape [2, 3] but dst has shape [3, 2] (at .../copy.hpp:<line>)",
                   message_of([&] {
                     mpx::copy(mpx::host_executor{}, mpx::tensor_view<float const>(values.data(), {2, 3}),
                               mpx::tensor_view<float>(other.data(), {3, 2}));

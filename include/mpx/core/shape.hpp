@@ -75,6 +75,14 @@ inline void require_same_shape(std::string_view op, shape const& a, shape const&
   if (!(a == b))
     fail<shape_error>(op, "shapes " + a.to_string() + " and " + b.to_string() + " differ", loc);
 }
+//! The same, naming the two arguments: "src has shape [2, 3] but dst has shape [3, 2]".
+inline void require_same_shape(std::string_view op, std::string_view a_name, shape const& a, std::string_view b_name,
+                               shape const& b, mpx::source_location loc = mpx::source_location::current()) {
+  if (!(a == b))
+    fail<shape_error>(op, std::string(a_name) + " has shape " + a.to_string() + " but " + std::string(b_name) +
+                              " has shape " + b.to_string(),
+                      loc);
+}
 }  // namespace detail
 
 }  // namespace mpx

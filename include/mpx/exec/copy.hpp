@@ -42,7 +42,7 @@ void copy([[maybe_unused]] Exec const& exec, Src&& src, Dst&& dst) {
   static_assert(std::is_same_v<value_t<Src>, value_t<Dst>>,
                 "mpx::copy copies elements of one type; convert with mpx::cast(exec, src, dst)");
   static_assert(!std::is_const_v<typename decltype(d)::element_type>, "mpx::copy: the destination is const");
-  detail::require_same_shape("copy", s.shape(), d.shape());
+  detail::require_same_shape("copy", "src", s.shape(), "dst", d.shape());
   if (s.empty()) return;
   if (!detail::copy_needed(s.data(), d.data(), s.size_bytes())) return;
   if constexpr (is_host_executor_v<Exec>) {

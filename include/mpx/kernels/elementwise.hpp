@@ -70,6 +70,7 @@ void fill(Exec const& exec, X&& x, value_t<X> value) {
 //! dst[i] = mpx::cast<D>(src[i]): round to nearest even, overflow to ±inf, NaN kept.
 template <executor Exec, tensor_like Src, tensor_like Dst>
 void cast(Exec const& exec, Src&& src, Dst&& dst) {
+  detail::require_same_shape("cast", "src", mpx::view(src).shape(), "dst", mpx::view(dst).shape());
   transform(exec, dst, ops::cast_to<value_t<Dst>>{}, src);
 }
 
@@ -82,6 +83,7 @@ void scale(Exec const& exec, X&& x, float factor) {
 //! y[i] = alpha * x[i] + y[i], computed in float with one rounding, then rounded to y's type.
 template <executor Exec, tensor_like X, tensor_like Y>
 void axpy(Exec const& exec, float alpha, X&& x, Y&& y) {
+  detail::require_same_shape("axpy", "x", mpx::view(x).shape(), "y", mpx::view(y).shape());
   transform(exec, y, ops::axpy_with<value_t<Y>>{alpha}, x, y);
 }
 
