@@ -569,7 +569,7 @@ TEMPLATE_LIST_TEST_CASE("max_pool2d propagates NaN and routes its gradient to th
   mpx_test::for_each_dtype(for_type);
 }
 
-// Found by the API fuzzer (fuzz/regressions/api_matmul/max_pool_y_overlaps_x,
+// Found by the API fuzzer (fuzz/regressions/api_matmul/max_pool_dx_overlaps_x,
 // conv2d_y_overlaps_x): outputs over their inputs' memory were accepted and written
 // while windows and receptive fields of the input were still to be read.
 TEMPLATE_LIST_TEST_CASE("conv2d and max_pool2d refuse outputs that overlap their inputs", "[conv][pool]",
