@@ -276,7 +276,9 @@ void gemm_case(draw& d) {
 
   if (fault == product_fault::alias) {
     // C over A's memory, at a drawn shift (0: from A's first element; any overlap is refused).
-    auto const a_size = static_cast<std::int64_t>(s.batch * s.m * s.k), c_size = s.batch * s.m * s.n;
+    std::int64_t a_size = 1;  // A's own elements: one matrix where the batch shares it
+    for (auto e : s.a_extents()) a_size *= e;
+    std::int64_t const c_size = s.batch * s.m * s.n;
     if (a_size == 0 || c_size == 0) return;
     std::int64_t const shift = static_cast<std::int64_t>(d.below(static_cast<std::size_t>(a_size)));
     call << " C overlapping A at +" << shift;
@@ -437,6 +439,33 @@ inline void describe(call_name& call, conv_case const& c) {
        << o.extra_pad_w << " dilation " << o.dilation_h << "," << o.dilation_w;
 }
 
+//! The reference skips the taps that land in the padding; the contract's "zero outside
+//! x" makes them products of a zero, which IEEE arithmetic (and im2col, on both
+//! executors) turns into NaN when the other factor is ±inf or NaN: a y whose padded taps
+//! meet a non-finite weight, a dw whose padded taps meet a non-finite dy. The input
+//! gradient drops the padding's column gradients, so dx has no such terms.
+inline void padding_products(conv_case const& c, std::vector<double> const& w, std::vector<double> const& dy,
+                             mpx_test::reference::conv2d_result& r) {
+  auto const& g = c.g;
+  auto const& o = g.o;
+  for (std::int64_t n = 0; n < g.n; ++n)
+    for (std::int64_t oh = 0; oh < c.oh; ++oh)
+      for (std::int64_t ow = 0; ow < c.ow; ++ow)
+        for (std::int64_t kh = 0; kh < g.kh; ++kh)
+          for (std::int64_t kw = 0; kw < g.kw; ++kw) {
+            std::int64_t const ih = oh * o.stride_h - o.pad_h + kh * o.dilation_h;
+            std::int64_t const iw = ow * o.stride_w - o.pad_w + kw * o.dilation_w;
+            if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w) continue;
+            for (std::int64_t ci = 0; ci < g.cin; ++ci)
+              for (std::int64_t co = 0; co < g.cout; ++co) {
+                auto const wi = static_cast<std::size_t>(((kh * g.kw + kw) * g.cin + ci) * g.cout + co);
+                auto const yi = static_cast<std::size_t>(((n * c.oh + oh) * c.ow + ow) * g.cout + co);
+                if (!std::isfinite(w[wi])) r.y[yi] = std::numeric_limits<double>::quiet_NaN();
+                if (!std::isfinite(dy[yi])) r.dw[wi] = std::numeric_limits<double>::quiet_NaN();
+              }
+          }
+}
+
 enum class conv_op { forward, backward_data, backward_weights, reuse_forward };
 
 //! The invalid variants of a convolution: a zero stride or dilation, a negative padding,
@@ -570,7 +599,8 @@ void conv_case_run(draw& d, conv_op op) {
   dy.assign(d.values<T>(dy.size(), hostile));
   call << " offsets " << x.offset() << "," << w.offset() << "," << dy.offset() << "," << workspace.offset();
   auto const xd = widen(x.values()), wd = widen(w.values()), dyd = widen(dy.values());
-  auto const exact = mpx_test::reference::conv2d(c.g, xd, wd, dyd);
+  auto exact = mpx_test::reference::conv2d(c.g, xd, wd, dyd);
+  padding_products(c, wd, dyd, exact);
   auto const finite = mpx_test::reference::conv2d(c.g, finite_part(xd), finite_part(wd), finite_part(dyd));
   double const u_t = unit_roundoff<T>(), u_acc = accumulate_roundoff<T>();
   std::int64_t const taps = c.g.kh * c.g.kw, k = c.patch();
