@@ -363,6 +363,10 @@ TEST_CASE("docs/gemm.md, docs/lstm.md, docs/policies.md: shapes that do not agre
                   "mpx::gemm: shapes do not agree: A [32, 100], B [32, 100], C [32, 24]: the inner extents differ (100 "
                   "in A, 32 in B)",
                   message_of([&] { mpx::gemm<mpx::float32>(exec, a, b, c); }));
+  auto const c_over_a = mpx::view(a).flat(100, 32 * 24).reshape(mpx::shape{32, 24});
+  auto const b_in = mpx::make_tensor<float>(exec, {100, 24});
+  check_doc_quote("gemm.md", "mpx::gemm: C and A overlap in memory; give them separate buffers",
+                  message_of([&] { mpx::gemm<mpx::float32>(exec, a, b_in, c_over_a); }));
 
   auto x = mpx::make_tensor<float>(exec, {4, 6, 3});
   auto kernel = mpx::make_tensor<float>(exec, {8, 32});

@@ -569,6 +569,38 @@ TEMPLATE_LIST_TEST_CASE("max_pool2d propagates NaN and routes its gradient to th
   mpx_test::for_each_dtype(for_type);
 }
 
+// Found by the API fuzzer (fuzz/regressions/api_matmul/max_pool_dx_overlaps_x,
+// conv2d_y_overlaps_x): outputs over their inputs' memory were accepted and written
+// while windows and receptive fields of the input were still to be read.
+TEMPLATE_LIST_TEST_CASE("conv2d and max_pool2d refuse outputs that overlap their inputs", "[conv][pool]",
+                        mpx_test::executors) {
+  using Catch::Matchers::Contains;
+  using P = mpx::float32;
+  TestType exec;
+  auto buffer = mpx::make_tensor<float>(exec, {512});
+  auto const whole = mpx::view(buffer);
+  auto const at = [&](std::size_t offset, mpx::shape s) { return whole.flat(offset, s.size()).reshape(s); };
+  auto const x = at(0, {1, 4, 4, 2});   // [0, 32)
+  auto const w = at(100, {3, 3, 2, 2});  // [100, 136)
+  auto const ws = at(200, {4, 18});      // [200, 272)
+  auto const dy = at(300, {1, 2, 2, 2});  // [300, 308)
+  CHECK_THROWS_TYPE_WITH(mpx::conv2d_forward<P>(exec, x, w, at(8, {1, 2, 2, 2}), ws), mpx::invalid_argument,
+                         Contains("mpx::conv2d_forward") && Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::conv2d_forward<P>(exec, x, w, at(400, {1, 2, 2, 2}), at(20, {4, 18})),
+                         mpx::invalid_argument, Contains("the workspace and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::conv2d_backward_data<P>(exec, dy, w, at(120, {1, 4, 4, 2}), ws), mpx::invalid_argument,
+                         Contains("dx and w overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::conv2d_backward_weights<P>(exec, x, dy, at(290, {3, 3, 2, 2}), ws),
+                         mpx::invalid_argument, Contains("dw and dy overlap"));
+  CHECK_NOTHROW(mpx::conv2d_forward<P>(exec, x, w, at(400, {1, 2, 2, 2}), ws));
+  auto const y = at(400, {1, 2, 2, 2});
+  CHECK_THROWS_TYPE_WITH(mpx::max_pool2d_forward(exec, x, at(16, {1, 2, 2, 2})), mpx::invalid_argument,
+                         Contains("mpx::max_pool2d_forward") && Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::max_pool2d_backward(exec, at(40, {1, 4, 4, 2}), y, dy, at(30, {1, 4, 4, 2})),
+                         mpx::invalid_argument, Contains("dx and x overlap"));
+  CHECK_NOTHROW(mpx::max_pool2d_forward(exec, x, y));
+}
+
 TEMPLATE_LIST_TEST_CASE("max_pool2d refuses shapes it cannot pool, naming them", "[pool]", mpx_test::executors) {
   using Catch::Matchers::Contains;
   TestType exec;

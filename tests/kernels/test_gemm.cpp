@@ -344,6 +344,32 @@ TEMPLATE_LIST_TEST_CASE("gemm refuses shapes that do not agree and names them", 
   CHECK_NOTHROW(mpx::gemm<P>(exec, a, b36, c));
 }
 
+// Found by the API fuzzer (fuzz/regressions/api_matmul/gemm_c_overlaps_a): a C over A's
+// memory was accepted and multiplied into while A was still being read.
+TEMPLATE_LIST_TEST_CASE("gemm and fp8_gemm refuse a C that overlaps A or B", "[gemm]", mpx_test::executors) {
+  using Catch::Matchers::Contains;
+  TestType exec;
+  auto buffer = mpx::make_tensor<float>(exec, {64});
+  auto const whole = mpx::view(buffer);
+  auto const at = [&](std::size_t offset, mpx::shape s) { return whole.flat(offset, s.size()).reshape(s); };
+  auto const a = at(0, {3, 4});
+  auto const b = at(20, {4, 3});
+  using P = mpx::float32;
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b, at(5, {3, 3})), mpx::invalid_argument,
+                         Contains("mpx::gemm") && Contains("C and A overlap in memory"));
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b, at(0, {3, 3})), mpx::invalid_argument, Contains("C and A overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::gemm<P>(exec, a, b, at(28, {3, 3})), mpx::invalid_argument, Contains("C and B overlap"));
+  CHECK_NOTHROW(mpx::gemm<P>(exec, a, b, at(40, {3, 3})));
+  // fp8 operands over a float C's bytes.
+  using F = mpx::float8_e4m3;
+  auto const s = mpx_test::upload(exec, std::vector<float>{1.0f});
+  mpx::tensor_view<F const, mpx::space_t<decltype(buffer)>> const a8(reinterpret_cast<F const*>(buffer.data()),
+                                                                     mpx::shape{3, 16});
+  auto const b8 = mpx::make_tensor<F>(exec, {16, 16});
+  CHECK_THROWS_TYPE_WITH(mpx::fp8_gemm(exec, a8, s.data(), b8, s.data(), at(4, {3, 16}), {.transpose_b = true}),
+                         mpx::invalid_argument, Contains("mpx::fp8_gemm") && Contains("C and A overlap"));
+}
+
 // A batch with a shared B folds into one tall product, unless the tall M would pass
 // cuBLASLt's 2^31 - 1 (then it stays a strided batch, which cuBLASLt takes).
 TEST_CASE("gemm folds a shared-B batch into one product only where the extents allow", "[gemm]") {

@@ -504,7 +504,7 @@ inline conv2d_options conv2d_padding_same(shape const& x_shape, shape const& w_s
 //! Policy::storage_type, which must accumulate in float. im2col into the workspace,
 //! then one mpx::gemm per chunk of images it holds (one for a whole-batch workspace,
 //! which then keeps x's columns for conv2d_backward_weights). Nothing is allocated.
-//! Outputs must not overlap inputs. Shape errors throw mpx::shape_error naming x's and
+//! Outputs must not overlap inputs (mpx::invalid_argument). Shape errors throw mpx::shape_error naming x's and
 //! w's shapes. Asynchronous on a cuda_executor. Error bounds: docs/conv_and_pooling.md.
 template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like Y, tensor_like Cols,
           class Product = detail::policy_gemm<Policy>>
@@ -520,6 +520,12 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
                 "mpx::conv2d_forward: y and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_forward";
   auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
+  // Outputs are written while inputs are still read: an overlap is refused, not computed.
+  detail::require_disjoint(op, "y", yv, "x", xv);
+  detail::require_disjoint(op, "y", yv, "w", wv);
+  detail::require_disjoint(op, "the workspace", cv, "x", xv);
+  detail::require_disjoint(op, "the workspace", cv, "w", wv);
+  detail::require_disjoint(op, "the workspace", cv, "y", yv);
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const out = yv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
@@ -552,6 +558,11 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
   constexpr std::string_view op = "conv2d_backward_data";
   auto const [g, chunk] = detail::plan_conv2d(op, dxv.shape(), wv.shape(), "dy", dyv.shape(), cv.shape(), options,
                                               loc, {"dx", "w"});
+  detail::require_disjoint(op, "dx", dxv, "dy", dyv);
+  detail::require_disjoint(op, "dx", dxv, "w", wv);
+  detail::require_disjoint(op, "the workspace", cv, "dy", dyv);
+  detail::require_disjoint(op, "the workspace", cv, "w", wv);
+  detail::require_disjoint(op, "the workspace", cv, "dx", dxv);
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const grad = dyv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
@@ -591,6 +602,11 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
   constexpr std::string_view op = "conv2d_backward_weights";
   auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), dwv.shape(), "dy", dyv.shape(), cv.shape(), options,
                                               loc, {"x", "dw"});
+  detail::require_disjoint(op, "dw", dwv, "x", xv);
+  detail::require_disjoint(op, "dw", dwv, "dy", dyv);
+  detail::require_disjoint(op, "the workspace", cv, "x", xv);
+  detail::require_disjoint(op, "the workspace", cv, "dy", dyv);
+  detail::require_disjoint(op, "the workspace", cv, "dw", dwv);
   bool const reuse = columns == conv2d_columns::reuse_forward;
   if (reuse && chunk < g.n)
     detail::fail<invalid_argument>(op,

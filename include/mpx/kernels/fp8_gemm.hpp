@@ -149,6 +149,8 @@ void fp8_gemm([[maybe_unused]] Exec const& exec, A&& a, float const* a_inverse_s
   auto const cv = mpx::view(c);
   static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::fp8_gemm: C is const");
   detail::gemm_dims const d = detail::gemm_shapes(av.shape(), bv.shape(), cv.shape(), options, loc);
+  detail::require_disjoint("fp8_gemm", "C", cv, "A", av);  // as mpx::gemm: C is written while A and B are read
+  detail::require_disjoint("fp8_gemm", "C", cv, "B", bv);
   if (!a_inverse_scale || !b_inverse_scale)
     detail::fail<invalid_argument>("fp8_gemm",
                                    "an inverse scale is null: pass a pointer to one float in the executor's memory, "

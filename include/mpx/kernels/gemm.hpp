@@ -526,7 +526,7 @@ bool gemm_without_products(Exec const& exec, CView const& c, gemm_dims const& d,
 //! 16-bit storage changes nothing, since every 16-bit value is a float. An fp8 compute
 //! type is refused here: its products need scales (mpx::fp8_gemm). Shapes that do not agree throw mpx::shape_error naming all three and the
 //! caller's file:line; tensors the executor cannot reach, wrong dtypes and a policy that
-//! sums in 16 bits are compile errors. C must not overlap A or B. Asynchronous on a
+//! sums in 16 bits are compile errors. C must not overlap A or B (mpx::invalid_argument). Asynchronous on a
 //! cuda_executor (one cuBLASLt call on its stream; cuBLAS failures throw
 //! mpx::cublas_error). Error bounds: docs/gemm.md.
 template <class Policy, executor Exec, tensor_like A, tensor_like B, tensor_like C>
@@ -539,6 +539,10 @@ void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options c
   auto const cv = mpx::view(c);
   static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::gemm: C is const");
   detail::gemm_dims const d = detail::gemm_shapes(av.shape(), bv.shape(), cv.shape(), options, loc);
+  // C is written while A and B are still being read (panel by panel, or by cuBLASLt):
+  // an overlap would give garbage, so it is refused rather than left to the precondition.
+  detail::require_disjoint("gemm", "C", cv, "A", av);
+  detail::require_disjoint("gemm", "C", cv, "B", bv);
   if (cv.empty() || detail::gemm_without_products(exec, cv, d, options)) return;
   using Acc = typename Policy::accumulate_type;
   using Compute = typename Policy::compute_type;

@@ -327,6 +327,7 @@ void max_pool2d_forward(Exec const& exec, X&& x, Y&& y, pool_options const& opti
   constexpr std::string_view op = "max_pool2d_forward";
   auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
   detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
+  detail::require_disjoint(op, "y", yv, "x", xv);  // y is written while windows of x are still read
   detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
   for_each_index(exec, yv.size(), detail::max_pool_forward_element<value_t<X>>{g, xv.data(), yv.data()});
 }
@@ -359,6 +360,10 @@ void max_pool2d_backward(Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
   detail::pool_require(op, "y", yv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::pool_require(op, "dy", dyv.shape(), detail::pool_output_of(g), xv.shape(), loc);
   detail::pool_require(op, "dx", dxv.shape(), xv.shape(), xv.shape(), loc);
+  // dx is written while x, y and dy are still read (by other elements' windows).
+  detail::require_disjoint(op, "dx", dxv, "x", xv);
+  detail::require_disjoint(op, "dx", dxv, "y", yv);
+  detail::require_disjoint(op, "dx", dxv, "dy", dyv);
   detail::check_on_host(exec, [&] { detail::require_host_pool_image(op, g, loc); });
   for_each_index(exec, dxv.size(),
                          detail::max_pool_backward_element<value_t<X>, value_t<DY>>{g, xv.data(), yv.data(),
