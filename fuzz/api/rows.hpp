@@ -7,9 +7,11 @@
 
 #include "harness.hpp"
 
+#include "../../tests/support/reference/activation.hpp"
 #include "../../tests/support/reference/normalization.hpp"
 #include "../../tests/support/reference/softmax.hpp"
 
+#include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/batch_norm.hpp>
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/embedding.hpp>
@@ -403,6 +405,7 @@ norm_backward_reference norm_backward(std::vector<double> const& x, std::vector<
                               : static_cast<double>(cols) / 32 + 40;
   double const k_col = std::min<double>(static_cast<double>(rows), 256) + static_cast<double>(rows / 256) + 40;
   double kappa_all = 0;
+  double const sub_f = smallest_subnormal<float>();
   std::vector<double> kappa(groups);
   for (std::size_t gi = 0; gi < groups; ++gi) {
     double max_x = 0, mg = 0, mgx = 0;
@@ -417,8 +420,9 @@ norm_backward_reference norm_backward(std::vector<double> const& x, std::vector<
     for (std::size_t e = 0; e < per_group; ++e) {
       std::size_t const i = at(gi, e), p = per_column ? gi : e;
       // + sub_T: u_T |ref| bounds the rounding to T in T's normal range only; below
-      // it the rounding is absolute, up to half T's smallest subnormal.
-      out.dx_tol[i] = sub_T + uT * std::fabs(out.dx[i]) + 4 * k * uf * (1 + kappa[gi]) * rstd[gi] *
+      // it the rounding is absolute, up to half T's smallest subnormal. The same holds
+      // for the float products inside (g, xhat, their means): 8 sub_f (1 + rstd).
+      out.dx_tol[i] = sub_T + 8 * sub_f * (1 + rstd[gi]) + uT * std::fabs(out.dx[i]) + 4 * k * uf * (1 + kappa[gi]) * rstd[gi] *
                                                       (std::fabs(dy[i] * gamma[p]) + mg + (std::fabs(f.xhat[i]) + 1) * mgx);
     }
   }
@@ -429,8 +433,10 @@ norm_backward_reference norm_backward(std::vector<double> const& x, std::vector<
       sdy += std::fabs(dy[i]);
       sdyx += std::fabs(dy[i]) * (1 + std::fabs(f.xhat[i]));
     }
-    out.dgamma_tol[j] = 4 * (k_col + k) * uf * sdyx * (1 + kappa_all);
-    out.dbeta_tol[j] = k_col * uf * sdy;
+    // + a float subnormal per product summed: dy * xhat below float's normal range
+    // rounds absolutely (the doc's bounds are relative).
+    out.dgamma_tol[j] = 4 * (k_col + k) * uf * sdyx * (1 + kappa_all) + static_cast<double>(rows + 1) * sub_f;
+    out.dbeta_tol[j] = k_col * uf * sdy + sub_f;
   }
   return out;
 }
@@ -994,13 +1000,85 @@ void embedding_case(draw& d) {
   require_same<W>(call, "d_table", table.values(), expected);
 }
 
+// ---- activations ----
+
+template <class X, class Y>
+void activation_case(draw& d) {
+  mpx::host_executor exec;
+  auto const ext = d.extents(1 + d.below(3), 300);
+  bool const hostile = d.coin(), backward = d.coin();
+  unsigned const variant = d.below(10);
+  std::string_view const names[] = {"linear", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh"};
+  mpx::activation const act = mpx::activation::from_name(names[d.below(std::size(names))]);
+  auto const ref = mpx_test::reference::activation_of(act);
+  call_name call(backward ? "activation_backward " : "activation_forward ");
+  call << act.name() << " ";
+  // Backward: |x| <= 1e4 keeps gelu_tanh's x^3 inside float (beyond it float's f' is
+  // inf * 0 where float64's is 0; the doc's forms are exact in float64 for |x| <= 30).
+  guarded<X> x(exec, ext, d), dy(exec, ext, d);
+  x.assign(backward ? values_within<X>(d, x.size(), hostile, 1e4) : d.values<X>(x.size(), hostile));
+  dy.assign(values_within<X>(d, dy.size(), hostile, 1e30));
+  auto const run_on = [&](auto in, auto out) {  // in: x forward, dy backward
+    mpx::with_activation(act, [&](auto f) {
+      if (backward) mpx::activation_backward(exec, f, x.cview(), in, out);
+      else mpx::activation_forward(exec, f, in, out);
+    });
+  };
+  auto const run = [&](auto out) { run_on(backward ? dy.cview() : x.cview(), out); };
+  call << shape_text<X>(ext) << "+" << x.offset();
+  if (variant == 0) {
+    guarded<Y> y(exec, off_by_one(ext), d);
+    call << " -> " << shape_text<Y>(y.extents());
+    require_refusal(call, {shape_string(ext), shape_string(y.extents())}, [&] { run(y.view()); });
+    return;
+  }
+  if constexpr (std::is_same_v<X, Y>) {
+    if (variant == 1 && count(ext) >= 2) {  // the output shifted over the input
+      overlapping<X> o(exec, ext, d);
+      call << " -> the input shifted by " << o.shift;
+      require_refusal(call, {"overlap"}, [&] { run_on(o.first(), o.second()); });
+      return;
+    }
+  }
+  bool const in_place = std::is_same_v<X, Y> && variant == 2;
+  guarded<Y> y(exec, ext, d);
+  auto const xs = x.wide(), dys = dy.wide();
+  call << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
+  std::vector<double> got;
+  if constexpr (std::is_same_v<X, Y>) {
+    if (in_place) {
+      guarded<X>& io = backward ? dy : x;
+      require_accepted(call, [&] { run_on(io.view(), io.view()); });
+      io.require_guards_intact(call, "the output (in place)");
+      got = io.wide();
+    }
+  }
+  if (!in_place) {
+    require_accepted(call, [&] { run(y.view()); });
+    y.require_guards_intact(call, "y");
+    got = y.wide();
+  }
+  // docs/activations_softmax_losses.md: forward (u_T + 32 u_f)|ref| + 32 u_f + sub_T,
+  // backward (u_T + 32 u_f)|ref| + 32 u_f |dy| + sub_T.
+  double const uT = unit_roundoff<Y>();
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    // A NaN x gives NaN both ways for every activation but the identity (whose
+    // derivative is 1): the contract (relu "NaN stays NaN, both ways"), which the shared
+    // float64 relu, written for numbers, does not model.
+    double r = backward ? dys[i] * ref.df(xs[i]) : ref.f(xs[i]);
+    if (std::isnan(xs[i]) && !(backward && act == mpx::activation::linear)) r = NAN;
+    double const tol = (uT + 32 * uf) * std::fabs(r) + 32 * uf * (backward ? std::fabs(dys[i]) : 1.0) + smallest_subnormal<Y>();
+    near<Y>(call, backward ? "dx" : "y", i, got[i], r, tol);
+  }
+}
+
 }  // namespace mpx_fuzz::api::rows_detail
 
 namespace mpx_fuzz::api {
 
 inline void run_rows(draw& d) {
   using namespace rows_detail;
-  unsigned const op = d.byte() % 12;
+  unsigned const op = d.byte() % 13;
   with_dtype(d, [&](auto in) {
     using T = typename decltype(in)::type;
     with_out_dtype<T>(d, [&](auto out) {
@@ -1017,7 +1095,8 @@ inline void run_rows(draw& d) {
         case 8: dropout_case<T, U>(d); break;
         case 9: cross_entropy_case<T, U>(d); break;
         case 10: pointwise_loss_case<T, U>(d, d.coin()); break;
-        default: embedding_case<T, U>(d); break;
+        case 11: embedding_case<T, U>(d); break;
+        default: activation_case<T, U>(d); break;
       }
     });
   });
