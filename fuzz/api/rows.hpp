@@ -752,9 +752,12 @@ void dropout_case(draw& d) {
 // ---- losses ----
 
 //! The loss value's bound (docs/activations_softmax_losses.md, tests/losses/test_losses.cpp):
-//! (4 sqrt(n) + C/32 + 64) u_f (|ref| + the mean magnitude of the terms' float parts).
+//! (4 sqrt(n) + C/32 + 64) u_f (|ref| + the mean magnitude of the terms' float parts),
+//! + 2 float subnormals: a term below float's normal range (a square, log1p(e^-|x|))
+//! rounds absolutely, by up to half of one, and so does the mean.
 inline double loss_tolerance(double n, double classes, double ref, double mean_magnitude) {
-  return (4 * std::sqrt(n) + classes / 32 + 64) * uf * (std::fabs(ref) + mean_magnitude);
+  return (4 * std::sqrt(n) + classes / 32 + 64) * uf * (std::fabs(ref) + mean_magnitude) +
+         2 * smallest_subnormal<float>();
 }
 
 template <class X, class G>
@@ -1067,6 +1070,12 @@ void activation_case(draw& d) {
     // float64 relu, written for numbers, does not model.
     double r = backward ? dys[i] * ref.df(xs[i]) : ref.f(xs[i]);
     if (std::isnan(xs[i]) && !(backward && act == mpx::activation::linear)) r = NAN;
+    // An infinite dy times a derivative below float's normal range (gelu's far left
+    // tail): float's f'(x) may underflow to 0 and give inf * 0 = NaN where float64's
+    // tiny f' gives the infinity. Either is float arithmetic as documented.
+    if (backward && std::isinf(dys[i]) && std::isfinite(xs[i]) && ref.df(xs[i]) != 0 &&
+        std::fabs(ref.df(xs[i])) < 0x1p-126 && std::isnan(got[i]))
+      continue;
     double const tol = (uT + 32 * uf) * std::fabs(r) + 32 * uf * (backward ? std::fabs(dys[i]) : 1.0) + smallest_subnormal<Y>();
     near<Y>(call, backward ? "dx" : "y", i, got[i], r, tol);
   }
