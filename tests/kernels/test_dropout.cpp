@@ -178,4 +178,17 @@ TEMPLATE_LIST_TEST_CASE("dropout keeps a NaN NaN, kept or dropped, and refuses m
                          Contains("[3, 4]") && Contains("[4, 3]"));
   CHECK_THROWS_TYPE_WITH(mpx::dropout_backward(exec, mpx::dropout_options{}, x2, y3, m2), mpx::shape_error,
                          Contains("[3, 4]") && Contains("[2, 6]"));
+
+  // In place, or not overlapping at all (a shifted output was accepted: the API fuzzer).
+  auto buffer = mpx::make_tensor<float>(exec, {32});
+  mpx::fill(exec, buffer, 1.0f);
+  auto const at = [&](std::int64_t offset) {
+    auto v = mpx::view(buffer);
+    return decltype(v)(v.data() + offset, mpx::shape{3, 4});
+  };
+  mpx::dropout_forward(exec, mpx::dropout_options{}, at(0), at(0));
+  CHECK_THROWS_TYPE_WITH(mpx::dropout_forward(exec, mpx::dropout_options{}, at(0), at(1)), mpx::invalid_argument,
+                         Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::dropout_backward(exec, mpx::dropout_options{}, at(3), at(0)), mpx::invalid_argument,
+                         Contains("dx and dy overlap"));
 }

@@ -384,3 +384,38 @@ TEMPLATE_LIST_TEST_CASE("normalisations refuse mismatched shapes, naming both", 
   CHECK_THROWS_TYPE_WITH(mpx::batch_norm_forward_training(exec, x1, p4, p4, y1, p4, p4, p4, p4),
                          mpx::invalid_argument, Contains("at least 2 rows"));
 }
+
+// In place is fine (each element is read before it is written); an output shifted over
+// an input would be written before the input is read (found by the API fuzzer).
+TEMPLATE_LIST_TEST_CASE("normalisations run in place but refuse an output shifted over an input", "[norm]",
+                        mpx_test::executors) {
+  using Catch::Matchers::Contains;
+  TestType exec;
+  auto buffer = mpx::make_tensor<float>(exec, {32});
+  auto const at = [&](std::int64_t offset) {
+    auto v = mpx::view(buffer);
+    return decltype(v)(v.data() + offset, mpx::shape{3, 4});
+  };
+  mpx::fill(exec, buffer, 0.5f);
+  auto x = mpx::make_tensor<float>(exec, {3, 4});
+  mpx::fill(exec, x, 0.25f);
+  auto p4 = mpx::make_tensor<float>(exec, {4}), q4 = mpx::make_tensor<float>(exec, {4});
+  auto r3 = mpx::make_tensor<float>(exec, {3}), s3 = mpx::make_tensor<float>(exec, {3});
+  mpx::fill(exec, p4, 1.0f);
+  mpx::fill(exec, q4, 1.0f);
+  mpx::layer_norm_forward(exec, at(0), p4, p4, at(0), r3, s3);
+  mpx::layer_norm_backward(exec, x, at(16), p4, r3, s3, at(16), q4, q4);
+  CHECK_THROWS_TYPE_WITH(mpx::layer_norm_forward(exec, at(0), p4, p4, at(2), r3, s3), mpx::invalid_argument,
+                         Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::layer_norm_backward(exec, x, at(0), p4, r3, s3, at(5), q4, q4), mpx::invalid_argument,
+                         Contains("dx and dy overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::layer_norm_backward(exec, at(1), x, p4, r3, s3, at(0), q4, q4), mpx::invalid_argument,
+                         Contains("dx and x overlap"));
+  mpx::batch_norm_forward_inference(exec, at(0), p4, p4, p4, p4, at(0));
+  CHECK_THROWS_TYPE_WITH(mpx::batch_norm_forward_inference(exec, at(0), p4, p4, p4, p4, at(4)),
+                         mpx::invalid_argument, Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::batch_norm_forward_training(exec, at(4), p4, p4, at(0), p4, p4, q4, q4),
+                         mpx::invalid_argument, Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::batch_norm_backward(exec, x, at(0), p4, p4, p4, at(7), q4, q4), mpx::invalid_argument,
+                         Contains("dx and dy overlap"));
+}

@@ -203,6 +203,31 @@ TEMPLATE_LIST_TEST_CASE("softmax refuses mismatched shapes, naming both", "[soft
   mpx::softmax(exec, empty, empty);  // nothing to do, no error
 }
 
+// A row's write pass would clobber inputs of later columns or rows that it has not read
+// yet (found by the API fuzzer, fuzz/regressions/api_rows/softmax-backward-dx-overlapping-dy).
+TEMPLATE_LIST_TEST_CASE("softmax runs in place but refuses an output shifted over its input", "[softmax]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto buffer = mpx::make_tensor<float>(exec, {32});
+  auto const at = [&](std::int64_t offset) {
+    auto v = mpx::view(buffer);
+    return decltype(v)(v.data() + offset, mpx::shape{3, 5});
+  };
+  mpx::fill(exec, buffer, 0.5f);
+  auto y = mpx::make_tensor<float>(exec, {3, 5});
+  mpx::softmax(exec, at(0), at(0));
+  mpx::softmax_backward(exec, at(0), at(16), at(16));
+  mpx::softmax_backward(exec, at(0), at(16), at(0));
+  CHECK_THROWS_TYPE_WITH(mpx::softmax(exec, at(0), at(3)), mpx::invalid_argument,
+                         Catch::Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::log_softmax(exec, at(3), at(0)), mpx::invalid_argument,
+                         Catch::Contains("y and x overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::softmax_backward(exec, y, at(0), at(3)), mpx::invalid_argument,
+                         Catch::Contains("dx and dy overlap"));
+  CHECK_THROWS_TYPE_WITH(mpx::log_softmax_backward(exec, at(3), y, at(0)), mpx::invalid_argument,
+                         Catch::Contains("dx and y overlap"));
+}
+
 // The kernels count a row's columns in int steps of up to a block; a row so long that
 // the last step would pass 2^31 is refused before anything is read. (The views cover one
 // real element: a check that let them through would read far out of bounds.)

@@ -223,6 +223,16 @@ void require_in_place_or_disjoint(std::string_view op, tensor_view<Out, Space> o
   if (static_cast<void const*>(out.data()) == static_cast<void const*>(in.data()) && sizeof(Out) == sizeof(In)) return;
   require_disjoint(op, "the output", out, "an input", in);
 }
+
+//! The same for an operation that works in place along a row or column (softmax, the
+//! norms, dropout), naming both arguments: a shifted overlap would let one element's
+//! write clobber another's input before it is read.
+template <class Out, class In, class Space>
+void require_in_place_or_disjoint(std::string_view op, std::string_view out_name, tensor_view<Out, Space> out,
+                                  std::string_view in_name, tensor_view<In, Space> in) {
+  if (static_cast<void const*>(out.data()) == static_cast<void const*>(in.data()) && sizeof(Out) == sizeof(In)) return;
+  require_disjoint(op, out_name, out, in_name, in);
+}
 }  // namespace detail
 
 }  // namespace mpx

@@ -165,6 +165,7 @@ void batch_norm_forward_training(Exec const& exec, X&& x, G&& gamma, B&& beta, Y
   constexpr std::string_view op = "batch_norm_forward_training";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, yv, rows, cols);
+  detail::require_in_place_or_disjoint(op, "y", yv, "x", xv);
   detail::require_channels(op, xv.shape(), cols,
                            {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
                             {"running_var", rvv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()}});
@@ -206,6 +207,7 @@ void batch_norm_forward_inference(Exec const& exec, X&& x, G&& gamma, B&& beta, 
   constexpr std::string_view op = "batch_norm_forward_inference";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, yv, rows, cols);
+  detail::require_in_place_or_disjoint(op, "y", yv, "x", xv);
   detail::require_channels(op, xv.shape(), cols,
                            {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
                             {"running_var", rvv.shape()}});
@@ -245,6 +247,8 @@ void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_
   detail::require_channels(op, xv.shape(), cols,
                            {{"gamma", gv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()},
                             {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});
+  detail::require_in_place_or_disjoint(op, "dx", dxv, "dy", dyv);
+  detail::require_in_place_or_disjoint(op, "dx", dxv, "x", xv);
   if (cols == 0) return;
   using x_t = value_t<X>;
   using dy_t = value_t<DY>;

@@ -136,6 +136,8 @@ void dropout_checked(std::string_view op, Exec const& exec, dropout_options cons
                      OutView const& out, std::uint8_t* mask_out, std::uint8_t const* mask_in,
                      shape const* mask_shape) {
   require_same_shape(op, in.shape(), out.shape());
+  constexpr bool backward = Pass == dropout_pass::backward_redrawn || Pass == dropout_pass::backward_from_mask;
+  require_in_place_or_disjoint(op, backward ? "dx" : "y", out, backward ? "dy" : "x", in);
   if (mask_shape) require_same_shape(op, in.shape(), *mask_shape);
   auto const src = make_mask_source(op, options);
   dropout_run<Pass>(exec, src, in.data(), out.data(), mask_out, mask_in, dropout_scale(options.rate), in.size());

@@ -181,6 +181,7 @@ void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&&
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,
                           {{"mean", mv.shape()}, {"rstd", rv.shape()}});
   if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
+  detail::require_in_place_or_disjoint(op, "y", yv, "x", xv);
   if (rows * cols == 0) return;
   for_each_row(exec, rows, cols,
                        detail::layer_norm_row<value_t<X>, value_t<Y>>{xv.data(), gv.data(), bv.data(), yv.data(),
@@ -220,6 +221,8 @@ void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, 
                           {{"gamma", gv.shape()}, {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,
                           {{"mean", mv.shape()}, {"rstd", rv.shape()}});
+  detail::require_in_place_or_disjoint(op, "dx", dxv, "dy", dyv);
+  detail::require_in_place_or_disjoint(op, "dx", dxv, "x", xv);
   if (cols == 0) return;
   using x_t = value_t<X>;
   using dy_t = value_t<DY>;

@@ -92,6 +92,7 @@ void softmax_forward(std::string_view op, Exec const& exec, X&& x, Y&& y) {
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::softmax: the output is const");
   row_shape const rs = last_axis_rows(op, xv.shape());
   require_same_shape(op, xv.shape(), yv.shape());
+  require_in_place_or_disjoint(op, "y", yv, "x", xv);
   if (rs.cols == 0) return;
   using in_t = typename decltype(xv)::value_type;
   using out_t = typename decltype(yv)::element_type;
@@ -108,6 +109,8 @@ void softmax_backward_impl(std::string_view op, Exec const& exec, Y&& y, DY&& dy
   row_shape const rs = last_axis_rows(op, yv.shape());
   require_same_shape(op, yv.shape(), dyv.shape());
   require_same_shape(op, yv.shape(), dxv.shape());
+  require_in_place_or_disjoint(op, "dx", dxv, "dy", dyv);
+  require_in_place_or_disjoint(op, "dx", dxv, "y", yv);
   if (rs.cols == 0) return;
   using y_t = typename decltype(yv)::value_type;
   using dy_t = typename decltype(dyv)::value_type;
