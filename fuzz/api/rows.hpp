@@ -152,7 +152,8 @@ void softmax_forward_case(draw& d, bool log) {
     guarded<X> x(exec, ext, d);
     guarded<Y> y(exec, off_by_one(ext), d);
     call << shape_text<X>(ext) << " -> " << shape_text<Y>(y.extents());
-    require_refusal(call, {shape_string(ext), shape_string(y.extents())}, [&] { run(x.cview(), y.view()); });
+    require_refusal(call, {"x has shape " + shape_string(ext), "y has shape " + shape_string(y.extents())},
+                    [&] { run(x.cview(), y.view()); });
     return;
   }
   if constexpr (std::is_same_v<X, Y>) {
@@ -217,7 +218,7 @@ void softmax_backward_case(draw& d, bool log) {
     guarded<T> y(exec, ext, d), dy(exec, bad_dx ? ext : off_by_one(ext), d);
     guarded<DX> dx(exec, bad_dx ? off_by_one(ext) : ext, d);
     call << shape_text<T>(ext) << " dy " << shape_text<T>(dy.extents()) << " dx " << shape_text<DX>(dx.extents());
-    require_refusal(call, {shape_string(ext), shape_string(off_by_one(ext))},
+    require_refusal(call, {"y has shape " + shape_string(ext), (bad_dx ? "dx has shape " : "dy has shape ") + shape_string(off_by_one(ext))},
                     [&] { run(y.cview(), dy.cview(), dx.view()); });
     return;
   }
@@ -332,7 +333,7 @@ void layer_norm_forward_case(draw& d) {
     auto const run = [&] {
       mpx::layer_norm_forward(exec, x.cview(), gamma.cview(), beta.cview(), y.view(), mean.view(), rstd.view(), eps);
     };
-    if (variant == 5) require_refusal(call, {shape_string(ext), shape_string(y_ext)}, run);
+    if (variant == 5) require_refusal(call, {"x has shape " + shape_string(ext), "y has shape " + shape_string(y_ext)}, run);
     else require_refusal(call, {name}, run);
     return;
   }
@@ -491,7 +492,7 @@ void norm_backward_case(draw& d, bool batch) {
     guarded<DX> dx(exec, dx_ext, d);
     call << " -> " << shape_text<DX>(dx_ext) << " (" << name << " wrong)";
     auto const refused = [&] { run(dy.cview(), dx.view()); };
-    if (variant == 4) require_refusal(call, {shape_string(ext), shape_string(dx_ext)}, refused);
+    if (variant == 4) require_refusal(call, {"x has shape " + shape_string(ext), "dx has shape " + shape_string(dx_ext)}, refused);
     else require_refusal(call, {name}, refused);
     return;
   }
@@ -590,7 +591,7 @@ void batch_norm_forward_case(draw& d) {
       return;
     }
     auto const refused = [&] { run(x.cview(), y.view()); };
-    if (variant == 5) require_refusal(call, {shape_string(ext), shape_string(y_ext)}, refused);
+    if (variant == 5) require_refusal(call, {"x has shape " + shape_string(ext), "y has shape " + shape_string(y_ext)}, refused);
     else require_refusal(call, {name}, refused);
     return;
   }
@@ -710,7 +711,7 @@ void dropout_case(draw& d) {
     guarded<Y> y(exec, y_ext, d);
     call << " -> " << shape_text<Y>(y_ext);
     if (variant == 0) require_refusal(call, {"rate"}, [&] { run(x.cview(), y.view()); });
-    else require_refusal(call, {shape_string(ext), shape_string(off_by_one(ext))}, [&] { run(x.cview(), y.view()); });
+    else require_refusal(call, {"has shape " + shape_string(ext), "has shape " + shape_string(off_by_one(ext))}, [&] { run(x.cview(), y.view()); });
     return;
   }
   bool const in_place = std::is_same_v<X, Y> && variant == 4;
@@ -883,7 +884,7 @@ void pointwise_loss_case(draw& d, bool bce) {
   if (variant <= 1) {
     guarded<G> grad(exec, variant == 1 ? off_by_one(ext) : ext, d);
     call << " -> " << shape_text<G>(grad.extents());
-    require_refusal(call, {shape_string(ext), shape_string(off_by_one(ext))}, [&] { run(grad.view()); });
+    require_refusal(call, {"predictions has shape " + shape_string(ext), shape_string(off_by_one(ext))}, [&] { run(grad.view()); });
     return;
   }
   guarded<G> grad(exec, ext, d);
@@ -1036,7 +1037,7 @@ void activation_case(draw& d) {
   if (variant == 0) {
     guarded<Y> y(exec, off_by_one(ext), d);
     call << " -> " << shape_text<Y>(y.extents());
-    require_refusal(call, {shape_string(ext), shape_string(y.extents())}, [&] { run(y.view()); });
+    require_refusal(call, {"has shape " + shape_string(ext), "has shape " + shape_string(y.extents())}, [&] { run(y.view()); });
     return;
   }
   if constexpr (std::is_same_v<X, Y>) {

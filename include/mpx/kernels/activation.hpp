@@ -331,7 +331,7 @@ void bias_backward(Exec const& exec, Act const& act, X const* x, B const* bias, 
 //! y may be x. Shapes must match (else mpx::shape_error). Asynchronous on a cuda_executor.
 template <activation_function Act, executor Exec, tensor_like X, tensor_like Y>
 void activation_forward(Exec const& exec, Act act, X&& x, Y&& y) {
-  detail::require_same_shape("activation_forward", mpx::view(x).shape(), mpx::view(y).shape());
+  detail::require_same_shape("activation_forward", "x", mpx::view(x).shape(), "y", mpx::view(y).shape());
   transform(exec, y, ops::activation_of<Act, value_t<Y>>{act}, x);
 }
 
@@ -339,8 +339,8 @@ void activation_forward(Exec const& exec, Act act, X&& x, Y&& y) {
 //! the top of this header); float arithmetic, one rounding to dx's dtype. dx may be dy.
 template <activation_function Act, executor Exec, tensor_like X, tensor_like DY, tensor_like DX>
 void activation_backward(Exec const& exec, Act act, X&& x, DY&& dy, DX&& dx) {
-  detail::require_same_shape("activation_backward", mpx::view(x).shape(), mpx::view(dy).shape());
-  detail::require_same_shape("activation_backward", mpx::view(dy).shape(), mpx::view(dx).shape());
+  detail::require_same_shape("activation_backward", "x", mpx::view(x).shape(), "dy", mpx::view(dy).shape());
+  detail::require_same_shape("activation_backward", "dy", mpx::view(dy).shape(), "dx", mpx::view(dx).shape());
   transform(exec, dx, ops::activation_gradient_of<Act, value_t<DX>>{act}, x, dy);
 }
 
@@ -357,7 +357,7 @@ void bias_activation_forward(Exec const& exec, Act act, X&& x, B&& bias, Y&& y) 
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::bias_activation_forward: y is const");
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_activation_forward", xv.shape(), bv.shape(), rows, cols);
-  detail::require_same_shape("bias_activation_forward", xv.shape(), yv.shape());
+  detail::require_same_shape("bias_activation_forward", "x", xv.shape(), "y", yv.shape());
   for_each_index(exec, rows * cols,
                          detail::bias_activation_element<Act, value_t<X>, value_t<B>, value_t<Y>>{
                              act, xv.data(), bv.data(), yv.data(), rows, cols});
@@ -383,9 +383,9 @@ void bias_activation_backward(Exec const& exec, Act act, X&& x, B&& bias, DY&& d
                 "mpx::bias_activation_backward: dx and db are outputs and cannot be const");
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_activation_backward", xv.shape(), bv.shape(), rows, cols);
-  detail::require_same_shape("bias_activation_backward", xv.shape(), dyv.shape());
-  detail::require_same_shape("bias_activation_backward", xv.shape(), dxv.shape());
-  detail::require_same_shape("bias_activation_backward", bv.shape(), dbv.shape());
+  detail::require_same_shape("bias_activation_backward", "x", xv.shape(), "dy", dyv.shape());
+  detail::require_same_shape("bias_activation_backward", "x", xv.shape(), "dx", dxv.shape());
+  detail::require_same_shape("bias_activation_backward", "bias", bv.shape(), "dbias", dbv.shape());
   detail::bias_backward(exec, act, xv.data(), bv.data(), dyv.data(), dxv.data(), dbv.data(), rows, cols);
 }
 

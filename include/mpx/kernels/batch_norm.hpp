@@ -124,7 +124,7 @@ void batch_norm_layout(std::string_view op, XV const& xv, YV const& yv, std::siz
   row_shape const rs = last_axis_rows(op, xv.shape());
   rows = rs.rows;
   cols = rs.cols;
-  require_same_shape(op, xv.shape(), yv.shape());
+  require_same_shape(op, "x", xv.shape(), "y", yv.shape());
 }
 
 //! Each vector must be [C], one value per channel.
@@ -243,7 +243,7 @@ void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_
   constexpr std::string_view op = "batch_norm_backward";
   std::size_t rows = 0, cols = 0;
   detail::batch_norm_layout(op, xv, dyv, rows, cols);
-  detail::require_same_shape(op, xv.shape(), dxv.shape());
+  detail::require_same_shape(op, "x", xv.shape(), "dx", dxv.shape());
   detail::require_channels(op, xv.shape(), cols,
                            {{"gamma", gv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()},
                             {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});

@@ -135,10 +135,11 @@ template <dropout_pass Pass, class Exec, class InView, class OutView>
 void dropout_checked(std::string_view op, Exec const& exec, dropout_options const& options, InView const& in,
                      OutView const& out, std::uint8_t* mask_out, std::uint8_t const* mask_in,
                      shape const* mask_shape) {
-  require_same_shape(op, in.shape(), out.shape());
   constexpr bool backward = Pass == dropout_pass::backward_redrawn || Pass == dropout_pass::backward_from_mask;
-  require_in_place_or_disjoint(op, backward ? "dx" : "y", out, backward ? "dy" : "x", in);
-  if (mask_shape) require_same_shape(op, in.shape(), *mask_shape);
+  std::string_view const in_name = backward ? "dy" : "x", out_name = backward ? "dx" : "y";
+  require_same_shape(op, in_name, in.shape(), out_name, out.shape());
+  require_in_place_or_disjoint(op, out_name, out, in_name, in);
+  if (mask_shape) require_same_shape(op, in_name, in.shape(), "the mask", *mask_shape);
   auto const src = make_mask_source(op, options);
   dropout_run<Pass>(exec, src, in.data(), out.data(), mask_out, mask_in, dropout_scale(options.rate), in.size());
 }

@@ -175,7 +175,7 @@ void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&&
                 "mpx::layer_norm_forward: y, mean and rstd are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_forward";
   auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
-  detail::require_same_shape(op, xv.shape(), yv.shape());
+  detail::require_same_shape(op, "x", xv.shape(), "y", yv.shape());
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(cols), detail::per_column,
                           {{"gamma", gv.shape()}, {"beta", bv.shape()}});
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,
@@ -215,8 +215,8 @@ void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, 
                 "mpx::layer_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");
   constexpr std::string_view op = "layer_norm_backward";
   auto const [rows, cols] = detail::last_axis_rows(op, xv.shape());
-  detail::require_same_shape(op, xv.shape(), dyv.shape());
-  detail::require_same_shape(op, xv.shape(), dxv.shape());
+  detail::require_same_shape(op, "x", xv.shape(), "dy", dyv.shape());
+  detail::require_same_shape(op, "x", xv.shape(), "dx", dxv.shape());
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(cols), detail::per_column,
                           {{"gamma", gv.shape()}, {"dgamma", dgv.shape()}, {"dbeta", dbv.shape()}});
   detail::require_vectors(op, xv.shape(), static_cast<std::int64_t>(rows), detail::per_row,

@@ -91,7 +91,7 @@ void softmax_forward(std::string_view op, Exec const& exec, X&& x, Y&& y) {
   require_access<Exec, space_t<X>, space_t<Y>>();
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::softmax: the output is const");
   row_shape const rs = last_axis_rows(op, xv.shape());
-  require_same_shape(op, xv.shape(), yv.shape());
+  require_same_shape(op, "x", xv.shape(), "y", yv.shape());
   require_in_place_or_disjoint(op, "y", yv, "x", xv);
   if (rs.cols == 0) return;
   using in_t = typename decltype(xv)::value_type;
@@ -107,8 +107,8 @@ void softmax_backward_impl(std::string_view op, Exec const& exec, Y&& y, DY&& dy
   require_access<Exec, space_t<Y>, space_t<DY>, space_t<DX>>();
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::softmax_backward: dx is const");
   row_shape const rs = last_axis_rows(op, yv.shape());
-  require_same_shape(op, yv.shape(), dyv.shape());
-  require_same_shape(op, yv.shape(), dxv.shape());
+  require_same_shape(op, "y", yv.shape(), "dy", dyv.shape());
+  require_same_shape(op, "y", yv.shape(), "dx", dxv.shape());
   require_in_place_or_disjoint(op, "dx", dxv, "dy", dyv);
   require_in_place_or_disjoint(op, "dx", dxv, "y", yv);
   if (rs.cols == 0) return;

@@ -129,7 +129,7 @@ void sparse_categorical_cross_entropy(Exec const& exec, Logits&& logits, Labels&
                 "mpx::sparse_categorical_cross_entropy: the gradient is const");
   std::size_t rows = 0, classes = 0;
   detail::cross_entropy_layout(xv.shape(), lv.shape(), rows, classes);
-  detail::require_same_shape("sparse_categorical_cross_entropy", xv.shape(), gv.shape());
+  detail::require_same_shape("sparse_categorical_cross_entropy", "logits", xv.shape(), "gradient", gv.shape());
   detail::require_disjoint("sparse_categorical_cross_entropy", "the gradient", gv, "the logits", xv);
   detail::check_on_host(exec, [&] { detail::require_labels_in_range(lv.data(), rows, classes); });
   detail::cross_entropy_row<value_t<Logits>, value_t<Gradient>> const body{xv.data(), lv.data(), gv.data(),

@@ -173,8 +173,8 @@ void pointwise_loss(std::string_view op, Exec const& exec, Loss const& loss, P&&
   auto gv = mpx::view(gradient);
   require_access<Exec, space_t<P>, space_t<T>, space_t<G>, Space>();
   static_assert(!std::is_const_v<typename decltype(gv)::element_type>, "mpx losses: the gradient is const");
-  require_same_shape(op, pv.shape(), tv.shape());
-  require_same_shape(op, pv.shape(), gv.shape());
+  require_same_shape(op, "predictions", pv.shape(), "targets", tv.shape());
+  require_same_shape(op, "predictions", pv.shape(), "gradient", gv.shape());
   std::size_t const n = pv.size();
   pointwise_loss_element<Loss, value_t<P>, value_t<T>, value_t<G>> const body{loss,      pv.data(), tv.data(),
                                                                                gv.data(), n,         scale};
