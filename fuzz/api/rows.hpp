@@ -31,6 +31,30 @@
 
 namespace mpx_fuzz::api::rows_detail {
 
+//! Runs a valid call in place (`in`'s buffer is the output; only when In and Out are one
+//! type) or into `out`, checks the guards of whichever buffer was written, and returns
+//! what it holds. run(input view, output view).
+template <class In, class Out, class Run>
+std::vector<Out> run_in_place_or_apart(call_name const& call, bool in_place, guarded<In>& in, std::string_view in_name,
+                                       guarded<Out>& out, std::string_view out_name, Run&& run) {
+  if constexpr (std::is_same_v<In, Out>) {
+    if (in_place) {
+      require_accepted(call, [&] { run(in.view(), in.view()); });
+      in.require_guards_intact(call, std::string(in_name) + " (in place)");
+      return in.values();
+    }
+  }
+  require_accepted(call, [&] { run(in.cview(), out.view()); });
+  out.require_guards_intact(call, out_name);
+  return out.values();
+}
+template <class T>
+std::vector<double> wide(std::vector<T> const& v) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = mpx::detail::to_double(v[i]);
+  return out;
+}
+
 using mpx::detail::to_double;
 inline constexpr double uf = 0x1p-24;
 inline constexpr double inf = std::numeric_limits<double>::infinity();
@@ -170,19 +194,7 @@ void softmax_forward_case(draw& d, bool log) {
   guarded<Y> y_out(exec, ext, d);
   auto const xs = x.wide();
   call << shape_text<X>(ext) << "+" << x.offset() << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<X, Y>) {
-    if (in_place) {
-      require_accepted(call, [&] { run(x.view(), x.view()); });
-      x.require_guards_intact(call, "x (in place)");
-      got = x.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(x.cview(), y_out.view()); });
-    y_out.require_guards_intact(call, "y");
-    got = y_out.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(call, in_place, x, "x", y_out, "y", run));
   std::size_t const cols = static_cast<std::size_t>(ext.back());
   if (cols == 0) return;
   // docs/activations_softmax_losses.md: k = cols/32 + 48, d = |x - max|;
@@ -240,19 +252,8 @@ void softmax_backward_case(draw& d, bool log) {
   guarded<DX> dx(exec, ext, d);
   auto const ys = y.wide(), dys = dy.wide();
   call << shape_text<T>(ext) << "+" << y.offset() << (in_place ? " dx = dy" : " -> ") << shape_text<DX>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<T, DX>) {
-    if (in_place) {
-      require_accepted(call, [&] { run(y.cview(), dy.view(), dy.view()); });
-      dy.require_guards_intact(call, "dy (in place)");
-      got = dy.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(y.cview(), dy.cview(), dx.view()); });
-    dx.require_guards_intact(call, "dx");
-    got = dx.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(
+      call, in_place, dy, "dy", dx, "dx", [&](auto dy_view, auto dx_view) { run(y.cview(), dy_view, dx_view); }));
   std::size_t const cols = static_cast<std::size_t>(ext.back());
   if (cols == 0) return;
   // u_T|ref| + k u_f (the formula's terms in absolute value) + sub_T, k = cols/32 + 48.
@@ -287,6 +288,7 @@ inline std::vector<float> parameters(draw& d, std::size_t n) {
   return v;
 }
 inline std::vector<double> widen(std::vector<float> const& v) { return {v.begin(), v.end()}; }
+
 
 //! The bounds of docs/norms_and_dropout.md ("Error bounds"), for one group (a row of
 //! layer norm, a column of batch norm): k roundings, kappa = max|x| rstd.
@@ -341,23 +343,9 @@ void layer_norm_forward_case(draw& d) {
   guarded<Y> y(exec, ext, d);
   auto const xs = x.wide();
   call << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<X, Y>) {
-    if (in_place) {
-      require_accepted(call, [&] {
-        mpx::layer_norm_forward(exec, x.view(), gamma.cview(), beta.cview(), x.view(), mean.view(), rstd.view(), eps);
-      });
-      x.require_guards_intact(call, "x (in place)");
-      got = x.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] {
-      mpx::layer_norm_forward(exec, x.cview(), gamma.cview(), beta.cview(), y.view(), mean.view(), rstd.view(), eps);
-    });
-    y.require_guards_intact(call, "y");
-    got = y.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(call, in_place, x, "x", y, "y", [&](auto xv, auto yv) {
+    mpx::layer_norm_forward(exec, xv, gamma.cview(), beta.cview(), yv, mean.view(), rstd.view(), eps);
+  }));
   mean.require_guards_intact(call, "mean");
   rstd.require_guards_intact(call, "rstd");
   if (rows * cols == 0) return;
@@ -499,19 +487,7 @@ void norm_backward_case(draw& d, bool batch) {
   bool const in_place = std::is_same_v<X, DX> && variant == 6;
   guarded<DX> dx(exec, ext, d);
   call << (in_place ? " dx = dy" : " -> ") << shape_text<DX>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<X, DX>) {
-    if (in_place) {
-      require_accepted(call, [&] { run(dy.view(), dy.view()); });
-      dy.require_guards_intact(call, "dy (in place)");
-      got = dy.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(dy.cview(), dx.view()); });
-    dx.require_guards_intact(call, "dx");
-    got = dx.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(call, in_place, dy, "dy", dx, "dx", run));
   dgamma.require_guards_intact(call, "dgamma");
   dbeta.require_guards_intact(call, "dbeta");
   if (cols == 0) return;
@@ -600,19 +576,7 @@ void batch_norm_forward_case(draw& d) {
   auto const xs = x.wide();
   auto const rm0 = running_mean.wide(), rv0 = running_var.wide();
   call << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<X, Y>) {
-    if (in_place) {
-      require_accepted(call, [&] { run(x.view(), x.view()); });
-      x.require_guards_intact(call, "x (in place)");
-      got = x.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(x.cview(), y.view()); });
-    y.require_guards_intact(call, "y");
-    got = y.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(call, in_place, x, "x", y, "y", run));
   for (auto* t : {&running_mean, &running_var, &save_mean, &save_invstd}) t->require_guards_intact(call, "a statistic");
   if (rows * cols == 0) return;
   auto const g = widen(gamma.values()), b = widen(beta.values());
@@ -718,19 +682,7 @@ void dropout_case(draw& d) {
   guarded<Y> y(exec, ext, d);
   auto const xv = x.values();
   call << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
-  std::vector<Y> got;
-  if constexpr (std::is_same_v<X, Y>) {
-    if (in_place) {
-      require_accepted(call, [&] { run(x.view(), x.view()); });
-      x.require_guards_intact(call, "x (in place)");
-      got = x.values();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(x.cview(), y.view()); });
-    y.require_guards_intact(call, "y");
-    got = y.values();
-  }
+  std::vector<Y> const got = run_in_place_or_apart(call, in_place, x, "x", y, "y", run);
   // docs/norms_and_dropout.md: exact, cast<T>(float(x) * (kept ? 1/(1-rate) : 0)).
   float const scale = 1.0f / (1.0f - options.rate);
   std::vector<Y> expected(xv.size());
@@ -1052,20 +1004,8 @@ void activation_case(draw& d) {
   guarded<Y> y(exec, ext, d);
   auto const xs = x.wide(), dys = dy.wide();
   call << (in_place ? " in place" : " -> ") << shape_text<Y>(ext);
-  std::vector<double> got;
-  if constexpr (std::is_same_v<X, Y>) {
-    if (in_place) {
-      guarded<X>& io = backward ? dy : x;
-      require_accepted(call, [&] { run_on(io.view(), io.view()); });
-      io.require_guards_intact(call, "the output (in place)");
-      got = io.wide();
-    }
-  }
-  if (!in_place) {
-    require_accepted(call, [&] { run(y.view()); });
-    y.require_guards_intact(call, "y");
-    got = y.wide();
-  }
+  std::vector<double> const got = wide(run_in_place_or_apart(call, in_place, backward ? dy : x, backward ? "dy" : "x", y,
+                                                               "y", run_on));
   // docs/activations_softmax_losses.md: forward (u_T + 32 u_f)|ref| + 32 u_f + sub_T,
   // backward (u_T + 32 u_f)|ref| + 32 u_f |dy| + sub_T.
   double const uT = unit_roundoff<Y>();
