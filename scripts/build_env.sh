@@ -9,7 +9,10 @@ export CCACHE_NOHASHDIR=true
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-8G}"
 
 mpx_gpu_present() {
-  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+  # The list is read whole: `nvidia-smi -L | grep -q` under pipefail can fail when grep
+  # stops early and nvidia-smi dies of SIGPIPE.
+  local gpus
+  command -v nvidia-smi >/dev/null 2>&1 && gpus=$(nvidia-smi -L 2>/dev/null) && [[ "$gpus" == *$'\n'"GPU "* || "$gpus" == "GPU "* ]]
 }
 
 # The first GPU's name, for the one line that says what ran.

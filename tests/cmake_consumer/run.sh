@@ -51,8 +51,11 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
     -DMPX_CONSUMER_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >"$tmp/cuda-cmake.log" || { cat "$tmp/cuda-cmake.log"; exit 1; }
   cmake --build "$tmp/cuda" --target consumer_cuda -j 2
-  # The link must have pulled in cuBLASLt through mpx::mpx (CUDA::cublasLt).
-  if ! ldd "$tmp/cuda/consumer_cuda" | grep -q libcublasLt; then
+  # The link must have pulled in cuBLASLt through mpx::mpx (CUDA::cublasLt). ldd's
+  # output is read whole first: `ldd | grep -q` under pipefail fails at random when grep
+  # stops at the first match and ldd dies of SIGPIPE.
+  needed=$(ldd "$tmp/cuda/consumer_cuda")
+  if [[ "$needed" != *libcublasLt* ]]; then
     echo "consumer_cuda does not link cuBLASLt" >&2
     exit 1
   fi

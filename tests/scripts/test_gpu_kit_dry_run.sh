@@ -222,7 +222,7 @@ check_out() {  # check_out NAME OUT PHASE: what the device tool would bring back
   local name=$1 out=$2 phase=$3 count
   count=$(find "$out" -type f | wc -l)
   [ "$count" -le 4 ] || fail "run $name left $count files in \$OUT; the device tool returns 8 at most and the kit means to leave 2 or 3: $(ls "$out")"
-  if find "$out" -mindepth 3 -type f | grep -q . || find "$out" -type f -printf '%f\n' | grep -q '[^A-Za-z0-9._-]'; then
+  if [ -n "$(find "$out" -mindepth 3 -type f)" ] || [ -n "$(find "$out" -type f -printf '%f\n' | grep '[^A-Za-z0-9._-]')" ]; then
     fail "run $name left files the device tool does not return (too deep or oddly named): $(find "$out" -type f)"
   fi
   if [ -n "$(find "$out" -type f -size +16M)" ]; then fail "run $name left a file over 16 MiB in \$OUT"; fi
