@@ -43,9 +43,24 @@ shift || true
 
 echo "== building the fuzzers with $cxx"
 sanitize=(-O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
-"${launcher[@]}" "$cxx" "${common[@]}" "${sanitize[@]}" fuzz/fuzz_reader.cpp -lz -o "$out/fuzz_readers" &
-"${launcher[@]}" "$cxx" "${common[@]}" "${sanitize[@]}" fuzz/fuzz_api.cpp -o "$out/fuzz_api" &
-wait -n && wait -n || { echo "fuzz/run.sh: a fuzzer did not build" >&2; exit 1; }
+# Each translation unit is compiled to an object on its own (ccache caches a compile, not
+# a compile-and-link), as many at a time as there are cores; then the two links.
+# CCACHE_BASEDIR makes the cache key relative to the checkout, so a fresh clone hits.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=true
+api_units=(fuzz/fuzz_api.cpp fuzz/api/elementwise.cpp fuzz/api/matmul.cpp fuzz/api/rows.cpp fuzz/api/sequence.cpp fuzz/api/optim.cpp)
+object() { echo "$out/obj/$(basename "${1%.cpp}").o"; }
+mkdir -p "$out/obj"
+build_jobs=${MPX_FUZZ_JOBS:-$(nproc)}
+for unit in fuzz/fuzz_reader.cpp "${api_units[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$build_jobs" ]; do wait -n || { echo "fuzz/run.sh: a fuzzer did not compile" >&2; exit 1; }; done
+  "${launcher[@]}" "$cxx" "${common[@]}" "${sanitize[@]}" -c "$unit" -o "$(object "$unit")" &
+done
+while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || { echo "fuzz/run.sh: a fuzzer did not compile" >&2; exit 1; }; done
+api_objects=()
+for unit in "${api_units[@]}"; do api_objects+=("$(object "$unit")"); done
+"$cxx" "${sanitize[@]}" "$(object fuzz/fuzz_reader.cpp)" -lz -o "$out/fuzz_readers" &
+"$cxx" "${sanitize[@]}" "${api_objects[@]}" -o "$out/fuzz_api" &
+wait -n && wait -n || { echo "fuzz/run.sh: a fuzzer did not link" >&2; exit 1; }
 
 export ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

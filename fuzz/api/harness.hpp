@@ -5,7 +5,7 @@
 // with NaN exactly where the contract says NaN, and writes nothing outside its outputs.
 // Anything else is a finding: mpx_fuzz::api::finding, which nothing in mpx catches, so
 // the fuzzer dies on it (with the message) and the host suite's replay reports it.
-// The groups (fuzz/api/<group>.hpp) say what each public kernel and layer is given.
+// The groups (fuzz/api/<group>.cpp) say what each public kernel and layer is given.
 #pragma once
 
 #include <mpx/core/cast.hpp>

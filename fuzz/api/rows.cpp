@@ -3,9 +3,8 @@
 // a float64 reference (tests/support/reference/) within the bound its doc states
 // (docs/norms_and_dropout.md, docs/activations_softmax_losses.md), or bit for bit where
 // the contract is exact (dropout, the embedding's gather and its token-order sums).
-#pragma once
 
-#include "harness.hpp"
+#include "groups.hpp"
 
 #include "../../tests/support/reference/activation.hpp"
 #include "../../tests/support/reference/normalization.hpp"
@@ -1031,7 +1030,7 @@ void activation_case(draw& d) {
 
 namespace mpx_fuzz::api {
 
-inline void run_rows(draw& d) {
+void run_rows(draw& d) {
   using namespace rows_detail;
   unsigned const op = d.byte() % 13;
   with_dtype(d, [&](auto in) {

@@ -7,9 +7,8 @@
 // docs/conv_and_pooling.md state, or one made invalid on purpose (inner extents that
 // differ, an output of the wrong shape, bad geometry, an output overlapping an input,
 // a null scale), which must be refused naming what is wrong.
-#pragma once
 
-#include "harness.hpp"
+#include "groups.hpp"
 
 #include <mpx/core/policy.hpp>
 #include <mpx/kernels/conv2d.hpp>
@@ -871,7 +870,7 @@ void pool_by_dy(draw& d, bool backward) {
 
 }  // namespace matmul_detail
 
-inline void run_matmul(draw& d) {
+void run_matmul(draw& d) {
   using namespace matmul_detail;
   using mpx::float8_e4m3;
   using mpx::float8_e5m2;

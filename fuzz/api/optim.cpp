@@ -4,9 +4,8 @@
 // scaler. Each update is checked against a float64 transcription of the documented
 // rule (docs/optimizers.md, docs/loss_scaling.md) that carries a running bound on the
 // error float arithmetic may make (see `tracked`), so the bound is derived, not tuned.
-#pragma once
 
-#include "harness.hpp"
+#include "groups.hpp"
 
 #include <mpx/optim/adam.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
@@ -812,7 +811,7 @@ inline void run_loss_scale(draw& d) {
 
 }  // namespace optim_detail
 
-inline void run_optim(draw& d) {
+void run_optim(draw& d) {
   using namespace optim_detail;
   switch (d.below(5)) {
     case 0: run_unscale(d); break;

@@ -4,9 +4,8 @@
 // log2_histogram, column_sum), on the host executor. Casts and element-wise ops are
 // exact (one documented rounding each): their references round in double here, apart
 // from mpx; sums get the float summation bound.
-#pragma once
 
-#include "harness.hpp"
+#include "groups.hpp"
 
 #include <mpx/exec/copy.hpp>
 #include <mpx/kernels/column_reduce.hpp>
@@ -778,7 +777,7 @@ void column_sum_case(draw& d, mpx::host_executor const& exec) {
 
 }  // namespace elementwise_detail
 
-inline void run_elementwise(draw& d) {
+void run_elementwise(draw& d) {
   using namespace elementwise_detail;
   mpx::host_executor const exec;
   std::size_t const op = d.below(11);

@@ -23,9 +23,8 @@
 // but a NaN the float64 reference makes (from a NaN or inf input) must be NaN in mpx,
 // and a value certainly past a 16-bit format's range when stored is exactly ±inf (the
 // float16 logit overflow docs/transformers.md describes: the softmax row becomes NaN).
-#pragma once
 
-#include "harness.hpp"
+#include "groups.hpp"
 
 #include <mpx/core/policy.hpp>
 #include <mpx/kernels/attention.hpp>
@@ -943,7 +942,7 @@ void run_lstm_layer(draw& d) {
 
 }  // namespace sequence_detail
 
-inline void run_sequence(draw& d) {
+void run_sequence(draw& d) {
   using namespace sequence_detail;
   switch (d.byte() % 6) {
     case 0:
