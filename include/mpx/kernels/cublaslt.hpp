@@ -58,10 +58,14 @@ struct lt_problem {
   std::int32_t batch = 1;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;
   std::uint32_t align_a = 0, align_b = 0, align_c = 0;  // bytes: the heuristic needs them
+  //! How A's and B's scales apply (cublasLtMatmulMatrixScale_t): 0, one float per matrix,
+  //! unless the operands are block-scaled (mpx::fp8_block_gemm).
+  std::int32_t a_scale_mode = 0, b_scale_mode = 0;
 
   auto tie() const {
     return std::tie(device, a_type, b_type, c_type, scale_type, compute, op_a, op_b, a_rows, a_cols, b_rows, b_cols,
-                    c_rows, c_cols, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, align_a, align_b, align_c);
+                    c_rows, c_cols, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, align_a, align_b, align_c,
+                    a_scale_mode, b_scale_mode);
   }
   friend bool operator<(lt_problem const& x, lt_problem const& y) { return x.tie() < y.tie(); }
 };
@@ -272,6 +276,14 @@ class lt_context {
     set_layout(plan->a, p.batch, p.stride_a);
     set_layout(plan->b, p.batch, p.stride_b);
     set_layout(plan->c, p.batch, p.stride_c);
+    if (p.a_scale_mode != 0 || p.b_scale_mode != 0) {  // set before the heuristic: it picks kernels by them
+      check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &p.a_scale_mode,
+                                                  sizeof(p.a_scale_mode)),
+                   "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)");
+      check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &p.b_scale_mode,
+                                                  sizeof(p.b_scale_mode)),
+                   "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)");
+    }
 
     cublasLtMatmulPreference_t pref = nullptr;
     check_cublas(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
@@ -337,6 +349,9 @@ class lt_context {
 struct lt_operand_scales {
   float const* a = nullptr;
   float const* b = nullptr;
+  //! cublasLtMatmulMatrixScale_t of each: 0 (one float), or a block mode, when the
+  //! pointers are to block scales (mpx::fp8_block_gemm).
+  std::int32_t a_mode = 0, b_mode = 0;
 };
 
 //! Runs one planned product on `stream`: D = C = alpha * scales.a * scales.b * op(A) op(B)

@@ -468,6 +468,8 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
   p.align_a = gemm_alignment(b, p.stride_a * static_cast<std::int64_t>(sizeof(TB)));
   p.align_b = gemm_alignment(a, p.stride_b * static_cast<std::int64_t>(sizeof(TA)));
   p.align_c = gemm_alignment(c, p.stride_c * static_cast<std::int64_t>(sizeof(TC)));
+  p.a_scale_mode = scales.a_mode;
+  p.b_scale_mode = scales.b_mode;
   if constexpr (half_sums) {
     half const alpha_h = mpx::cast<half>(alpha), beta_h = mpx::cast<half>(beta);
     lt_matmul(p, stream, &alpha_h, b, a, &beta_h, c);
