@@ -6,6 +6,7 @@
 // scales lie (cuBLASLt's layouts); the product against a float64 product of the
 // dequantised values within the float-sum bound, and against the original data within
 // the fp8 rounding; the refusals.
+#include "../support/reference/fp8_blocks.hpp"
 #include "../support/testing.hpp"
 
 #include <mpx/kernels/fp8_block_gemm.hpp>
@@ -19,58 +20,8 @@
 namespace fp8_block_cases {
 
 using e4m3 = mpx::float8_e4m3;
-
-//! What quantize_fp8_blocks must write, computed block by block from the definition.
-struct expected_blocks {
-  std::vector<e4m3> values;
-  std::vector<float> inverse_scales;
-  unsigned nonfinite = 0;
-};
-
-//! x [rows, cols] (as floats) quantized as the operand [outer, k]: the block of each
-//! value by its coordinates, the scale 448 / max(finite amax, floor) in float, rounded
-//! down to a power of two when asked, the value saturate_cast(x * scale), NaN for NaN or
-//! inf, zeros in the padding.
-expected_blocks reference_quantize(std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
-                                   bool k_contiguous, mpx::fp8_block_kind kind, bool pow2) {
-  mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
-  auto const at = [&](std::int64_t o, std::int64_t kk) {
-    return k_contiguous ? x[static_cast<std::size_t>(o * cols + kk)] : x[static_cast<std::size_t>(kk * cols + o)];
-  };
-  std::int64_t const kp = layout.padded_k();
-  expected_blocks e;
-  e.inverse_scales.assign(static_cast<std::size_t>(layout.count()), 0.0f);
-  // Each slot's scale: from the finite values of the block it belongs to (a padding
-  // slot has none, so it gets the floor's).
-  std::vector<float> amax(e.inverse_scales.size(), 0.0f);
-  for (std::int64_t o = 0; o < layout.outer; ++o)
-    for (std::int64_t kk = 0; kk < layout.k; ++kk) {
-      float const v = at(o, kk);
-      auto const slot = layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk));
-      if (std::isfinite(v)) amax[slot] = std::max(amax[slot], std::fabs(v));
-    }
-  std::vector<float> scale(amax.size());
-  for (std::size_t s = 0; s < amax.size(); ++s) {
-    float const a = std::max(amax[s], 0x1p-110f);
-    float sc = 448.0f / a;
-    if (pow2) sc = std::ldexp(1.0f, std::ilogb(sc));
-    scale[s] = sc;
-    e.inverse_scales[s] = 1.0f / sc;
-  }
-  e.values.assign(static_cast<std::size_t>(layout.outer * kp), e4m3{});
-  for (std::int64_t o = 0; o < layout.outer; ++o)
-    for (std::int64_t kk = 0; kk < layout.k; ++kk) {
-      float const v = at(o, kk);
-      auto& out = e.values[static_cast<std::size_t>(o * kp + kk)];
-      if (!std::isfinite(v)) {
-        out = mpx::dtype_traits<e4m3>::quiet_nan();
-        ++e.nonfinite;
-      } else {
-        out = mpx::saturate_cast<e4m3>(v * scale[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
-      }
-    }
-  return e;
-}
+using mpx_test::reference::expected_blocks;
+using mpx_test::reference::reference_quantize;
 
 //! Values spread over many binades (so blocks differ in scale), some blocks scaled up
 //! or down by 2^±20 as a whole, a few huge outliers.

@@ -14,6 +14,7 @@
 // subnormal; conv's dx adds 2^-8 S for its column gradients, rounded to bfloat16 before
 // col2im sums them.
 #include "../support/reference/conv2d.hpp"
+#include "../support/reference/fp8_blocks.hpp"
 #include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
@@ -381,3 +382,150 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
   std::filesystem::remove_all(dir);
 }
 #endif
+
+// ---- dense under the block recipes (mixed_fp8_block, mixed_fp8_rowwise) ----
+
+namespace fp8_block_layer_cases {
+
+//! The operand [outer, k] of x [rows, cols] (x itself when k_contiguous, else its
+//! transpose) quantized as Policy's recipe says for role R, dequantised in float64.
+template <class Policy>
+std::vector<double> block_operand(std::vector<fp8_storage> const& x, std::int64_t rows, std::int64_t cols,
+                                  bool k_contiguous, mpx::operand_role role) {
+  using recipe = std::remove_cvref_t<decltype(mpx::fp8_recipe_for<Policy>)>;
+  mpx::fp8_block_kind const kind = std::is_same_v<recipe, mpx::rowwise_scaling> ? mpx::fp8_block_kind::row
+                                   : role == mpx::operand_role::weight         ? mpx::fp8_block_kind::tile128
+                                                                               : mpx::fp8_block_kind::vec128;
+  std::vector<float> f(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) f[i] = mpx::cast<float>(x[i]);
+  auto const q = mpx_test::reference::reference_quantize(f, rows, cols, k_contiguous, kind,
+                                                         mpx::fp8_recipe_for<Policy>.power_of_two_scales);
+  mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+  return mpx_test::reference::dequantised_blocks(q, layout);
+}
+
+//! Element (o, kk) of a dequantised operand [outer, padded k].
+struct operand_at {
+  std::vector<double> const* v;
+  std::int64_t pitch;
+  double operator()(std::int64_t o, std::int64_t kk) const { return (*v)[static_cast<std::size_t>(o * pitch + kk)]; }
+};
+
+template <class Policy, class Exec>
+void check_block_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::int64_t units) {
+  using Space = mpx::memory_space_t<Exec>;
+  INFO(Policy::name << " dense rows=" << rows << " in=" << in << " units=" << units);
+  mpx::dense<Policy> layer(units);
+  layer.set_name("dense");
+  layer.build(exec, mpx::shape{in}, mpx_test::seed);
+  layer.reserve(exec, rows);
+  {  // Weights whose magnitude varies within a 128x128 tile (by row and by column), so
+     // 1x128 and 128x128 blocks, rows and columns all give different scales.
+    auto w0 = mpx_test::download(exec, layer.template kernel<Space>());
+    for (std::int64_t k = 0; k < in; ++k)
+      for (std::int64_t j = 0; j < units; ++j) {
+        auto& v = w0[static_cast<std::size_t>(k * units + j)];
+        // Column 1 is 2^-14 of the rest: in a 128x128 tile its values fall among e4m3's
+        // subnormals, in its own 1x128 blocks they do not (so the two kinds differ even
+        // with power-of-two scales, which otherwise round alike).
+        int const shift = static_cast<int>((k / 3) % 5 + j % 3) - 3 - (j == 1 ? 14 : 0);
+        v = mpx::cast<fp8_storage>(std::ldexp(mpx::cast<float>(v), shift));
+      }
+    auto const wd = mpx_test::upload(exec, w0, mpx::shape{in, units});
+    mpx::copy(exec, wd, layer.template kernel<Space>());
+  }
+  // Gradients far below the activations, and one row of x 2^12 larger than the rest:
+  // per-tensor scaling would lose the small rows, blocks keep them.
+  auto xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * in), -3, 3, 90);
+  for (std::int64_t k = 0; k < in; ++k) xs[static_cast<std::size_t>(k)] = mpx::cast<fp8_storage>(mpx::cast<float>(xs[static_cast<std::size_t>(k)]) * 4096.0f);
+  auto const dys = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * units), -1e-3, 1e-3, 91);
+  auto const x = mpx_test::upload(exec, xs, mpx::shape{rows, in});
+  auto const dy = mpx_test::upload(exec, dys, mpx::shape{rows, units});
+  auto y = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, units});
+  auto dx = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, in});
+  layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+  layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(dy)),
+                 mpx::view(dx));
+  auto const w = mpx_test::download(exec, layer.template kernel<Space>());
+  auto const b = mpx_test::download(exec, layer.template bias<Space>());
+  auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
+  auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
+  using mpx::operand_role;
+  // y = x W: A = x [rows, in], B = W read as [units, in].
+  auto const ya = block_operand<Policy>(xs, rows, in, true, operand_role::activation);
+  auto const yb = block_operand<Policy>(w, in, units, false, operand_role::weight);
+  // dx = dy Wᵀ: A = dy [rows, units], B = W [in, units].
+  auto const xa = block_operand<Policy>(dys, rows, units, true, operand_role::gradient);
+  auto const xb = block_operand<Policy>(w, in, units, true, operand_role::weight);
+  // dW = xᵀ dy: A = x read as [in, rows], B = dy read as [units, rows].
+  auto const wa = block_operand<Policy>(xs, rows, in, false, operand_role::activation);
+  auto const wb = block_operand<Policy>(dys, rows, units, false, operand_role::gradient);
+  bool const rowwise = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<Policy>)>, mpx::rowwise_scaling>;
+  auto const padded = [&](std::int64_t k) { return rowwise ? mpx::fp8_gemm_padded_extent(k) : (k + 127) / 128 * 128; };
+  auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
+  fp8_bound fy{"dense y", sum_bound}, fdx{"dense dx", sum_bound}, fdw{"dense dW", sum_bound};
+  auto const at = [](std::int64_t i, std::int64_t j, std::int64_t cols) { return static_cast<std::size_t>(i * cols + j); };
+  // Scales that are not powers of two (rowwise's default) make each dequantised value a
+  // float rounding of q / scale: 2^-24 per operand, 2^-23 per term.
+  double const dequant = mpx::fp8_recipe_for<Policy>.power_of_two_scales ? 0.0 : std::ldexp(1.0, -23);
+  auto const product = [&](std::vector<double> const& a, std::vector<double> const& bv, std::int64_t k, auto check,
+                           std::int64_t m, std::int64_t n) {
+    operand_at const A{&a, padded(k)}, B{&bv, padded(k)};
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        double exact = 0, magnitude = 0;
+        for (std::int64_t kk = 0; kk < padded(k); ++kk) {
+          exact += A(i, kk) * B(j, kk);
+          magnitude += std::fabs(A(i, kk) * B(j, kk));
+        }
+        check(i, j, exact, magnitude, padded(k));
+      }
+  };
+  // y: the float product rounded to bfloat16 (2^-8 of its size: of the sum of |terms|),
+  // then the bias added and rounded again (fp8_bound's 2^-8 |ref|).
+  product(ya, yb, in, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+    fy.check(mpx::detail::to_double(got_y[at(i, j, units)]), ref + mpx::detail::to_double(b[static_cast<std::size_t>(j)]),
+             sum, k, dequant + std::ldexp(1.0, -8));
+  }, rows, units);
+  product(xa, xb, units, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+    fdx.check(mpx::detail::to_double(got_dx[at(i, j, in)]), ref, sum, k, dequant);
+  }, rows, in);
+  product(wa, wb, rows, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+    fdw.check(mpx::detail::to_double(got_dw[at(i, j, units)]), ref, sum, k, dequant);
+  }, in, units);
+  fy.require();
+  fdx.require();
+  fdw.require();
+}
+
+}  // namespace fp8_block_layer_cases
+
+TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block and mixed_fp8_rowwise matches the float64 block recipe, "
+                        "forward and backward",
+                        "[fp8][fp8_block][layers]", mpx_test::executors) {
+  using namespace fp8_block_layer_cases;
+  TestType exec;
+#if MPX_HAS_CUDA
+  if constexpr (!mpx::is_host_executor_v<TestType>) {
+    int device = 0, major = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&device));
+    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major < 9) {
+      WARN("block-scaled fp8 needs sm_90: skipped");
+      return;
+    }
+  }
+#endif
+  for (auto [rows, in, units] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{13, 48, 16}, {130, 208, 32},
+                                 {5, 144, 144}}) {
+    check_block_dense<mpx::mixed_fp8_block>(exec, rows, in, units);
+    check_block_dense<mpx::mixed_fp8_rowwise>(exec, rows, in, units);
+  }
+  // The block presets keep no scale state: nothing to save, nothing to restore.
+  mpx::dense<mpx::mixed_fp8_block> layer(16);
+  std::vector<mpx::fp8_scales_entry<TestType>> entries;
+  layer.products().template append_to<TestType>(entries, "dense");
+  CHECK(entries.empty());
+  CHECK(mpx::mixed_fp8_block::name == "mixed_fp8_block");
+  CHECK(std::is_same_v<mpx::without_fp8<mpx::mixed_fp8_block>, mpx::mixed_bfloat16>);
+}

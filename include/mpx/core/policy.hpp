@@ -109,6 +109,19 @@ using pure_bfloat16 = policy<bfloat16, bfloat16, float, bfloat16>;
 //! layers out of fp8 (mpx::without_fp8<P>), as Transformer Engine advises.
 using mixed_fp8 = policy<bfloat16, float8_e4m3, float, float>;
 
+//! mixed_fp8's dtypes with DeepSeek-V3's block recipe (Transformer Engine's
+//! Float8BlockScaling): e4m3 for every role, a scale per 1x128 block of activations and
+//! gradients and per 128x128 tile of weights, computed from each block as it is cast
+//! (docs/fp8_training.md). cuBLASLt runs its products on Hopper and newer.
+struct mixed_fp8_block : policy<bfloat16, float8_e4m3, float, float> {
+  static constexpr std::string_view name = "mixed_fp8_block";
+};
+//! mixed_fp8's dtypes with torchao's rowwise recipe: e4m3 for every role, a scale per
+//! row of each product's operands (over all of K).
+struct mixed_fp8_rowwise : policy<bfloat16, float8_e4m3, float, float> {
+  static constexpr std::string_view name = "mixed_fp8_rowwise";
+};
+
 namespace detail {
 template <class P>
 struct without_fp8_of {

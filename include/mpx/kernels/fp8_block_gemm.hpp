@@ -13,7 +13,7 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
-#include <mpx/scaling/fp8_block_scaling.hpp>
+#include <mpx/kernels/fp8_block_layout.hpp>
 
 #include <cstddef>
 #include <cstdint>

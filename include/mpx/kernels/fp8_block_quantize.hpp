@@ -12,7 +12,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/tensor.hpp>
-#include <mpx/scaling/fp8_block_scaling.hpp>
+#include <mpx/kernels/fp8_block_layout.hpp>
 
 #include <cstddef>
 #include <cstdint>

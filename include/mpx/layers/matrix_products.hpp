@@ -15,9 +15,12 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/fp8_block_gemm.hpp>
+#include <mpx/kernels/fp8_block_quantize.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/layer.hpp>
+#include <mpx/scaling/fp8_block_scaling.hpp>
 #include <mpx/scaling/fp8_scaling.hpp>
 
 #include <algorithm>
@@ -37,10 +40,16 @@ enum class operand_role { activation, weight, gradient };
 template <operand_role R>
 using fp8_format_of = std::conditional_t<R == operand_role::gradient, float8_e5m2, float8_e4m3>;
 
-//! The delayed-scaling recipe of a policy's fp8 layers (Transformer Engine's default: a
-//! 1024-step amax history, no margin). Specialise it for a policy of your own.
+//! The fp8 recipe of a policy's layers: per-tensor delayed scaling by default
+//! (Transformer Engine's default: a 1024-step amax history, no margin), block_scaling
+//! for mpx::mixed_fp8_block, rowwise_scaling for mpx::mixed_fp8_rowwise. Specialise it
+//! for a policy of your own (any of the three recipe types).
 template <class Policy>
-inline constexpr delayed_scaling fp8_recipe_for = {};
+inline constexpr auto fp8_recipe_for = delayed_scaling{};
+template <>
+inline constexpr auto fp8_recipe_for<mixed_fp8_block> = block_scaling{};
+template <>
+inline constexpr auto fp8_recipe_for<mixed_fp8_rowwise> = rowwise_scaling{};
 
 //! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
 //! prefix, and snapshot() returns what puts the current values back (a load that fails
@@ -125,6 +134,50 @@ class fp8_operand {
   bool on_device_ = false;
 };
 
+//! One role's block-quantized operand (block recipes): its values and its blocks'
+//! inverse scales, in buffers reserve() sizes for either orientation of the largest
+//! operand. Nothing is kept from step to step: each block's scale comes from the block.
+template <operand_role R>
+class fp8_block_role {
+ public:
+  template <class Recipe>
+  static constexpr fp8_block_kind kind_for() {
+    if constexpr (std::is_same_v<Recipe, rowwise_scaling>) return fp8_block_kind::row;
+    else return R == operand_role::weight ? fp8_block_kind::tile128 : fp8_block_kind::vec128;
+  }
+
+  template <class Recipe, executor Exec>
+  void reserve(Exec const& exec, operand_extent largest) {
+    constexpr fp8_block_kind kind = kind_for<Recipe>();
+    fp8_block_scale_layout const as_is{kind, largest.rows, largest.cols}, turned{kind, largest.cols, largest.rows};
+    std::int64_t const n = std::max(as_is.outer * as_is.padded_k(), turned.outer * turned.padded_k());
+    std::int64_t const scales = std::max(as_is.count(), turned.count());
+    values_.ensure(exec, shape{n > 0 ? n : 1});
+    scales_.ensure(exec, shape{scales > 0 ? scales : 1});
+  }
+
+  //! x (a matrix) quantized as the operand [outer, K] (x itself when k_contiguous, else
+  //! its transpose). Allocates nothing: an operand larger than reserve made room for is
+  //! an mpx::shape_error.
+  template <class Recipe, executor Exec, class T, class Space>
+  fp8_block_operand<float8_e4m3, Space> quantize(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous,
+                                                 Recipe const& recipe) {
+    constexpr fp8_block_kind kind = kind_for<Recipe>();
+    std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
+    fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+    auto const v = values_.template view<Space>(shape{layout.outer, layout.padded_k()});
+    auto const sc = scales_.template view<Space>(shape{layout.count()});
+    quantize_fp8_blocks<float8_e4m3>(exec, x, k_contiguous, kind, recipe.power_of_two_scales, v, sc);
+    return {v, sc, layout};
+  }
+
+  [[nodiscard]] void const* buffer_data() const noexcept { return values_.address(); }
+
+ private:
+  layer_tensor<float8_e4m3> values_;
+  layer_tensor<float> scales_;
+};
+
 //! Every fp8 scale a model's layers keep (dense and conv2d under an fp8 policy), by name.
 template <class Exec, class Model>
 std::vector<fp8_scales_entry<Exec>> model_fp8_scales(Model& model) {
@@ -145,10 +198,15 @@ template <class Policy>
 class matrix_products {
  public:
   static constexpr bool fp8 = computes_in_fp8<Policy>;
+  using recipe_type = std::remove_cvref_t<decltype(fp8_recipe_for<Policy>)>;
+  //! Under a block recipe each product quantizes its operands block by block and keeps
+  //! no scale state; under per-tensor scaling each role keeps a delayed scale.
+  static constexpr bool block_scaled = fp8 && is_block_recipe_v<recipe_type>;
+  static constexpr bool tensorwise = fp8 && !block_scaled;
 
   template <executor Exec>
-  void build(Exec const& exec) {
-    if constexpr (fp8) {
+  void build([[maybe_unused]] Exec const& exec) {
+    if constexpr (tensorwise) {
       constexpr delayed_scaling recipe = fp8_recipe_for<Policy>;
       activation_.build(exec, recipe);
       weight_.build(exec, recipe);
@@ -162,7 +220,11 @@ class matrix_products {
   template <executor Exec>
   void reserve([[maybe_unused]] Exec const& exec, [[maybe_unused]] detail::operand_extent activation,
                [[maybe_unused]] detail::operand_extent weight, [[maybe_unused]] detail::operand_extent gradient) {
-    if constexpr (fp8) {
+    if constexpr (block_scaled) {
+      activation_.template reserve<recipe_type>(exec, activation);
+      weight_.template reserve<recipe_type>(exec, weight);
+      gradient_.template reserve<recipe_type>(exec, gradient);
+    } else if constexpr (fp8) {
       activation_.reserve(exec, activation);
       weight_.reserve(exec, weight);
       gradient_.reserve(exec, gradient);
@@ -177,6 +239,22 @@ class matrix_products {
            mpx::source_location loc = mpx::source_location::current()) {
     if constexpr (!fp8) {
       gemm<Policy>(exec, a_in, b_in, c, o, loc);
+    } else if constexpr (block_scaled) {
+      static_assert(RA != RB, "an fp8 product reads two different roles");
+      tensor_view<value_t<A> const, space_t<A>> const a = mpx::view(a_in);
+      tensor_view<value_t<B> const, space_t<B>> const b = mpx::view(b_in);
+      if (a.shape().rank() != 2 || b.shape().rank() != 2)
+        detail::fail<shape_error>("fp8 layer product", "expects matrices, got " + a.shape().to_string() + " and " +
+                                                           b.shape().to_string(),
+                                  loc);
+      // Checked before anything is quantized: the GPU's N rule on every executor.
+      detail::gemm_dims d = detail::gemm_shapes(a.shape(), b.shape(), mpx::view(c).shape(), o, loc);
+      d.k = fp8_gemm_padded_extent(d.k);
+      detail::check_fp8_gemm_layout(d, gemm_options{.transpose_a = false, .transpose_b = true}, loc);
+      constexpr recipe_type recipe = fp8_recipe_for<Policy>;
+      auto const a8 = operand<RA>().quantize(exec, a, !o.transpose_a, recipe);
+      auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe);
+      fp8_block_gemm(exec, a8, b8, c, o.alpha, o.beta, loc);
     } else {
       static_assert(RA != RB, "an fp8 product reads two different roles");
       tensor_view<value_t<A> const, space_t<A>> const a = mpx::view(a_in);
@@ -202,8 +280,8 @@ class matrix_products {
   //! Ends the step's fp8 bookkeeping: every scale takes this step's amax into its
   //! history and is recomputed from it (asynchronous, no host sync).
   template <executor Exec>
-  void end_step(Exec const& exec) {
-    if constexpr (fp8) {
+  void end_step([[maybe_unused]] Exec const& exec) {
+    if constexpr (tensorwise) {
       if (amax_reduction_) {  // data-parallel: every replica updates from the global amax
         // The step amax is a float's bit pattern (see fp8_scale_values): a float max,
         // NaN kept, is the same order.
@@ -221,16 +299,18 @@ class matrix_products {
   //! The scale states as checkpoint sections "<prefix>/activation", ".../weight",
   //! ".../gradient" (nothing outside fp8). Synchronises.
   template <executor Exec>
-  void save(Exec const& exec, detail::checkpoint_writer& out, std::string const& prefix) const {
-    if constexpr (fp8) {
+  void save([[maybe_unused]] Exec const& exec, [[maybe_unused]] detail::checkpoint_writer& out,
+            [[maybe_unused]] std::string const& prefix) const {
+    if constexpr (tensorwise) {
       activation_.template state<Exec>().save(exec, out, prefix + "/activation");
       weight_.template state<Exec>().save(exec, out, prefix + "/weight");
       gradient_.template state<Exec>().save(exec, out, prefix + "/gradient");
     }
   }
   template <executor Exec>
-  void load(Exec const& exec, detail::checkpoint_reader const& in, std::string const& prefix) {
-    if constexpr (fp8) {
+  void load([[maybe_unused]] Exec const& exec, [[maybe_unused]] detail::checkpoint_reader const& in,
+            [[maybe_unused]] std::string const& prefix) {
+    if constexpr (tensorwise) {
       activation_.template state<Exec>().load(exec, in, prefix + "/activation");
       weight_.template state<Exec>().load(exec, in, prefix + "/weight");
       gradient_.template state<Exec>().load(exec, in, prefix + "/gradient");
@@ -240,8 +320,8 @@ class matrix_products {
   //! Adds this layer's scales, named `name`, to what save_training_state keeps (fp8
   //! policies only; nothing otherwise).
   template <executor Exec>
-  void append_to(std::vector<fp8_scales_entry<Exec>>& out, std::string const& name) {
-    if constexpr (fp8) {
+  void append_to([[maybe_unused]] std::vector<fp8_scales_entry<Exec>>& out, [[maybe_unused]] std::string const& name) {
+    if constexpr (tensorwise) {
       out.push_back({name, [this](Exec const& e, detail::checkpoint_writer& w, std::string const& p) { save(e, w, p); },
                      [this](Exec const& e, detail::checkpoint_reader const& r, std::string const& p) { load(e, r, p); },
                      [this](Exec const& e) -> std::function<void()> {
@@ -270,24 +350,27 @@ class matrix_products {
   //! The scale state of a role, for inspection and tests (fp8 policies only).
   template <operand_role R, executor Exec>
   [[nodiscard]] auto& scale(Exec const&) const
-    requires fp8
+    requires tensorwise
   {
     return const_cast<matrix_products*>(this)->template operand<R>().template state<Exec>();
   }
 
  private:
+  struct none {};
   template <operand_role R>
-  detail::fp8_operand<R>& operand() {
+  using role_state = std::conditional_t<block_scaled, detail::fp8_block_role<R>,
+                                        std::conditional_t<fp8, detail::fp8_operand<R>, none>>;
+  template <operand_role R>
+  role_state<R>& operand() {
     if constexpr (R == operand_role::activation) return activation_;
     else if constexpr (R == operand_role::weight) return weight_;
     else return gradient_;
   }
 
   std::function<void(float*)> amax_reduction_;  // set while a data-parallel trainer runs
-  struct none {};
-  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::activation>, none> activation_;
-  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::weight>, none> weight_;
-  [[no_unique_address]] std::conditional_t<fp8, detail::fp8_operand<operand_role::gradient>, none> gradient_;
+  [[no_unique_address]] role_state<operand_role::activation> activation_;
+  [[no_unique_address]] role_state<operand_role::weight> weight_;
+  [[no_unique_address]] role_state<operand_role::gradient> gradient_;
 };
 
 //! What a layer with matrix products exposes: its products (their fp8 scales, for

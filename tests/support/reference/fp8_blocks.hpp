@@ -1,0 +1,83 @@
+// The float64-side reference of block-scaled fp8 (mpx::quantize_fp8_blocks): each
+// block's amax, scale and rounding computed straight from the definition, independent of
+// the kernel's passes. Shared by the kernel and layer tests.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/kernels/fp8_block_layout.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace mpx_test::reference {
+
+//! What quantize_fp8_blocks must write, computed block by block from the definition.
+struct expected_blocks {
+  std::vector<mpx::float8_e4m3> values;
+  std::vector<float> inverse_scales;
+  unsigned nonfinite = 0;
+};
+
+//! x [rows, cols] (as floats) quantized as the operand [outer, k]: the block of each
+//! value by its coordinates, the scale 448 / max(finite amax, floor) in float, rounded
+//! down to a power of two when asked, the value saturate_cast(x * scale), NaN for NaN or
+//! inf, zeros in the padding.
+inline expected_blocks reference_quantize(std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
+                                   bool k_contiguous, mpx::fp8_block_kind kind, bool pow2) {
+  mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+  auto const at = [&](std::int64_t o, std::int64_t kk) {
+    return k_contiguous ? x[static_cast<std::size_t>(o * cols + kk)] : x[static_cast<std::size_t>(kk * cols + o)];
+  };
+  std::int64_t const kp = layout.padded_k();
+  expected_blocks e;
+  e.inverse_scales.assign(static_cast<std::size_t>(layout.count()), 0.0f);
+  // Each slot's scale: from the finite values of the block it belongs to (a padding
+  // slot has none, so it gets the floor's).
+  std::vector<float> amax(e.inverse_scales.size(), 0.0f);
+  for (std::int64_t o = 0; o < layout.outer; ++o)
+    for (std::int64_t kk = 0; kk < layout.k; ++kk) {
+      float const v = at(o, kk);
+      auto const slot = layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk));
+      if (std::isfinite(v)) amax[slot] = std::max(amax[slot], std::fabs(v));
+    }
+  std::vector<float> scale(amax.size());
+  for (std::size_t s = 0; s < amax.size(); ++s) {
+    float const a = std::max(amax[s], 0x1p-110f);
+    float sc = 448.0f / a;
+    if (pow2) sc = std::ldexp(1.0f, std::ilogb(sc));
+    scale[s] = sc;
+    e.inverse_scales[s] = 1.0f / sc;
+  }
+  e.values.assign(static_cast<std::size_t>(layout.outer * kp), mpx::float8_e4m3{});
+  for (std::int64_t o = 0; o < layout.outer; ++o)
+    for (std::int64_t kk = 0; kk < layout.k; ++kk) {
+      float const v = at(o, kk);
+      auto& out = e.values[static_cast<std::size_t>(o * kp + kk)];
+      if (!std::isfinite(v)) {
+        out = mpx::dtype_traits<mpx::float8_e4m3>::quiet_nan();
+        ++e.nonfinite;
+      } else {
+        out = mpx::saturate_cast<mpx::float8_e4m3>(v * scale[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
+      }
+    }
+  return e;
+}
+
+//! The operand [outer, padded k] that reference_quantize describes, dequantised in
+//! float64: each value times its block's inverse scale.
+inline std::vector<double> dequantised_blocks(expected_blocks const& q, mpx::fp8_block_scale_layout const& layout) {
+  std::int64_t const kp = layout.padded_k();
+  std::vector<double> out(q.values.size());
+  for (std::int64_t o = 0; o < layout.outer; ++o)
+    for (std::int64_t kk = 0; kk < kp; ++kk) {
+      auto const i = static_cast<std::size_t>(o * kp + kk);
+      out[i] = mpx::detail::to_double(q.values[i]) *
+               static_cast<double>(q.inverse_scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
+    }
+  return out;
+}
+
+}  // namespace mpx_test::reference
