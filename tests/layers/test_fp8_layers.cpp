@@ -510,7 +510,7 @@ TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block and mixed_fp8_rowwise match
     int device = 0, major = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&device));
     MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major < 9) {
+    if (major != 9) {  // cuBLASLt offers these scale modes on Hopper only
       WARN("block-scaled fp8 needs sm_90: skipped");
       return;
     }

@@ -176,11 +176,15 @@ class lt_context {
   }
 
   //! The plan of `p`, made (descriptors, heuristic) on first use.
-  lt_plan const& plan(lt_problem const& p, cublasLtHandle_t handle, std::size_t workspace_bytes) {
+  //! a_scale and b_scale: the first call's scale pointers, which a block scale mode
+  //! needs already when the algorithm is chosen (cuBLASLt refuses the query without
+  //! them); every call sets its own before it runs.
+  lt_plan const& plan(lt_problem const& p, cublasLtHandle_t handle, std::size_t workspace_bytes,
+                      float const* a_scale = nullptr, float const* b_scale = nullptr) {
     std::lock_guard lock(mutex_);
     auto it = plans_.find(p);
     if (it != plans_.end()) return *it->second;
-    auto made = make_plan(p, handle, workspace_bytes);
+    auto made = make_plan(p, handle, workspace_bytes, a_scale, b_scale);
     return *plans_.emplace(p, std::move(made)).first->second;
   }
 
@@ -260,7 +264,8 @@ class lt_context {
   }
 
   static std::unique_ptr<lt_plan> make_plan(lt_problem const& p, cublasLtHandle_t handle,
-                                            std::size_t workspace_bytes) {
+                                            std::size_t workspace_bytes, float const* a_scale,
+                                            float const* b_scale) {
     auto plan = std::make_unique<lt_plan>();
     check_cublas(cublasLtMatmulDescCreate(&plan->desc, p.compute, p.scale_type), "cublasLtMatmulDescCreate");
     check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &p.op_a, sizeof(p.op_a)),
@@ -283,6 +288,12 @@ class lt_context {
       check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &p.b_scale_mode,
                                                   sizeof(p.b_scale_mode)),
                    "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)");
+      check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                                  sizeof(a_scale)),
+                   "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
+      check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                                  sizeof(b_scale)),
+                   "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
     }
 
     cublasLtMatmulPreference_t pref = nullptr;
@@ -365,7 +376,7 @@ inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alph
   bool const capturing = lt_context::capturing(stream);
   lt_context::workspace const ws = context.workspace_for(p.device, stream, capturing);
   cublasLtHandle_t const handle = context.handle(p.device, capturing);
-  lt_plan const& plan = context.plan(p, handle, ws.bytes);
+  lt_plan const& plan = context.plan(p, handle, ws.bytes, scales.a, scales.b);
   auto const run = [&] {
     check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c,
                                 &plan.algo, ws.data, ws.bytes, stream),

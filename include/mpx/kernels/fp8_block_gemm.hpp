@@ -3,7 +3,7 @@
 // dequantised (fp8 value * its block's inverse scale: exact when the scales are powers of
 // two) and the float product runs as mpx::gemm's; on a cuda_executor it is one cuBLASLt
 // call with the blocks' scale modes (OUTER_VEC_32F, VEC128_32F, BLK128x128_32F), which
-// Hopper (sm_90) and newer run.
+// cuBLASLt offers on Hopper (sm_90); Blackwell's block formats are MXFP8 and NVFP4.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
@@ -134,8 +134,8 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
 //! Refused before anything runs (mpx::shape_error or mpx::invalid_argument, naming the
 //! operand): values or scales not as their layouts say, rowwise blocks with other blocks,
 //! two 128x128 operands, K that differs, N not a multiple of 16, C not [M, N], C
-//! overlapping an operand. On a cuda_executor too: pointers not 16-byte aligned, a
-//! device older than sm_90 (Hopper).
+//! overlapping an operand. On a cuda_executor too: pointers (scales included) not
+//! 16-byte aligned, a device other than Hopper (sm_90).
 template <executor Exec, class FA, class FB, memory_space Space, tensor_like C>
 void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Space> const& a,
                     fp8_block_operand<FB, Space> const& b, C&& c, float alpha = 1.0f, float beta = 0.0f,
@@ -161,13 +161,20 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
 #if MPX_HAS_CUDA
     detail::check_fp8_gemm_device(d, o, a.values.data(), b.values.data(), cv.data(), loc);
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
+    if (reinterpret_cast<std::uintptr_t>(a.inverse_scales.data()) % 16 != 0 ||
+        reinterpret_cast<std::uintptr_t>(b.inverse_scales.data()) % 16 != 0)
+      detail::fail<invalid_argument>("fp8_block_gemm",
+                                     "on the GPU the inverse scales must start at 16-byte aligned addresses (a view "
+                                     "at an offset may not); copy them into a tensor of their own",
+                                     loc);
     int device = 0, major = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&device));
     MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major < 9)
+    if (major != 9)
       detail::fail<invalid_argument>("fp8_block_gemm",
-                                     "block-scaled fp8 products need a Hopper (sm_90) GPU or newer; use mpx::fp8_gemm "
-                                     "with per-tensor scales here",
+                                     "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper "
+                                     "(sm_90) only; this device is sm_" + std::to_string(major) +
+                                         "x. Use mpx::fp8_gemm with per-tensor scales here",
                                      loc);
     // cuBLASLt's A is our B (see cuda_gemm): its scales and mode come first.
     detail::cuda_gemm<float>(exec.stream(), d, false, true, alpha, a.values.data(), b.values.data(), beta, cv.data(),
