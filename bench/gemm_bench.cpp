@@ -1,7 +1,8 @@
 // Microbenchmark of mpx::gemm: square products and the shapes a small CNN on
 // Fashion-MNIST makes (dense layers, their weight gradients, convolutions as products),
-// for half, bfloat16 and float, and mpx::fp8_gemm on e4m3 operands beside the bfloat16
-// row where the GPU's fp8 rules allow the shape. On the GPU each row stands beside cuBLAS
+// for half, bfloat16 and float, mpx::fp8_gemm on e4m3 operands beside the bfloat16 row
+// where the GPU's fp8 rules allow the shape, and the two block-scaled recipes (quantize
+// and product: 1x128 with 128x128 blocks, rowwise). On the GPU each row stands beside cuBLAS
 // (cublasGemmEx / cublasGemmStridedBatchedEx, default algorithm, the same compute type)
 // measured in the same run; on the host it reports GFLOP/s of the host path (OpenBLAS
 // sgemm where the build found it, mpx's blocked product otherwise).
@@ -206,6 +207,67 @@ void run_all(Exec const& exec, options const& opt) {
                 bfloat16_rate > 0 ? rate / bfloat16_rate : 0.0);
     std::fflush(stdout);
   };
+  // The block-scaled recipes on the same bfloat16 operands: both quantized
+  // (quantize_fp8_blocks: A in 1x128 blocks, B as a weight in 128x128 tiles; or both
+  // rowwise) and multiplied (fp8_block_gemm), the three calls timed together, as a layer
+  // runs them. Checked against float64 of the bfloat16 data within e4m3's rounding of
+  // both operands (2^-4 each, plus the sums): a scale applied wrongly is off by far more.
+  auto block_row = [&](shape_case const& c, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind, char const* label) {
+    if (c.batch != 1 || c.n % mpx::fp8_gemm_multiple != 0) return;
+    using F = mpx::float8_e4m3;
+    using space = mpx::memory_space_t<Exec>;
+    shape_case const tn{c.name, 1, c.m, c.n, c.k, false, false};
+    auto const ha = random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.m * c.k), 1);
+    auto const hb = random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.k * c.n), 2);  // [K, N], a weight
+    auto a = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.k});
+    auto b = mpx::make_tensor<mpx::bfloat16>(exec, {c.k, c.n});
+    mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(ha.data(), a.shape()), a);
+    mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(hb.data(), b.shape()), b);
+    mpx::fp8_block_scale_layout const la{a_kind, c.m, c.k}, lb{b_kind, c.n, c.k};
+    auto aq = mpx::make_tensor<F>(exec, {c.m, la.padded_k()});
+    auto bq = mpx::make_tensor<F>(exec, {c.n, lb.padded_k()});
+    auto as = mpx::make_tensor<float>(exec, {la.count()});
+    auto bs = mpx::make_tensor<float>(exec, {lb.count()});
+    auto out = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.n});
+    bool const pow2 = a_kind != mpx::fp8_block_kind::row;
+    double const flops = 2.0 * static_cast<double>(c.m) * static_cast<double>(c.n * c.k);
+    int const inner = gpu ? static_cast<int>(std::clamp(2e10 / flops, 1.0, 1000.0)) : 1;
+    double const s = mpx_bench::median_seconds(
+        exec, opt.repeat,
+        [&] {
+          mpx::quantize_fp8_blocks<F>(exec, a, true, a_kind, pow2, aq, as);
+          mpx::quantize_fp8_blocks<F>(exec, b, false, b_kind, pow2, bq, bs);
+          mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<F, space>{mpx::view(aq), mpx::view(as), la},
+                              mpx::fp8_block_operand<F, space>{mpx::view(bq), mpx::view(bs), lb}, out);
+        },
+        inner);
+    auto host_out = mpx::to_host(exec, out);
+    std::vector<mpx::bfloat16> const got(host_out.begin(), host_out.end());
+    std::uint64_t seed = 777;
+    for (int t = 0; t < 64; ++t) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      auto const i = static_cast<std::int64_t>((seed >> 30) % static_cast<std::uint64_t>(c.m));
+      auto const j = static_cast<std::int64_t>((seed >> 4) % static_cast<std::uint64_t>(c.n));
+      double exact = 0, scale = 0;
+      for (std::int64_t k = 0; k < c.k; ++k) {
+        double const p = mpx::detail::to_double(ha[static_cast<std::size_t>(i * c.k + k)]) *
+                         mpx::detail::to_double(hb[static_cast<std::size_t>(k * c.n + j)]);
+        exact += p;
+        scale += std::abs(p);
+      }
+      double const g = mpx::detail::to_double(got[static_cast<std::size_t>(i * c.n + j)]);
+      if (!(std::abs(g - exact) <= 0.14 * scale + 1e-30))
+        throw mpx::error(std::string("mpx::fp8_block_gemm ") + label + " " + c.name + ": C[" + std::to_string(i) +
+                         "][" + std::to_string(j) + "] = " + std::to_string(g) + ", float64 says " +
+                         std::to_string(exact));
+    }
+    double const rate = flops / s / (gpu ? 1e12 : 1e9);
+    std::string const dims = "1x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
+    std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f %10s %7.2fx  (of the bfloat16 row; quantize included)\n",
+                std::string(Exec::name).c_str(), c.name.c_str(), label, dims.c_str(), s * 1e6, rate, "",
+                bfloat16_rate > 0 ? rate / bfloat16_rate : 0.0);
+    std::fflush(stdout);
+  };
   for (shape_case const& c : cases(opt, gpu)) {
     auto for_type = [&](auto tag) {
       using T = decltype(tag);
@@ -251,6 +313,8 @@ void run_all(Exec const& exec, options const& opt) {
     for_type(mpx::bfloat16{});
     for_type(float{});
     fp8_row(c);
+    block_row(c, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128, "e4m3 blk");
+    block_row(c, mpx::fp8_block_kind::row, mpx::fp8_block_kind::row, "e4m3 row");
   }
 #if MPX_HAS_CUDA
   if constexpr (gpu) check(cublasDestroy(handle), "cublasDestroy");

@@ -1,4 +1,4 @@
-// <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm and fp8_gemm (cuBLASLt on
+// <mpx/kernels.hpp>: the operations: elementwise, reductions, gemm, fp8_gemm and fp8_block_gemm (cuBLASLt on
 // the GPU), activations, column reductions, softmax, norms, dropout, conv2d, pooling, LSTM,
 // embeddings; and the passes behind the training pieces: the scaled fp8 cast, the
 // gradient unscale-and-check, the loss-scale update, the optimizer update, the step record.
@@ -14,6 +14,9 @@
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/embedding.hpp>
+#include <mpx/kernels/fp8_block_gemm.hpp>
+#include <mpx/kernels/fp8_block_layout.hpp>
+#include <mpx/kernels/fp8_block_quantize.hpp>
 #include <mpx/kernels/fp8_cast.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>

@@ -295,22 +295,26 @@ TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU'
 #include <mpx/model/train_step.hpp>
 #include <mpx/model/training_state.hpp>
 
+#include <boost/hana/type.hpp>
+
 #include <filesystem>
 #include <unistd.h>
 
 namespace {
 
-// A small mixed_fp8 classifier: fp8 hidden layers, the last layer kept out of fp8.
+// A small classifier under an fp8 policy P: fp8 hidden layers, the last layer kept out
+// of fp8.
+template <class P = mpx::mixed_fp8>
 auto make_fp8_classifier() {
-  return mpx::sequential<mpx::mixed_fp8>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
-                                         mpx::dense<>(16, mpx::activation::relu),
-                                         mpx::dense<mpx::without_fp8<mpx::mixed_fp8>>(3),
-                                         mpx::softmax_layer<mpx::float32>());
+  return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
+                            mpx::dense<>(16, mpx::activation::relu), mpx::dense<mpx::without_fp8<P>>(3),
+                            mpx::softmax_layer<mpx::float32>());
 }
 
+template <class P = mpx::mixed_fp8>
 struct fp8_run {
   mpx::host_executor exec;
-  decltype(make_fp8_classifier()) model = make_fp8_classifier();
+  decltype(make_fp8_classifier<P>()) model = make_fp8_classifier<P>();
   std::vector<mpx::tensor<fp8_storage>> images;
   std::vector<mpx::tensor<std::int32_t>> labels;
 
@@ -380,6 +384,38 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
   CHECK(other.template layer<1>().products().template scale<operand_role::activation>(exec).values(exec).scale ==
         1.0f);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a mixed_fp8_block or mixed_fp8_rowwise run resumed from its training state continues bit for bit",
+          "[layers][fp8][fp8_block][resume]") {
+  auto const check_resume = [](auto policy) {
+    using P = typename decltype(policy)::type;
+    INFO(P::name);
+    auto const dir = std::filesystem::temp_directory_path() /
+                     ("mpx_test_fp8_block_resume_" + std::string(P::name) + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::vector<float> whole_tail;
+    {
+      fp8_run<P> run(1);
+      auto optimizer = make_fp8_optimizer(run.exec, run.model);
+      run.train(optimizer, 0, 5);
+      mpx::save_training_state(run.exec, run.model, optimizer, dir, {.steps = 5});
+      whole_tail = run.train(optimizer, 5, 5);
+    }
+    fp8_run<P> resumed(2);  // another initialisation: everything must come from the save
+    auto optimizer = make_fp8_optimizer(resumed.exec, resumed.model);
+    CHECK(mpx::load_training_state(resumed.exec, resumed.model, optimizer, dir).steps == 5);
+    auto const tail = resumed.train(optimizer, 5, 5);
+    REQUIRE(tail.size() == whole_tail.size());
+    for (std::size_t i = 0; i < tail.size(); ++i) {
+      INFO("step " << 5 + i);
+      CHECK(std::isfinite(tail[i]));
+      CHECK(mpx::detail::bit_cast<std::uint32_t>(tail[i]) == mpx::detail::bit_cast<std::uint32_t>(whole_tail[i]));
+    }
+    std::filesystem::remove_all(dir);
+  };
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_block>);
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
 }
 #endif
 
