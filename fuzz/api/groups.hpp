@@ -29,7 +29,7 @@ struct group {
 
 inline constexpr group groups[] = {
     {"elementwise", run_elementwise, "fill, cast, scale, axpy, fp8 casts, reductions and finite checks, statistics"},
-    {"matmul", run_matmul, "gemm, fp8_gemm, conv2d, max_pool2d"},
+    {"matmul", run_matmul, "gemm, fp8_gemm, block-scaled fp8, conv2d, max_pool2d"},
     {"rows", run_rows, "layer and batch norm, dropout, softmax, the losses, embedding"},
     {"sequence", run_sequence, "attention, LSTM"},
     {"optim", run_optim, "unscale and check, every optimizer's step"},

@@ -2,7 +2,8 @@
 // shared operand, the three standard policies and a float C), mpx::fp8_gemm (e4m3/e5m2
 // operands, their inverse scales, half/bfloat16/float C), the three conv2d passes
 // (strides, padding with Keras's extra row, dilation, chunked and oversized workspaces,
-// reused forward columns, a float dw) and max_pool2d forward and backward. Each case
+// reused forward columns, a float dw), max_pool2d forward and backward, and the
+// block-scaled fp8 recipe (quantize_fp8_blocks on both operands, fp8_block_gemm). Each case
 // draws a valid call, checked against float64 within the bound docs/gemm.md and
 // docs/conv_and_pooling.md state, or one made invalid on purpose (inner extents that
 // differ, an output of the wrong shape, bad geometry, an output overlapping an input,
@@ -12,11 +13,14 @@
 
 #include <mpx/core/policy.hpp>
 #include <mpx/kernels/conv2d.hpp>
+#include <mpx/kernels/fp8_block_gemm.hpp>
+#include <mpx/kernels/fp8_block_quantize.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/max_pool.hpp>
 
 #include "../../tests/support/reference/conv2d.hpp"
+#include "../../tests/support/reference/fp8_blocks.hpp"
 #include "../../tests/support/reference/matmul.hpp"
 
 #include <algorithm>
@@ -378,6 +382,179 @@ void fp8_gemm_case(draw& d) {
   // C0|) plus C's final rounding; the products of fp8 values are exact in float.
   check_product(call, s, a.values(), b.values(), c_old, c, static_cast<double>(alpha) * sa * sb, beta, 0x1p-24);
   c.require_guards_intact(call, "C");
+}
+
+// ---- quantize_fp8_blocks and fp8_block_gemm ------------------------------------------
+
+//! The block-scaled recipe end to end: A from x [M, K] and B from a weight-like w [K, N]
+//! (or the other orientation), each quantized in drawn blocks, then multiplied. Every
+//! quantized value and inverse scale must be what the definition gives
+//! (tests/support/reference/fp8_blocks.hpp) bit for bit, the scales positive and
+//! finite whatever the values, and C the float64 product of the dequantised operands
+//! within the float-sum bound, NaN exactly where a row of A or of B holds one. Invalid
+//! variants: a pair of kinds cuBLASLt has no product for, K that differs, N not a
+//! multiple of 16, values or scales of the wrong size, C of the wrong shape or
+//! overlapping A's values.
+template <class TX, class TC>
+void fp8_block_case(draw& d) {
+  using F = mpx::float8_e4m3;
+  using kind = mpx::fp8_block_kind;
+  mpx::host_executor exec;
+  std::int64_t const m = d.extent(40), k = d.extent(300);
+  std::int64_t n = 16 * (1 + static_cast<std::int64_t>(d.byte() % 3));
+  kind const kinds[] = {kind::row, kind::vec128, kind::tile128};
+  std::uint8_t const pair = d.byte() % 4;  // row x row, vec x vec, vec x tile, tile x vec
+  kind const a_kind = pair == 0 ? kind::row : pair == 3 ? kind::tile128 : kind::vec128;
+  kind const b_kind = pair == 0 ? kind::row : pair == 2 ? kind::tile128 : kind::vec128;
+  bool const pow2 = d.coin(), hostile = d.byte() % 3 == 0;
+  bool const a_k_contiguous = d.coin(), b_k_contiguous = d.coin();
+  float const alpha = draw_alpha(d), beta = draw_beta(d);
+  std::uint8_t const fault = d.byte();
+  bool const invalid = fault >= 200;
+  if (invalid && fault % 6 == 2) n += 1 + fault % 15;  // N not a multiple of 16
+  if (m * k > max_elements || n * k > max_elements || m * n * (k + 128) > (1 << 17)) return;
+  call_name call("fp8_block_gemm");
+  call << " A " << mpx::dtype_name<TX> << "[" << m << "," << k << "] " << mpx::detail::block_kind_name(a_kind)
+       << (a_k_contiguous ? "" : " (from its transpose)") << ", B [" << n << "," << k << "] "
+       << mpx::detail::block_kind_name(b_kind) << (b_k_contiguous ? "" : " (from its transpose)") << " -> C "
+       << mpx::dtype_name<TC> << (pow2 ? " pow2" : "") << (hostile ? " hostile" : "") << " alpha=" << alpha
+       << " beta=" << beta;
+
+  // The operands as the caller holds them: x [M, K] or [K, M], w [N, K] or [K, N].
+  std::vector<std::int64_t> const xa = a_k_contiguous ? std::vector<std::int64_t>{m, k} : std::vector<std::int64_t>{k, m};
+  std::vector<std::int64_t> const xb = b_k_contiguous ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n};
+  guarded<TX> x(exec, xa, d), w(exec, xb, d);
+  x.assign(d.values<TX>(x.size(), hostile));
+  w.assign(d.values<TX>(w.size(), hostile));
+  mpx::fp8_block_scale_layout const la{a_kind, m, k}, lb{b_kind, n, k};
+  guarded<F> aq(exec, {m, la.padded_k()}, d), bq(exec, {n, lb.padded_k()}, d);
+  guarded<float> as(exec, {la.count()}, d), bs(exec, {lb.count()}, d);
+
+  if (invalid && fault % 6 == 0) {  // values of the wrong size, or too few scales
+    bool const values = d.coin();
+    guarded<F> wrong_values(exec, {m, la.padded_k() + 1}, d);
+    guarded<float> wrong_scales(exec, {la.count() + 1}, d);
+    call << (values ? " invalid: values one too long" : " invalid: one scale too many");
+    if (values)
+      require_refusal(call, {"values has shape"}, [&] {
+        mpx::quantize_fp8_blocks<F>(exec, x.cview(), a_k_contiguous, a_kind, pow2, wrong_values.view(), as.view());
+      });
+    else
+      require_refusal(call, {"inverse_scales has shape"}, [&] {
+        mpx::quantize_fp8_blocks<F>(exec, x.cview(), a_k_contiguous, a_kind, pow2, aq.view(), wrong_scales.view());
+      });
+    return;
+  }
+  std::vector<float> widened(x.size()), widened_w(w.size());
+  for (std::size_t i = 0; i < x.size(); ++i) widened[i] = mpx::cast<float>(x.data()[i]);
+  for (std::size_t i = 0; i < w.size(); ++i) widened_w[i] = mpx::cast<float>(w.data()[i]);
+  auto const want_a = mpx_test::reference::reference_quantize(widened, xa[0], xa[1], a_k_contiguous, a_kind, pow2);
+  auto const want_b = mpx_test::reference::reference_quantize(widened_w, xb[0], xb[1], b_k_contiguous, b_kind, pow2);
+  require_accepted(call, [&] {
+    mpx::quantize_fp8_blocks<F>(exec, x.cview(), a_k_contiguous, a_kind, pow2, aq.view(), as.view());
+    mpx::quantize_fp8_blocks<F>(exec, w.cview(), b_k_contiguous, b_kind, pow2, bq.view(), bs.view());
+  });
+  for (auto const* g : {&aq, &bq}) g->require_guards_intact(call, "values");
+  for (auto const* g : {&as, &bs}) g->require_guards_intact(call, "inverse scales");
+  require_same<F>(call, "A's values", aq.values(), want_a.values);
+  require_same<F>(call, "B's values", bq.values(), want_b.values);
+  require_same<float>(call, "A's inverse scales", as.values(), want_a.inverse_scales);
+  require_same<float>(call, "B's inverse scales", bs.values(), want_b.inverse_scales);
+  for (float v : as.values())
+    if (!(v > 0.0f) || !std::isfinite(v)) fail(call.str() + ": an inverse scale of A is " + std::to_string(v));
+
+  using op = mpx::fp8_block_operand<F, mpx::host_space>;
+  op const a_op{aq.cview(), as.cview(), la}, b_op{bq.cview(), bs.cview(), lb};
+  if (invalid) {
+    switch (fault % 6) {
+      case 1: {  // two 128x128 operands, or rowwise with another kind
+        bool const tiles = d.coin();
+        mpx::fp8_block_scale_layout const l2{tiles ? kind::tile128 : kind::row, m, k};
+        guarded<float> s2(exec, {l2.count()}, d);
+        guarded<F> v2(exec, {m, l2.padded_k()}, d);
+        op const a2{v2.cview(), s2.cview(), l2};
+        mpx::fp8_block_scale_layout const lb2{tiles ? kind::tile128 : kind::vec128, n, k};
+        guarded<float> sb2(exec, {lb2.count()}, d);
+        guarded<F> vb2(exec, {n, lb2.padded_k()}, d);
+        op const b2{vb2.cview(), sb2.cview(), lb2};
+        guarded<TC> c(exec, {m, n}, d);
+        call << (tiles ? " invalid: 128x128 with 128x128" : " invalid: rowwise with 1x128");
+        require_refusal(call, {tiles ? "both in 128x128 blocks" : "rowwise blocks multiply only rowwise"},
+                        [&] { mpx::fp8_block_gemm(exec, a2, b2, c.view(), alpha, beta); });
+        return;
+      }
+      case 2: {
+        guarded<TC> c(exec, {m, n}, d);
+        call << " invalid: N = " << n;
+        require_refusal(call, {"N (B's rows) must be a multiple of 16"},
+                        [&] { mpx::fp8_block_gemm(exec, a_op, b_op, c.view(), alpha, beta); });
+        return;
+      }
+      case 3: {  // B with another K
+        mpx::fp8_block_scale_layout const lk{b_kind, n, k + 1};
+        guarded<float> sk(exec, {lk.count()}, d);
+        guarded<F> vk(exec, {n, lk.padded_k()}, d);
+        guarded<TC> c(exec, {m, n}, d);
+        call << " invalid: B's K = " << k + 1;
+        require_refusal(call, {"A has K", "but B has K"}, [&] {
+          mpx::fp8_block_gemm(exec, a_op, op{vk.cview(), sk.cview(), lk}, c.view(), alpha, beta);
+        });
+        return;
+      }
+      case 4: {
+        guarded<TC> c(exec, {m, n + 16}, d);
+        call << " invalid: C [" << m << "," << n + 16 << "]";
+        require_refusal(call, {"C has shape", "A B^T is"},
+                        [&] { mpx::fp8_block_gemm(exec, a_op, b_op, c.view(), alpha, beta); });
+        return;
+      }
+      default: {  // C over A's values
+        if (m == 0 || n == 0 || k == 0) return;
+        auto* over = reinterpret_cast<TC*>(aq.data());
+        if (static_cast<std::size_t>(m * n) * sizeof(TC) > aq.size()) return;  // C must fit inside A's buffer
+        call << " invalid: C overlapping A";
+        require_refusal(call, {"C and A overlap"}, [&] {
+          mpx::fp8_block_gemm(exec, a_op, b_op, mpx::tensor_view<TC>(over, mpx::shape{m, n}), alpha, beta);
+        });
+        return;
+      }
+    }
+  }
+  guarded<TC> c(exec, {m, n}, d);
+  if (beta != 0) c.assign(d.values<TC>(c.size(), hostile));
+  auto const c_old = c.values();
+  require_accepted(call, [&] { mpx::fp8_block_gemm(exec, a_op, b_op, c.view(), alpha, beta); });
+  c.require_guards_intact(call, "C");
+  auto const ad = mpx_test::reference::dequantised_blocks(want_a, la);
+  auto const bd = mpx_test::reference::dequantised_blocks(want_b, lb);
+  std::int64_t const kp = la.padded_k();
+  double const u_out = unit_roundoff<TC>();
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      auto const at = static_cast<std::size_t>(i * n + j);
+      double exact = 0, finite = 0;
+      if (alpha != 0 && kp != 0) {
+        double raw = 0;
+        for (std::int64_t kk = 0; kk < kp; ++kk) {
+          double const t = ad[static_cast<std::size_t>(i * kp + kk)] * bd[static_cast<std::size_t>(j * kp + kk)];
+          exact += t;
+          if (std::isfinite(t)) raw += std::fabs(t);
+        }
+        exact *= alpha;
+        finite = std::max(raw, std::fabs(alpha) * raw);
+      }
+      if (beta != 0) {
+        double const old = mpx::detail::to_double(c_old[at]);
+        exact += beta * old;
+        if (std::isfinite(old)) finite += std::fabs(beta * old);
+      }
+      // Dequantised values are exact with power-of-two scales, one float rounding
+      // (2^-24) each otherwise.
+      double const dequant = pow2 ? 0.0 : 0x1p-23;
+      double const tolerance = (u_out + static_cast<double>(kp + 4) * 0x1p-24 + dequant) * finite +
+                               min_subnormal<TC>() + static_cast<double>(kp) * float_underflow;
+      check_element(call, "C", at, c.data()[at], exact, tolerance, finite, float_max, true);
+    }
 }
 
 // ---- conv2d -------------------------------------------------------------------------
@@ -860,6 +1037,15 @@ void fp8_by_c(draw& d) {
 }
 
 template <class TX>
+void fp8_block_by_c(draw& d) {
+  switch (d.byte() % 3) {
+    case 0: return fp8_block_case<TX, float>(d);
+    case 1: return fp8_block_case<TX, half>(d);
+    default: return fp8_block_case<TX, bfloat16>(d);
+  }
+}
+
+template <class TX>
 void pool_by_dy(draw& d, bool backward) {
   switch (d.byte() % 3) {
     case 0: return pool_case_run<TX, float>(d, backward);
@@ -874,7 +1060,15 @@ void run_matmul(draw& d) {
   using namespace matmul_detail;
   using mpx::float8_e4m3;
   using mpx::float8_e5m2;
-  switch (d.byte() % 9) {
+  std::uint8_t const op = d.byte();
+  if (op >= 243) {  // the block-scaled recipe (the first bytes the other cases had kept their meaning)
+    switch (d.byte() % 3) {
+      case 0: return fp8_block_by_c<float>(d);
+      case 1: return fp8_block_by_c<half>(d);
+      default: return fp8_block_by_c<bfloat16>(d);
+    }
+  }
+  switch (op % 9) {
     case 0: {  // gemm, C in the storage type or float; the last three read their operands in
                // a compute type other than the storage type (rounded as read)
       std::uint8_t const p = d.byte() % 6;

@@ -66,16 +66,19 @@ inline expected_blocks reference_quantize(std::vector<float> const& x, std::int6
   return e;
 }
 
-//! The operand [outer, padded k] that reference_quantize describes, dequantised in
-//! float64: each value times its block's inverse scale.
+//! The operand [outer, padded k] that reference_quantize describes, dequantised as both
+//! executors' products see it: each value times its block's inverse scale, a float
+//! product (exact with power-of-two scales, unless a value within e4m3's rounding of
+//! float's largest rounds past it: then ±inf, as in float).
 inline std::vector<double> dequantised_blocks(expected_blocks const& q, mpx::fp8_block_scale_layout const& layout) {
   std::int64_t const kp = layout.padded_k();
   std::vector<double> out(q.values.size());
   for (std::int64_t o = 0; o < layout.outer; ++o)
     for (std::int64_t kk = 0; kk < kp; ++kk) {
       auto const i = static_cast<std::size_t>(o * kp + kk);
-      out[i] = mpx::detail::to_double(q.values[i]) *
-               static_cast<double>(q.inverse_scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
+      out[i] = static_cast<double>(
+          mpx::cast<float>(q.values[i]) *
+          q.inverse_scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
     }
   return out;
 }
