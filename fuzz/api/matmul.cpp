@@ -402,7 +402,6 @@ void fp8_block_case(draw& d) {
   mpx::host_executor exec;
   std::int64_t const m = d.extent(40), k = d.extent(300);
   std::int64_t n = 16 * (1 + static_cast<std::int64_t>(d.byte() % 3));
-  kind const kinds[] = {kind::row, kind::vec128, kind::tile128};
   std::uint8_t const pair = d.byte() % 4;  // row x row, vec x vec, vec x tile, tile x vec
   kind const a_kind = pair == 0 ? kind::row : pair == 3 ? kind::tile128 : kind::vec128;
   kind const b_kind = pair == 0 ? kind::row : pair == 2 ? kind::tile128 : kind::vec128;
