@@ -376,8 +376,8 @@ fi
 if [ "$phase" != tests ]; then
 data=$kit/data/fashion-mnist
 if [ -n "$planning" ] || [ -f "$data/train-images-idx3-ubyte.gz" ]; then
-  mpx_step fashion_mnist 40 fashion_mnist --executor cuda --policy all --epochs 2 --data "$data" --probe
-  mpx_step fashion_mnist_graph 30 fashion_mnist --executor cuda --policy all --epochs 2 --data "$data" --cuda-graph
+  mpx_step fashion_mnist 40 fashion_mnist --executor cuda --policy all --epochs 1 --data "$data" --probe
+  mpx_step fashion_mnist_graph 30 fashion_mnist --executor cuda --policy all --epochs 1 --data "$data" --cuda-graph
 else
   record fashion_mnist "not run: no Fashion-MNIST in the kit"
 fi
