@@ -73,23 +73,6 @@ std::vector<double> dequantised(std::vector<e4m3> const& v, std::vector<float> c
   return out;
 }
 
-template <class Exec>
-bool block_products_here(Exec const& exec) {
-#if MPX_HAS_CUDA
-  if constexpr (!mpx::is_host_executor_v<Exec>) {
-    int device = 0, major = 0;
-    MPX_CUDA_CHECK(cudaGetDevice(&device));
-    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major != 9) {  // cuBLASLt offers these scale modes on Hopper only
-      WARN("block-scaled fp8 products need sm_90: only the quantize passes run here");
-      return false;
-    }
-  }
-#endif
-  (void)exec;
-  return true;
-}
-
 }  // namespace fp8_block_cases
 
 TEMPLATE_LIST_TEST_CASE("quantize_fp8_blocks writes each block's scaled values and inverse scale, as defined",
@@ -186,7 +169,10 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm is the float product of the dequantised 
                         "[fp8][fp8_block]", mpx_test::executors) {
   using namespace fp8_block_cases;
   TestType exec;
-  if (!block_products_here(exec)) return;
+  if (!mpx_test::block_fp8_products_here(exec)) {
+    WARN("block-scaled fp8 products need sm_90 (Hopper): only the quantize passes run here");
+    return;
+  }
   struct pair_kind {
     mpx::fp8_block_kind a, b;
   };

@@ -541,17 +541,10 @@ TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block and mixed_fp8_rowwise match
                         "[fp8][fp8_block][layers]", mpx_test::executors) {
   using namespace fp8_block_layer_cases;
   TestType exec;
-#if MPX_HAS_CUDA
-  if constexpr (!mpx::is_host_executor_v<TestType>) {
-    int device = 0, major = 0;
-    MPX_CUDA_CHECK(cudaGetDevice(&device));
-    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major != 9) {  // cuBLASLt offers these scale modes on Hopper only
-      WARN("block-scaled fp8 needs sm_90: skipped");
-      return;
-    }
+  if (!mpx_test::block_fp8_products_here(exec)) {
+    WARN("block-scaled fp8 needs sm_90 (Hopper): skipped");
+    return;
   }
-#endif
   for (auto [rows, in, units] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{13, 48, 16}, {130, 208, 32},
                                  {5, 144, 144}}) {
     check_block_dense<mpx::mixed_fp8_block>(exec, rows, in, units);

@@ -156,6 +156,22 @@ double fp8_sum_bound(std::int64_t k) {
            static_cast<double>(std::min<std::int64_t>(k, 128)) * std::ldexp(1.0, -14);
 }
 
+//! Whether this executor runs block-scaled fp8 products (mpx::fp8_block_gemm): the host
+//! always, a GPU only on Hopper (sm_90), where cuBLASLt offers the block scale modes.
+//! Shared by the kernel and layer tests.
+template <class Exec>
+bool block_fp8_products_here([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+  if constexpr (!mpx::is_host_executor_v<Exec>) {
+    int device = 0, major = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&device));
+    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major == 9;
+  }
+#endif
+  return true;
+}
+
 //! A tensor of `shape` in the executor's space with every element poisoned.
 template <class T, class Exec>
 mpx::tensor<T, mpx::memory_space_t<Exec>> poisoned(Exec const& exec, mpx::shape shape) {

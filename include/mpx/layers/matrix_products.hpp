@@ -239,22 +239,6 @@ class matrix_products {
            mpx::source_location loc = mpx::source_location::current()) {
     if constexpr (!fp8) {
       gemm<Policy>(exec, a_in, b_in, c, o, loc);
-    } else if constexpr (block_scaled) {
-      static_assert(RA != RB, "an fp8 product reads two different roles");
-      tensor_view<value_t<A> const, space_t<A>> const a = mpx::view(a_in);
-      tensor_view<value_t<B> const, space_t<B>> const b = mpx::view(b_in);
-      if (a.shape().rank() != 2 || b.shape().rank() != 2)
-        detail::fail<shape_error>("fp8 layer product", "expects matrices, got " + a.shape().to_string() + " and " +
-                                                           b.shape().to_string(),
-                                  loc);
-      // Checked before anything is quantized: the GPU's N rule on every executor.
-      detail::gemm_dims d = detail::gemm_shapes(a.shape(), b.shape(), mpx::view(c).shape(), o, loc);
-      d.k = fp8_gemm_padded_extent(d.k);
-      detail::check_fp8_gemm_layout(d, gemm_options{.transpose_a = false, .transpose_b = true}, loc);
-      constexpr recipe_type recipe = fp8_recipe_for<Policy>;
-      auto const a8 = operand<RA>().quantize(exec, a, !o.transpose_a, recipe);
-      auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe);
-      fp8_block_gemm(exec, a8, b8, c, o.alpha, o.beta, loc);
     } else {
       static_assert(RA != RB, "an fp8 product reads two different roles");
       tensor_view<value_t<A> const, space_t<A>> const a = mpx::view(a_in);
@@ -263,17 +247,24 @@ class matrix_products {
         detail::fail<shape_error>("fp8 layer product", "expects matrices, got " + a.shape().to_string() + " and " +
                                                            b.shape().to_string(),
                                   loc);
-      // fp8_gemm's layout: A as [M, K] and B as [N, K], both K-contiguous, K padded.
-      // The GPU's rules are checked here on every executor, before any cast records an
-      // amax: a host run refuses the shapes a GPU would.
+      // The fp8 products' layout: A as [M, K] and B as [N, K], both K-contiguous, K
+      // padded. The GPU's rules are checked here on every executor, before any cast
+      // records an amax or quantizes: a host run refuses the shapes a GPU would.
       detail::gemm_dims d = detail::gemm_shapes(a.shape(), b.shape(), mpx::view(c).shape(), o, loc);
       d.k = fp8_gemm_padded_extent(d.k);
       detail::check_fp8_gemm_layout(d, gemm_options{.transpose_a = false, .transpose_b = true}, loc);
-      auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a);
-      auto const b8 = operand<RB>().cast(exec, b, o.transpose_b);
-      fp8_gemm(exec, a8, operand<RA>().template state<Exec>().inverse_scale_data(), b8,
-               operand<RB>().template state<Exec>().inverse_scale_data(), c,
-               gemm_options{.transpose_a = false, .transpose_b = true, .alpha = o.alpha, .beta = o.beta}, loc);
+      if constexpr (block_scaled) {
+        constexpr recipe_type recipe = fp8_recipe_for<Policy>;
+        auto const a8 = operand<RA>().quantize(exec, a, !o.transpose_a, recipe);
+        auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe);
+        fp8_block_gemm(exec, a8, b8, c, o.alpha, o.beta, loc);
+      } else {
+        auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a);
+        auto const b8 = operand<RB>().cast(exec, b, o.transpose_b);
+        fp8_gemm(exec, a8, operand<RA>().template state<Exec>().inverse_scale_data(), b8,
+                 operand<RB>().template state<Exec>().inverse_scale_data(), c,
+                 gemm_options{.transpose_a = false, .transpose_b = true, .alpha = o.alpha, .beta = o.beta}, loc);
+      }
     }
   }
 
