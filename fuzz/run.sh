@@ -71,13 +71,17 @@ fuzz() {
   mkdir -p "$out/corpus/$name" "$out/findings/$name"
   # -rss_limit_mb also caps any single allocation (malloc_limit_mb defaults to it):
   # a header that makes a reader ask for gigabytes is a finding.
-  env "$variable=$value" "$binary" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 \
+  env "$variable=$value" "$binary" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 ${seed_flag[@]+"${seed_flag[@]}"} \
     -max_len=16384 -print_final_stats=1 -artifact_prefix="$out/findings/$name/" \
     "$out/corpus/$name" $([ -d "fuzz/corpus/$name" ] && echo "fuzz/corpus/$name") >"$out/$name.log" 2>&1 || status=$?
   runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$out/$name.log")
   printf '%-16s %12s executions  %s\n' "$name" "${runs:-?}" \
     "$([ "$status" -eq 0 ] && echo ok || echo "FOUND (log: $out/$name.log)")" >"$out/$name.result"
 }
+# MPX_FUZZ_SEED fixes libFuzzer's seed (CI sets it, so a run does not go red on what a
+# fresh random seed happens to find that day; explore with fresh seeds by hand).
+seed_flag=()
+[ -n "${MPX_FUZZ_SEED:-}" ] && seed_flag=(-seed="$MPX_FUZZ_SEED")
 wanted=("$@")
 jobs=${MPX_FUZZ_JOBS:-$(nproc)}
 names=()

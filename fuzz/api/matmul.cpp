@@ -207,8 +207,10 @@ void check_product(call_name const& call, product_shape const& s, std::vector<TA
           exact += beta * old;
           if (std::isfinite(old)) finite += std::fabs(beta * old);
         }
+        // A product that underflows float loses up to float_underflow, and alpha, applied
+        // after the sum, scales that loss too.
         double const tolerance = (u_out + static_cast<double>(s.k + 4) * u_acc) * finite + min_subnormal<TC>() +
-                                 static_cast<double>(s.k) * float_underflow;
+                                 static_cast<double>(s.k) * float_underflow * std::max(1.0, std::fabs(alpha));
         check_element(call, "C", at, c.data()[at], exact, tolerance, finite, float_max, true);
       }
   }
