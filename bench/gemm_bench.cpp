@@ -1,8 +1,9 @@
 // Microbenchmark of mpx::gemm: square products and the shapes a small CNN on
 // Fashion-MNIST makes (dense layers, their weight gradients, convolutions as products),
 // for half, bfloat16 and float, mpx::fp8_gemm on e4m3 operands beside the bfloat16 row
-// where the GPU's fp8 rules allow the shape, and the two block-scaled recipes (quantize
-// and product: 1x128 with 128x128 blocks, rowwise). On the GPU each row stands beside cuBLAS
+// where the GPU's fp8 rules allow the shape, and the block-scaled recipes (quantize and
+// product: 1x128 with 128x128 blocks, rowwise, MXFP8's 1x32 blocks; each skipped on a GPU
+// whose cuBLASLt lacks its scale mode). On the GPU each row stands beside cuBLAS
 // (cublasGemmEx / cublasGemmStridedBatchedEx, default algorithm, the same compute type)
 // measured in the same run; on the host it reports GFLOP/s of the host path (OpenBLAS
 // sgemm where the build found it, mpx's blocked product otherwise).
@@ -159,6 +160,20 @@ void cublas_reference(cublasHandle_t handle, shape_case const& c, T const* a, T 
 }
 #endif
 
+//! The GPU's compute capability major (9 Hopper, 10 and up Blackwell); 0 on the host.
+template <class Exec>
+int device_generation([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+  if constexpr (mpx::is_cuda_executor_v<Exec>) {
+    int device = 0, major = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&device));
+    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major;
+  }
+#endif
+  return 0;
+}
+
 template <class Exec>
 void run_all(Exec const& exec, options const& opt) {
   constexpr bool gpu = mpx::is_cuda_executor_v<Exec>;
@@ -209,7 +224,7 @@ void run_all(Exec const& exec, options const& opt) {
   };
   // The block-scaled recipes on the same bfloat16 operands: both quantized
   // (quantize_fp8_blocks: A in 1x128 blocks, B as a weight in 128x128 tiles; or both
-  // rowwise) and multiplied (fp8_block_gemm), the three calls timed together, as a layer
+  // rowwise; or both in MXFP8's 1x32 blocks) and multiplied (fp8_block_gemm), the three calls timed together, as a layer
   // runs them. Checked against float64 of the bfloat16 data within e4m3's rounding of
   // both operands (2^-4 each, plus the sums): a scale applied wrongly is off by far more.
   // A block row that fails (never run on a GPU before: cuBLASLt may refuse a layout, or a
@@ -217,7 +232,7 @@ void run_all(Exec const& exec, options const& opt) {
   // goes on, so one GPU run still measures the rest; the program then exits non-zero.
   std::size_t block_failures = 0;
   auto block_row_once = [&](shape_case const& c, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind,
-                            char const* label) {
+                            char const* label, auto mx) {
     if (c.batch != 1 || c.n % mpx::fp8_gemm_multiple != 0) return;
     using F = mpx::float8_e4m3;
     using space = mpx::memory_space_t<Exec>;
@@ -229,10 +244,12 @@ void run_all(Exec const& exec, options const& opt) {
     mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(ha.data(), a.shape()), a);
     mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(hb.data(), b.shape()), b);
     mpx::fp8_block_scale_layout const la{a_kind, c.m, c.k}, lb{b_kind, c.n, c.k};
+    // MXFP8's scales are E8M0 bytes, the others floats.
+    using S = std::conditional_t<decltype(mx)::value, mpx::float8_e8m0, float>;
     auto aq = mpx::make_tensor<F>(exec, {c.m, la.padded_k()});
     auto bq = mpx::make_tensor<F>(exec, {c.n, lb.padded_k()});
-    auto as = mpx::make_tensor<float>(exec, {la.count()});
-    auto bs = mpx::make_tensor<float>(exec, {lb.count()});
+    auto as = mpx::make_tensor<S>(exec, {la.count()});
+    auto bs = mpx::make_tensor<S>(exec, {lb.count()});
     auto out = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.n});
     bool const pow2 = a_kind != mpx::fp8_block_kind::row;
     double const flops = 2.0 * static_cast<double>(c.m) * static_cast<double>(c.n * c.k);
@@ -242,8 +259,8 @@ void run_all(Exec const& exec, options const& opt) {
         [&] {
           mpx::quantize_fp8_blocks<F>(exec, a, true, a_kind, pow2, aq, as);
           mpx::quantize_fp8_blocks<F>(exec, b, false, b_kind, pow2, bq, bs);
-          mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<F, space>{mpx::view(aq), mpx::view(as), la},
-                              mpx::fp8_block_operand<F, space>{mpx::view(bq), mpx::view(bs), lb}, out);
+          mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<F, space, S>{mpx::view(aq), mpx::view(as), la},
+                              mpx::fp8_block_operand<F, space, S>{mpx::view(bq), mpx::view(bs), lb}, out);
         },
         inner);
     auto host_out = mpx::to_host(exec, out);
@@ -275,8 +292,17 @@ void run_all(Exec const& exec, options const& opt) {
   };
   auto block_row = [&](shape_case const& c, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind,
                        char const* label) {
+    bool const mx = a_kind == mpx::fp8_block_kind::vec32;
+    int const major = device_generation(exec);
+    if (gpu && (mx ? major < 10 : major != 9)) {  // cuBLASLt has these scale modes on one generation
+      std::printf("%-6s %-28s %-9s skipped: cuBLASLt runs it on %s, this device is sm_%dx\n",
+                  std::string(Exec::name).c_str(), c.name.c_str(), label,
+                  mx ? "Blackwell (sm_100) and newer" : "Hopper (sm_90)", major);
+      return;
+    }
     try {
-      block_row_once(c, a_kind, b_kind, label);
+      if (mx) block_row_once(c, a_kind, b_kind, label, std::true_type{});
+      else block_row_once(c, a_kind, b_kind, label, std::false_type{});
     } catch (mpx::error const& e) {
       ++block_failures;
       std::printf("%-6s %-28s %-9s FAILED: %s\n", std::string(Exec::name).c_str(), c.name.c_str(), label, e.what());
@@ -330,6 +356,7 @@ void run_all(Exec const& exec, options const& opt) {
     fp8_row(c);
     block_row(c, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128, "e4m3 blk");
     block_row(c, mpx::fp8_block_kind::row, mpx::fp8_block_kind::row, "e4m3 row");
+    block_row(c, mpx::fp8_block_kind::vec32, mpx::fp8_block_kind::vec32, "e4m3 mx");
   }
 #if MPX_HAS_CUDA
   if constexpr (gpu) check(cublasDestroy(handle), "cublasDestroy");

@@ -11,6 +11,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/core/scale_formats.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 
@@ -169,6 +170,7 @@ T poison() {
   if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
   else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(std::uint16_t{0x7FAB});
   else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
+  else if constexpr (std::is_same_v<T, mpx::float8_e8m0>) return mpx::e8m0_from_bits(0xFF);  // its NaN
   else return T(0x5A);
 }
 

@@ -396,17 +396,14 @@ void fp8_gemm_case(draw& d) {
 //! within the float-sum bound, NaN exactly where a row of A or of B holds one. Invalid
 //! variants: a pair of kinds cuBLASLt has no product for, K that differs, N not a
 //! multiple of 16, values or scales of the wrong size, C of the wrong shape or
-//! overlapping A's values.
-template <class TX, class TC>
-void fp8_block_case(draw& d) {
+//! overlapping A's values. MXFP8's 1x32 blocks (S = float8_e8m0 scales) alike.
+template <class TX, class TC, class S>
+void fp8_block_case_with(draw& d, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind, std::int64_t m,
+                         std::int64_t k, std::int64_t n) {
   using F = mpx::float8_e4m3;
   using kind = mpx::fp8_block_kind;
+  constexpr bool mx = std::is_same_v<S, mpx::float8_e8m0>;
   mpx::host_executor exec;
-  std::int64_t const m = d.extent(40), k = d.extent(300);
-  std::int64_t n = 16 * (1 + static_cast<std::int64_t>(d.byte() % 3));
-  std::uint8_t const pair = d.byte() % 4;  // row x row, vec x vec, vec x tile, tile x vec
-  kind const a_kind = pair == 0 ? kind::row : pair == 3 ? kind::tile128 : kind::vec128;
-  kind const b_kind = pair == 0 ? kind::row : pair == 2 ? kind::tile128 : kind::vec128;
   bool const pow2 = d.coin(), hostile = d.byte() % 3 == 0;
   bool const a_k_contiguous = d.coin(), b_k_contiguous = d.coin();
   float const alpha = draw_alpha(d), beta = draw_beta(d);
@@ -429,12 +426,12 @@ void fp8_block_case(draw& d) {
   w.assign(d.values<TX>(w.size(), hostile));
   mpx::fp8_block_scale_layout const la{a_kind, m, k}, lb{b_kind, n, k};
   guarded<F> aq(exec, {m, la.padded_k()}, d), bq(exec, {n, lb.padded_k()}, d);
-  guarded<float> as(exec, {la.count()}, d), bs(exec, {lb.count()}, d);
+  guarded<S> as(exec, {la.count()}, d), bs(exec, {lb.count()}, d);
 
   if (invalid && fault % 6 == 0) {  // values of the wrong size, or too few scales
     bool const values = d.coin();
     guarded<F> wrong_values(exec, {m, la.padded_k() + 1}, d);
-    guarded<float> wrong_scales(exec, {la.count() + 1}, d);
+    guarded<S> wrong_scales(exec, {la.count() + 1}, d);
     call << (values ? " invalid: values one too long" : " invalid: one scale too many");
     if (values)
       require_refusal(call, {"values has shape"}, [&] {
@@ -459,23 +456,50 @@ void fp8_block_case(draw& d) {
   for (auto const* g : {&as, &bs}) g->require_guards_intact(call, "inverse scales");
   require_same<F>(call, "A's values", aq.values(), want_a.values);
   require_same<F>(call, "B's values", bq.values(), want_b.values);
-  require_same<float>(call, "A's inverse scales", as.values(), want_a.inverse_scales);
-  require_same<float>(call, "B's inverse scales", bs.values(), want_b.inverse_scales);
-  for (float v : as.values())
+  // Each slot's factor as a float (E8M0 decoded), and for MXFP8 its byte too.
+  auto const factors = [](std::vector<S> const& v) {
+    std::vector<float> out;
+    for (S const s : v) out.push_back(mpx::detail::dequantisation_factor(s));
+    return out;
+  };
+  if constexpr (mx) {
+    auto const bytes = [](std::vector<S> const& v) {
+      std::vector<std::uint8_t> out;
+      for (S const s : v) out.push_back(mpx::e8m0_bits(s));
+      return out;
+    };
+    if (bytes(as.values()) != want_a.e8m0) fail(call.str() + ": A's E8M0 scales differ from the definition's");
+    if (bytes(bs.values()) != want_b.e8m0) fail(call.str() + ": B's E8M0 scales differ from the definition's");
+  }
+  require_same<float>(call, "A's inverse scales", factors(as.values()), want_a.inverse_scales);
+  require_same<float>(call, "B's inverse scales", factors(bs.values()), want_b.inverse_scales);
+  for (float v : factors(as.values()))
     if (!(v > 0.0f) || !std::isfinite(v)) fail(call.str() + ": an inverse scale of A is " + std::to_string(v));
 
-  using op = mpx::fp8_block_operand<F, mpx::host_space>;
+  using op = mpx::fp8_block_operand<F, mpx::host_space, S>;
   op const a_op{aq.cview(), as.cview(), la}, b_op{bq.cview(), bs.cview(), lb};
   if (invalid) {
     switch (fault % 6) {
-      case 1: {  // two 128x128 operands, or rowwise with another kind
+      case 1: {  // two 128x128 operands, or rowwise or 1x32 with another kind
+        if constexpr (mx) {
+          mpx::fp8_block_scale_layout const lb2{kind::vec128, n, k};
+          guarded<float> sb2(exec, {lb2.count()}, d);
+          guarded<F> vb2(exec, {n, lb2.padded_k()}, d);
+          guarded<TC> c(exec, {m, n}, d);
+          call << " invalid: 1x32 with 1x128";
+          require_refusal(call, {"1x32 (MXFP8) blocks multiply only 1x32 (MXFP8) blocks"}, [&] {
+            mpx::fp8_block_gemm(exec, a_op, mpx::fp8_block_operand<F, mpx::host_space>{vb2.cview(), sb2.cview(), lb2},
+                                c.view(), alpha, beta);
+          });
+          return;
+        }
         bool const tiles = d.coin();
         mpx::fp8_block_scale_layout const l2{tiles ? kind::tile128 : kind::row, m, k};
-        guarded<float> s2(exec, {l2.count()}, d);
+        guarded<S> s2(exec, {l2.count()}, d);
         guarded<F> v2(exec, {m, l2.padded_k()}, d);
         op const a2{v2.cview(), s2.cview(), l2};
         mpx::fp8_block_scale_layout const lb2{tiles ? kind::tile128 : kind::vec128, n, k};
-        guarded<float> sb2(exec, {lb2.count()}, d);
+        guarded<S> sb2(exec, {lb2.count()}, d);
         guarded<F> vb2(exec, {n, lb2.padded_k()}, d);
         op const b2{vb2.cview(), sb2.cview(), lb2};
         guarded<TC> c(exec, {m, n}, d);
@@ -493,7 +517,7 @@ void fp8_block_case(draw& d) {
       }
       case 3: {  // B with another K
         mpx::fp8_block_scale_layout const lk{b_kind, n, k + 1};
-        guarded<float> sk(exec, {lk.count()}, d);
+        guarded<S> sk(exec, {lk.count()}, d);
         guarded<F> vk(exec, {n, lk.padded_k()}, d);
         guarded<TC> c(exec, {m, n}, d);
         call << " invalid: B's K = " << k + 1;
@@ -551,11 +575,26 @@ void fp8_block_case(draw& d) {
       }
       // Dequantised values are exact with power-of-two scales, one float rounding
       // (2^-24) each otherwise.
-      double const dequant = pow2 ? 0.0 : 0x1p-23;
+      double const dequant = pow2 || mx ? 0.0 : 0x1p-23;
       double const tolerance = (u_out + static_cast<double>(kp + 4) * 0x1p-24 + dequant) * finite +
                                min_subnormal<TC>() + static_cast<double>(kp) * float_underflow;
       check_element(call, "C", at, c.data()[at], exact, tolerance, finite, float_max, true);
     }
+}
+
+//! Draws the shape and the pair of block kinds (row x row, 1x128 x 1x128, 1x128 x
+//! 128x128, 128x128 x 1x128, MXFP8's 1x32 x 1x32), then runs the case with the kinds'
+//! scale format.
+template <class TX, class TC>
+void fp8_block_case(draw& d) {
+  using kind = mpx::fp8_block_kind;
+  std::int64_t const m = d.extent(40), k = d.extent(300);
+  std::int64_t const n = 16 * (1 + static_cast<std::int64_t>(d.byte() % 3));
+  std::uint8_t const pair = d.byte() % 5;
+  if (pair == 4) return fp8_block_case_with<TX, TC, mpx::float8_e8m0>(d, kind::vec32, kind::vec32, m, k, n);
+  kind const a_kind = pair == 0 ? kind::row : pair == 3 ? kind::tile128 : kind::vec128;
+  kind const b_kind = pair == 0 ? kind::row : pair == 2 ? kind::tile128 : kind::vec128;
+  fp8_block_case_with<TX, TC, float>(d, a_kind, b_kind, m, k, n);
 }
 
 // ---- conv2d -------------------------------------------------------------------------

@@ -562,6 +562,7 @@ TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same pa
   };
   run(boost::hana::type_c<mpx::mixed_fp8_block>);
   run(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
+  run(boost::hana::type_c<mpx::mixed_mxfp8>);
 }
 
 TEST_CASE("half gradients all-reduced in their own dtype match the float reduction closely", "[dist]") {

@@ -20,6 +20,7 @@
 namespace fp8_block_cases {
 
 using e4m3 = mpx::float8_e4m3;
+using e8m0 = mpx::float8_e8m0;
 using mpx_test::reference::expected_blocks;
 using mpx_test::reference::reference_quantize;
 
@@ -48,15 +49,53 @@ void quantize_and_compare(Exec const& exec, std::int64_t rows, std::int64_t cols
   mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
   auto const xd = mpx_test::upload(exec, x, mpx::shape{rows, cols});
   auto values = mpx_test::poisoned<e4m3>(exec, mpx::shape{layout.outer, layout.padded_k()});
-  auto scales = mpx_test::poisoned<float>(exec, mpx::shape{layout.count()});
   auto count = mpx_test::upload(exec, std::vector<unsigned>{0u});
-  mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, kind, pow2, values, scales, count.data());
+  std::vector<float> got_scales;
+  if (layout.e8m0_scales()) {
+    auto scales = mpx_test::poisoned<e8m0>(exec, mpx::shape{layout.count()});
+    mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, kind, pow2, values, scales, count.data());
+    std::vector<std::uint8_t> bytes;
+    for (e8m0 s : mpx_test::download(exec, scales)) {
+      bytes.push_back(mpx::e8m0_bits(s));
+      got_scales.push_back(mpx::e8m0_to_float(s));
+    }
+    INFO("E8M0 scales: " << mpx_test::first_mismatch(bytes, want.e8m0));
+    CHECK(mpx_test::first_mismatch(bytes, want.e8m0).empty());
+  } else {
+    auto scales = mpx_test::poisoned<float>(exec, mpx::shape{layout.count()});
+    mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, kind, pow2, values, scales, count.data());
+    got_scales = mpx_test::download(exec, scales);
+  }
   INFO("values: " << mpx_test::first_mismatch(mpx_test::download(exec, values), want.values));
   CHECK(mpx_test::first_mismatch(mpx_test::download(exec, values), want.values).empty());
-  INFO("scales: " << mpx_test::first_mismatch(mpx_test::download(exec, scales), want.inverse_scales));
-  CHECK(mpx_test::first_mismatch(mpx_test::download(exec, scales), want.inverse_scales).empty());
+  INFO("scales: " << mpx_test::first_mismatch(got_scales, want.inverse_scales));
+  CHECK(mpx_test::first_mismatch(got_scales, want.inverse_scales).empty());
   CHECK(mpx_test::download(exec, count)[0] == want.nonfinite);
-  for (float s : mpx_test::download(exec, scales)) REQUIRE((std::isfinite(s) && s > 0.0f));
+  for (float s : got_scales) REQUIRE((std::isfinite(s) && s > 0.0f));
+}
+
+//! Quantizes x [rows, cols] into fresh tensors (values, then scales of the kind's
+//! format), for the product tests.
+template <class Exec>
+auto quantized(Exec const& exec, std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
+               bool k_contiguous, mpx::fp8_block_kind kind, bool pow2) {
+  mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+  auto const xd = mpx_test::upload(exec, x, mpx::shape{rows, cols});
+  auto values = mpx_test::poisoned<e4m3>(exec, mpx::shape{layout.outer, layout.padded_k()});
+  auto scales = mpx_test::poisoned<float>(exec, mpx::shape{layout.e8m0_scales() ? 0 : layout.count()});
+  auto bytes = mpx_test::poisoned<e8m0>(exec, mpx::shape{layout.e8m0_scales() ? layout.count() : 0});
+  if (layout.e8m0_scales()) mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, kind, pow2, values, bytes);
+  else mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, kind, pow2, values, scales);
+  return std::tuple{std::move(values), std::move(scales), std::move(bytes), layout};
+}
+
+//! Each slot's dequantisation factor as a float, whichever format the slots hold.
+template <class Exec, class F, class B>
+std::vector<float> factors(Exec const& exec, F const& floats, B const& bytes) {
+  if (floats.size() != 0) return mpx_test::download(exec, floats);
+  std::vector<float> out;
+  for (e8m0 s : mpx_test::download(exec, bytes)) out.push_back(mpx::e8m0_to_float(s));
+  return out;
 }
 
 //! The dequantised operand [outer, padded k] in float64.
@@ -79,9 +118,10 @@ TEMPLATE_LIST_TEST_CASE("quantize_fp8_blocks writes each block's scaled values a
                         "[fp8][fp8_block]", mpx_test::executors) {
   using namespace fp8_block_cases;
   TestType exec;
-  for (auto kind : {mpx::fp8_block_kind::row, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128})
+  for (auto kind : {mpx::fp8_block_kind::row, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128,
+                    mpx::fp8_block_kind::vec32})
     for (auto [rows, cols] : {std::pair<std::int64_t, std::int64_t>{1, 1}, {5, 127}, {3, 129}, {130, 300},
-                              {257, 16}, {0, 7}, {7, 0}})
+                              {257, 16}, {0, 7}, {7, 0}, {33, 31}, {129, 65}})
       for (bool k_contiguous : {true, false})
         for (bool pow2 : {true, false}) {
           auto const data = block_data(static_cast<std::size_t>(rows * cols), static_cast<std::uint64_t>(rows + cols));
@@ -103,7 +143,8 @@ TEMPLATE_LIST_TEST_CASE("quantize_fp8_blocks: zero and subnormal blocks get fini
   data[static_cast<std::size_t>(cols + 5)] = std::numeric_limits<float>::quiet_NaN();  // block (1, 0)
   data[static_cast<std::size_t>(cols + 200)] = std::numeric_limits<float>::infinity();  // block (1, 1)
   data[static_cast<std::size_t>(2 * cols + 290)] = -std::numeric_limits<float>::infinity();  // block (2, 2)
-  for (auto kind : {mpx::fp8_block_kind::row, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128})
+  for (auto kind : {mpx::fp8_block_kind::row, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128,
+                    mpx::fp8_block_kind::vec32})
     for (bool pow2 : {true, false}) quantize_and_compare<float>(exec, rows, cols, true, kind, pow2, data);
 
   // And what that means: the NaN and the infinities are NaN in the values, the rest of
@@ -164,48 +205,92 @@ TEMPLATE_LIST_TEST_CASE("quantize_fp8_blocks puts each block's scale where cuBLA
   }
 }
 
+TEMPLATE_LIST_TEST_CASE("quantize_fp8_blocks puts MXFP8's E8M0 scales in cuBLASLt's 128x4 tiles", "[fp8][fp8_block]",
+                        mpx_test::executors) {
+  using namespace fp8_block_cases;
+  TestType exec;
+  // Block (o, kb) of [outer, K] has amax 2^p exactly, p = o % 29 + 3 kb - 20, so its
+  // E8M0 byte is p - 8 + 127; an all-zero block (the padding) has the floor's, 9.
+  std::int64_t const outer = 261, k = 300, blocks = 10;  // 300 pads to 320: 10 blocks of 32
+  auto const p_of = [](std::int64_t o, std::int64_t kb) { return static_cast<int>(o % 29 + 3 * kb - 20); };
+  for (bool k_contiguous : {true, false}) {
+    CAPTURE(k_contiguous);
+    std::vector<float> x(static_cast<std::size_t>(outer * k));
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t kk = 0; kk < k; ++kk) {
+        float const v = std::ldexp(kk % 32 == 5 ? 1.0f : 0.75f, p_of(o, kk / 32));
+        x[static_cast<std::size_t>(k_contiguous ? o * k + kk : kk * outer + o)] = v;
+      }
+    auto const xd = mpx_test::upload(exec, x, k_contiguous ? mpx::shape{outer, k} : mpx::shape{k, outer});
+    mpx::fp8_block_scale_layout const layout{mpx::fp8_block_kind::vec32, outer, k};
+    REQUIRE(layout.count() == 384 * 12);
+    auto values = mpx_test::poisoned<e4m3>(exec, mpx::shape{outer, layout.padded_k()});
+    auto scales = mpx_test::poisoned<e8m0>(exec, mpx::shape{layout.count()});
+    mpx::quantize_fp8_blocks<e4m3>(exec, xd, k_contiguous, layout.kind, true, values, scales);
+    auto const got = mpx_test::download(exec, scales);
+    // The scales as a padded [384, 12] matrix, then laid out as the documented tiles:
+    // [384 / 128, 12 / 4] tiles of 512 bytes, row r and block c of a tile at
+    // 16 (r % 32) + 4 (r / 32) + c.
+    std::size_t mismatches = 0, checked = 0;
+    for (std::int64_t r = 0; r < 384; ++r)
+      for (std::int64_t c = 0; c < 12; ++c) {
+        int const want = r < outer && c < blocks ? p_of(r, c) - 8 + 127 : 9;
+        std::int64_t const tile = (r / 128) * 3 + c / 4, rr = r % 128;
+        std::int64_t const at = tile * 512 + (rr % 32) * 16 + (rr / 32) * 4 + c % 4;
+        if (mpx::e8m0_bits(got[static_cast<std::size_t>(at)]) != want && mismatches++ == 0)
+          FAIL_CHECK("row " << r << " block " << c << ": byte " << int(mpx::e8m0_bits(got[static_cast<std::size_t>(at)]))
+                            << ", expected " << want);
+        ++checked;
+      }
+    CHECK(mismatches == 0);
+    CHECK(checked == got.size());  // every byte is some block's (no slot left unwritten)
+  }
+}
+
 TEMPLATE_LIST_TEST_CASE("fp8_block_gemm is the float product of the dequantised operands, and near the original "
                         "data's",
                         "[fp8][fp8_block]", mpx_test::executors) {
   using namespace fp8_block_cases;
   TestType exec;
-  if (!mpx_test::block_fp8_products_here(exec)) {
-    WARN("block-scaled fp8 products need sm_90 (Hopper): only the quantize passes run here");
-    return;
-  }
   struct pair_kind {
     mpx::fp8_block_kind a, b;
   };
   for (auto kinds : {pair_kind{mpx::fp8_block_kind::row, mpx::fp8_block_kind::row},
                      pair_kind{mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::vec128},
                      pair_kind{mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128},
-                     pair_kind{mpx::fp8_block_kind::tile128, mpx::fp8_block_kind::vec128}})
+                     pair_kind{mpx::fp8_block_kind::tile128, mpx::fp8_block_kind::vec128},
+                     pair_kind{mpx::fp8_block_kind::vec32, mpx::fp8_block_kind::vec32}})
     for (auto [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 16, 1}, {7, 32, 129},
-                           {130, 48, 300}, {33, 144, 256}})
+                           {130, 48, 300}, {33, 144, 256}, {129, 16, 40}})
       for (bool pow2 : {true, false})
         for (float beta : {0.0f, 0.5f}) {
           CAPTURE(mpx::detail::block_kind_name(kinds.a), mpx::detail::block_kind_name(kinds.b), m, n, k, pow2, beta);
+          bool const mx = kinds.a == mpx::fp8_block_kind::vec32;
+          if (!mpx_test::block_fp8_products_here(exec, mx)) {
+            WARN(std::string(mx ? "MXFP8 products need Blackwell (sm_100) or newer"
+                                : "these block-scaled fp8 products need Hopper (sm_90)") +
+                 ": only the quantize passes run here");
+            continue;
+          }
           auto const a = block_data(static_cast<std::size_t>(m * k), static_cast<std::uint64_t>(m * 7 + k));
           auto const b = block_data(static_cast<std::size_t>(k * n), static_cast<std::uint64_t>(n * 11 + k));
           // A [M, K] as it is; B from a weight-like [K, N], read transposed.
-          mpx::fp8_block_scale_layout const la{kinds.a, m, k}, lb{kinds.b, n, k};
-          auto const ad = mpx_test::upload(exec, a, mpx::shape{m, k});
-          auto const bd = mpx_test::upload(exec, b, mpx::shape{k, n});
-          auto aq = mpx_test::poisoned<e4m3>(exec, mpx::shape{m, la.padded_k()});
-          auto as = mpx_test::poisoned<float>(exec, mpx::shape{la.count()});
-          auto bq = mpx_test::poisoned<e4m3>(exec, mpx::shape{n, lb.padded_k()});
-          auto bs = mpx_test::poisoned<float>(exec, mpx::shape{lb.count()});
-          mpx::quantize_fp8_blocks<e4m3>(exec, ad, true, kinds.a, pow2, aq, as);
-          mpx::quantize_fp8_blocks<e4m3>(exec, bd, false, kinds.b, pow2, bq, bs);
+          auto const [aq, as, ab, la] = quantized(exec, a, m, k, true, kinds.a, pow2);
+          auto const [bq, bs, bb, lb] = quantized(exec, b, k, n, false, kinds.b, pow2);
           auto const c0 = beta == 0.0f ? std::vector<float>(static_cast<std::size_t>(m * n), mpx_test::poison<float>())
                                        : mpx_test::random_values<float>(static_cast<std::size_t>(m * n), -1, 1, 5);
           auto c = mpx_test::upload(exec, c0, mpx::shape{m, n});
           using space = mpx::memory_space_t<TestType>;
-          mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<e4m3, space>{mpx::view(aq), mpx::view(as), la},
-                              mpx::fp8_block_operand<e4m3, space>{mpx::view(bq), mpx::view(bs), lb}, c, 1.5f, beta);
+          if (mx)
+            mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<e4m3, space, e8m0>{mpx::view(aq), mpx::view(ab), la},
+                                mpx::fp8_block_operand<e4m3, space, e8m0>{mpx::view(bq), mpx::view(bb), lb}, c, 1.5f,
+                                beta);
+          else
+            mpx::fp8_block_gemm(exec, mpx::fp8_block_operand<e4m3, space>{mpx::view(aq), mpx::view(as), la},
+                                mpx::fp8_block_operand<e4m3, space>{mpx::view(bq), mpx::view(bs), lb}, c, 1.5f, beta);
           auto const got = mpx_test::download(exec, c);
-          auto const ax = dequantised(mpx_test::download(exec, aq), mpx_test::download(exec, as), la);
-          auto const bx = dequantised(mpx_test::download(exec, bq), mpx_test::download(exec, bs), lb);
+          auto const ax = dequantised(mpx_test::download(exec, aq), factors(exec, as, ab), la);
+          auto const bx = dequantised(mpx_test::download(exec, bq), factors(exec, bs, bb), lb);
           std::int64_t const kp = la.padded_k();
           double const bound = mpx_test::fp8_sum_bound<TestType>(kp) + std::ldexp(1.0, -24);
           std::size_t bad = 0, far = 0;
@@ -282,4 +367,21 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm and quantize_fp8_blocks refuse what they
   auto c_n = mpx::make_tensor<float>(exec, {32, 24});
   CHECK_THROWS_TYPE_WITH(mpx::fp8_block_gemm(exec, op(values, scales, vec), op(values_n, scales_n, vec_n), c_n),
                          mpx::invalid_argument, Catch::Matchers::Contains("got N = 24"));
+
+  // MXFP8's blocks keep E8M0 scales, multiply only their own kind, and say so.
+  mpx::fp8_block_scale_layout const mx{mpx::fp8_block_kind::vec32, 32, 200};
+  auto mx_values = mpx::make_tensor<e4m3>(exec, {32, mx.padded_k()});
+  auto mx_scales = mpx::make_tensor<e8m0>(exec, {mx.count()});
+  auto mx_as_floats = mpx::make_tensor<float>(exec, {mx.count()});
+  CHECK_THROWS_TYPE_WITH(mpx::quantize_fp8_blocks<e4m3>(exec, x, true, mx.kind, true, mx_values, mx_as_floats),
+                         mpx::invalid_argument, Catch::Matchers::Contains("must hold float8_e8m0"));
+  auto vec_as_bytes = mpx::make_tensor<e8m0>(exec, {vec.count()});
+  CHECK_THROWS_TYPE_WITH(mpx::quantize_fp8_blocks<e4m3>(exec, x, true, vec.kind, true, values, vec_as_bytes),
+                         mpx::invalid_argument, Catch::Matchers::Contains("must hold float"));
+  auto const mx_op = mpx::fp8_block_operand<e4m3, space, e8m0>{mpx::view(mx_values), mpx::view(mx_scales), mx};
+  CHECK_THROWS_TYPE_WITH(mpx::fp8_block_gemm(exec, mx_op, op(values, scales, vec), c), mpx::invalid_argument,
+                         Catch::Matchers::Contains("1x32 (MXFP8) blocks multiply only 1x32 (MXFP8) blocks"));
+  auto const mx_labelled_vec = mpx::fp8_block_operand<e4m3, space, e8m0>{mpx::view(mx_values), mpx::view(mx_scales), vec};
+  CHECK_THROWS_TYPE_WITH(mpx::fp8_block_gemm(exec, mx_labelled_vec, op(values, scales, vec), c),
+                         mpx::invalid_argument, Catch::Matchers::Contains("A's layout says 1x128 blocks"));
 }

@@ -386,7 +386,8 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a mixed_fp8_block or mixed_fp8_rowwise run resumed from its training state continues bit for bit",
+TEST_CASE("a mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp8 run resumed from its training state continues bit "
+          "for bit",
           "[layers][fp8][fp8_block][resume]") {
   auto const check_resume = [](auto policy) {
     using P = typename decltype(policy)::type;
@@ -416,10 +417,11 @@ TEST_CASE("a mixed_fp8_block or mixed_fp8_rowwise run resumed from its training 
   };
   check_resume(boost::hana::type_c<mpx::mixed_fp8_block>);
   check_resume(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
+  check_resume(boost::hana::type_c<mpx::mixed_mxfp8>);
 }
 #endif
 
-// ---- dense under the block recipes (mixed_fp8_block, mixed_fp8_rowwise) ----
+// ---- dense under the block recipes (mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8) ----
 
 namespace fp8_block_layer_cases {
 
@@ -430,6 +432,7 @@ std::vector<double> block_operand(std::vector<fp8_storage> const& x, std::int64_
                                   bool k_contiguous, mpx::operand_role role) {
   using recipe = std::remove_cvref_t<decltype(mpx::fp8_recipe_for<Policy>)>;
   mpx::fp8_block_kind const kind = std::is_same_v<recipe, mpx::rowwise_scaling> ? mpx::fp8_block_kind::row
+                                   : std::is_same_v<recipe, mpx::mxfp8_scaling>  ? mpx::fp8_block_kind::vec32
                                    : role == mpx::operand_role::weight         ? mpx::fp8_block_kind::tile128
                                                                                : mpx::fp8_block_kind::vec128;
   std::vector<float> f(x.size());
@@ -496,8 +499,11 @@ void check_block_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std
   // dW = xᵀ dy: A = x read as [in, rows], B = dy read as [units, rows].
   auto const wa = block_operand<Policy>(xs, rows, in, false, operand_role::activation);
   auto const wb = block_operand<Policy>(dys, rows, units, false, operand_role::gradient);
-  bool const rowwise = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<Policy>)>, mpx::rowwise_scaling>;
-  auto const padded = [&](std::int64_t k) { return rowwise ? mpx::fp8_gemm_padded_extent(k) : (k + 127) / 128 * 128; };
+  using recipe = std::remove_cvref_t<decltype(mpx::fp8_recipe_for<Policy>)>;
+  std::int64_t const block = std::is_same_v<recipe, mpx::mxfp8_scaling> ? 32 : 128;
+  auto const padded = [&](std::int64_t k) {
+    return std::is_same_v<recipe, mpx::rowwise_scaling> ? mpx::fp8_gemm_padded_extent(k) : (k + block - 1) / block * block;
+  };
   auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
   fp8_bound fy{"dense y", sum_bound}, fdx{"dense dx", sum_bound}, fdw{"dense dW", sum_bound};
   auto const at = [](std::int64_t i, std::int64_t j, std::int64_t cols) { return static_cast<std::size_t>(i * cols + j); };
@@ -536,19 +542,21 @@ void check_block_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std
 
 }  // namespace fp8_block_layer_cases
 
-TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block and mixed_fp8_rowwise matches the float64 block recipe, "
-                        "forward and backward",
+TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block, mixed_fp8_rowwise and mixed_mxfp8 matches the float64 block "
+                        "recipe, forward and backward",
                         "[fp8][fp8_block][layers]", mpx_test::executors) {
   using namespace fp8_block_layer_cases;
   TestType exec;
-  if (!mpx_test::block_fp8_products_here(exec)) {
-    WARN("block-scaled fp8 needs sm_90 (Hopper): skipped");
-    return;
-  }
+  bool const hopper_blocks = mpx_test::block_fp8_products_here(exec), mx_blocks = mpx_test::block_fp8_products_here(exec, true);
+  if (!hopper_blocks) WARN("mixed_fp8_block and mixed_fp8_rowwise need sm_90 (Hopper): skipped");
+  if (!mx_blocks) WARN("mixed_mxfp8 needs Blackwell (sm_100) or newer: skipped");
   for (auto [rows, in, units] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{13, 48, 16}, {130, 208, 32},
-                                 {5, 144, 144}}) {
-    check_block_dense<mpx::mixed_fp8_block>(exec, rows, in, units);
-    check_block_dense<mpx::mixed_fp8_rowwise>(exec, rows, in, units);
+                                 {5, 144, 144}, {33, 80, 16}}) {
+    if (hopper_blocks) {
+      check_block_dense<mpx::mixed_fp8_block>(exec, rows, in, units);
+      check_block_dense<mpx::mixed_fp8_rowwise>(exec, rows, in, units);
+    }
+    if (mx_blocks) check_block_dense<mpx::mixed_mxfp8>(exec, rows, in, units);
   }
   // The block presets keep no scale state: nothing to save, nothing to restore.
   mpx::dense<mpx::mixed_fp8_block> layer(16);

@@ -140,6 +140,7 @@ T poison() {
   if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
   else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
   else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
+  else if constexpr (std::is_same_v<T, mpx::float8_e8m0>) return mpx::e8m0_from_bits(0xFF);  // its NaN
   else return T(0x5A);
 }
 
@@ -157,16 +158,17 @@ double fp8_sum_bound(std::int64_t k) {
 }
 
 //! Whether this executor runs block-scaled fp8 products (mpx::fp8_block_gemm): the host
-//! always, a GPU only on Hopper (sm_90), where cuBLASLt offers the block scale modes.
-//! Shared by the kernel and layer tests.
+//! always; a GPU, for rowwise, 1x128 and 128x128 blocks only on Hopper (sm_90), and for
+//! MXFP8's 1x32 blocks (`mx`) on Blackwell (sm_100) and newer, where cuBLASLt offers
+//! those scale modes. Shared by the kernel and layer tests.
 template <class Exec>
-bool block_fp8_products_here([[maybe_unused]] Exec const& exec) {
+bool block_fp8_products_here([[maybe_unused]] Exec const& exec, [[maybe_unused]] bool mx = false) {
 #if MPX_HAS_CUDA
   if constexpr (!mpx::is_host_executor_v<Exec>) {
     int device = 0, major = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&device));
     MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major == 9;
+    return mx ? major >= 10 : major == 9;
   }
 #endif
   return true;
@@ -209,14 +211,21 @@ std::vector<T> random_values(std::size_t n, double lo, double hi, std::uint64_t 
 //! the contract) but never to a number.
 template <class T>
 bool same_value(T a, T b) {
-  if (mpx::is_nan(a) || mpx::is_nan(b)) return mpx::is_nan(a) && mpx::is_nan(b);
-  return mpx::bits(a) == mpx::bits(b);
+  if constexpr (std::is_integral_v<T>) {
+    return a == b;
+  } else {
+    if (mpx::is_nan(a) || mpx::is_nan(b)) return mpx::is_nan(a) && mpx::is_nan(b);
+    return mpx::bits(a) == mpx::bits(b);
+  }
 }
 
 template <class T>
 std::string describe(T x) {
   std::ostringstream os;
-  os << mpx::detail::to_double(x) << " (bits 0x" << std::hex << static_cast<std::uint64_t>(mpx::bits(x)) << ")";
+  if constexpr (std::is_integral_v<T>)
+    os << +x;
+  else
+    os << mpx::detail::to_double(x) << " (bits 0x" << std::hex << static_cast<std::uint64_t>(mpx::bits(x)) << ")";
   return os.str();
 }
 

@@ -121,6 +121,12 @@ struct mixed_fp8_block : policy<bfloat16, float8_e4m3, float, float> {
 struct mixed_fp8_rowwise : policy<bfloat16, float8_e4m3, float, float> {
   static constexpr std::string_view name = "mixed_fp8_rowwise";
 };
+//! mixed_fp8's dtypes with MXFP8 (OCP's Microscaling format): e4m3 for every role, a
+//! power-of-two (E8M0) scale per 32 values along K, computed from each block as it is
+//! cast. cuBLASLt runs its products on Blackwell and newer; the host runs it anywhere.
+struct mixed_mxfp8 : policy<bfloat16, float8_e4m3, float, float> {
+  static constexpr std::string_view name = "mixed_mxfp8";
+};
 
 namespace detail {
 template <class P>

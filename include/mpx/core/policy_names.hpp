@@ -31,7 +31,8 @@ inline constexpr auto preset_policies = boost::hana::make_tuple(
     boost::hana::make_pair(BOOST_HANA_STRING("bfloat16"), boost::hana::type_c<pure_bfloat16>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8"), boost::hana::type_c<mixed_fp8>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_block"), boost::hana::type_c<mixed_fp8_block>),
-    boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_rowwise"), boost::hana::type_c<mixed_fp8_rowwise>));
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_rowwise"), boost::hana::type_c<mixed_fp8_rowwise>),
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_mxfp8"), boost::hana::type_c<mixed_mxfp8>));
 
 //! The preset named by a compile-time Hana string, as a hana::type:
 //! `constexpr auto n = BOOST_HANA_STRING("mixed_float16"); using P = decltype(mpx::policy_by_name(n))::type;`
@@ -42,8 +43,8 @@ constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
   });
   static_assert(!decltype(found == boost::hana::nothing)::value,
                 "mpx::policy_by_name: no preset policy has this name; the presets are "
-                "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\", \"mixed_fp8\", \"mixed_fp8_block\" and "
-                "\"mixed_fp8_rowwise\"");
+                "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\", \"mixed_fp8\", \"mixed_fp8_block\", "
+                "\"mixed_fp8_rowwise\" and \"mixed_mxfp8\"");
   return boost::hana::second(*found);
 }
 
@@ -55,8 +56,8 @@ namespace detail {
 [[noreturn]] inline void unknown_policy(std::string_view name, source_location loc) {
   fail<invalid_argument>("with_policy",
                          "unknown policy \"" + std::string(name) +
-                             "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_block and "
-                             "mixed_fp8_rowwise",
+                             "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_block, "
+                             "mixed_fp8_rowwise and mixed_mxfp8",
                          loc);
 }
 

@@ -180,7 +180,7 @@ class lt_context {
   //! needs already when the algorithm is chosen (cuBLASLt refuses the query without
   //! them); every call sets its own before it runs.
   lt_plan const& plan(lt_problem const& p, cublasLtHandle_t handle, std::size_t workspace_bytes,
-                      float const* a_scale = nullptr, float const* b_scale = nullptr) {
+                      void const* a_scale = nullptr, void const* b_scale = nullptr) {
     std::lock_guard lock(mutex_);
     auto it = plans_.find(p);
     if (it != plans_.end()) return *it->second;
@@ -264,8 +264,8 @@ class lt_context {
   }
 
   static std::unique_ptr<lt_plan> make_plan(lt_problem const& p, cublasLtHandle_t handle,
-                                            std::size_t workspace_bytes, float const* a_scale,
-                                            float const* b_scale) {
+                                            std::size_t workspace_bytes, void const* a_scale,
+                                            void const* b_scale) {
     auto plan = std::make_unique<lt_plan>();
     check_cublas(cublasLtMatmulDescCreate(&plan->desc, p.compute, p.scale_type), "cublasLtMatmulDescCreate");
     check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &p.op_a, sizeof(p.op_a)),
@@ -355,11 +355,12 @@ class lt_context {
   std::uint64_t generation_ = 0;
 };
 
-//! Device pointers to one float each that cuBLASLt multiplies its A's and B's values by
-//! (fp8 operands' dequantisation: CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER). Null: none.
+//! Device pointers to what cuBLASLt multiplies its A's and B's values by (fp8 operands'
+//! dequantisation: CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER): one float each, or block
+//! scales (floats, or E8M0 bytes) in the layout of their mode. Null: none.
 struct lt_operand_scales {
-  float const* a = nullptr;
-  float const* b = nullptr;
+  void const* a = nullptr;
+  void const* b = nullptr;
   //! cublasLtMatmulMatrixScale_t of each: 0 (one float), or a block mode, when the
   //! pointers are to block scales (mpx::fp8_block_gemm).
   std::int32_t a_mode = 0, b_mode = 0;

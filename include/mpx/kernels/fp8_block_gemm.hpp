@@ -2,8 +2,9 @@
 // scale per block (mpx::quantize_fp8_blocks), summed in float. On the host each value is
 // dequantised (fp8 value * its block's inverse scale: exact when the scales are powers of
 // two) and the float product runs as mpx::gemm's; on a cuda_executor it is one cuBLASLt
-// call with the blocks' scale modes (OUTER_VEC_32F, VEC128_32F, BLK128x128_32F), which
-// cuBLASLt offers on Hopper (sm_90); Blackwell's block formats are MXFP8 and NVFP4.
+// call with the blocks' scale modes: OUTER_VEC_32F, VEC128_32F and BLK128x128_32F, which
+// cuBLASLt offers on Hopper (sm_90), and VEC32_UE8M0 (MXFP8), which it offers on
+// Blackwell (sm_100) and newer.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
@@ -23,11 +24,12 @@
 namespace mpx {
 
 //! An operand quantize_fp8_blocks made: values [outer, layout.padded_k()] (K contiguous)
-//! and the blocks' inverse scales [layout.count()], in Space.
-template <class Format, memory_space Space>
+//! and the blocks' inverse scales [layout.count()] (floats, or float8_e8m0 for vec32
+//! blocks), in Space.
+template <class Format, memory_space Space, class Scale = float>
 struct fp8_block_operand {
   tensor_view<Format const, Space> values;
-  tensor_view<float const, Space> inverse_scales;
+  tensor_view<Scale const, Space> inverse_scales;
   fp8_block_scale_layout layout;
 };
 
@@ -38,6 +40,7 @@ inline char const* block_kind_name(fp8_block_kind k) noexcept {
   switch (k) {
     case fp8_block_kind::row: return "rowwise";
     case fp8_block_kind::vec128: return "1x128";
+    case fp8_block_kind::vec32: return "1x32 (MXFP8)";
     case fp8_block_kind::tile128: break;
   }
   return "128x128";
@@ -45,12 +48,19 @@ inline char const* block_kind_name(fp8_block_kind k) noexcept {
 
 //! The checks of fp8_block_gemm that hold on every executor, in this order: each
 //! operand's values and scales as its layout says, the pair of block kinds cuBLASLt
-//! has a product for (rowwise with rowwise; 1x128 with 1x128 or 128x128, not two
-//! 128x128), K alike, N a multiple of 16, C [M, N].
-template <class FA, class FB, class Space>
-void check_fp8_block_gemm(fp8_block_operand<FA, Space> const& a, fp8_block_operand<FB, Space> const& b,
+//! has a product for (rowwise with rowwise; 1x32 with 1x32; 1x128 with 1x128 or
+//! 128x128, not two 128x128), K alike, N a multiple of 16, C [M, N].
+template <class FA, class FB, class Space, class SA, class SB>
+void check_fp8_block_gemm(fp8_block_operand<FA, Space, SA> const& a, fp8_block_operand<FB, Space, SB> const& b,
                           shape const& c, mpx::source_location loc) {
   auto const check_operand = [&](char const* name, auto const& x) {
+    using scale_type = std::remove_const_t<typename decltype(x.inverse_scales)::element_type>;
+    if (x.layout.e8m0_scales() != std::is_same_v<scale_type, float8_e8m0>)
+      fail<invalid_argument>("fp8_block_gemm", std::string(name) + "'s layout says " +
+                                                   block_kind_name(x.layout.kind) + " blocks, whose scales are " +
+                                                   (x.layout.e8m0_scales() ? "float8_e8m0" : "float") +
+                                                   ", but its scales hold another type",
+                             loc);
     shape const want{x.layout.outer, x.layout.padded_k()};
     if (x.values.shape() != want)
       fail<shape_error>("fp8_block_gemm", std::string(name) + "'s values have shape " + x.values.shape().to_string() +
@@ -65,12 +75,13 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space> const& a, fp8_block_opera
   };
   check_operand("A", a);
   check_operand("B", b);
-  bool const rows = a.layout.kind == fp8_block_kind::row, b_rows = b.layout.kind == fp8_block_kind::row;
-  if (rows != b_rows)
-    fail<invalid_argument>("fp8_block_gemm", std::string("rowwise blocks multiply only rowwise blocks; got A ") +
-                                                 block_kind_name(a.layout.kind) + " and B " +
-                                                 block_kind_name(b.layout.kind),
-                           loc);
+  for (fp8_block_kind const only_alike : {fp8_block_kind::row, fp8_block_kind::vec32})
+    if ((a.layout.kind == only_alike) != (b.layout.kind == only_alike))
+      fail<invalid_argument>("fp8_block_gemm", std::string(block_kind_name(only_alike)) + " blocks multiply only " +
+                                                   block_kind_name(only_alike) + " blocks; got A " +
+                                                   block_kind_name(a.layout.kind) + " and B " +
+                                                   block_kind_name(b.layout.kind),
+                             loc);
   if (a.layout.kind == fp8_block_kind::tile128 && b.layout.kind == fp8_block_kind::tile128)
     fail<invalid_argument>("fp8_block_gemm",
                            "A and B are both in 128x128 blocks, which cuBLASLt has no product for: quantize one of "
@@ -93,18 +104,23 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space> const& a, fp8_block_opera
                       loc);
 }
 
-//! A's values dequantised into float scratch [outer, padded k]: value * its block's
-//! inverse scale, exact where the scales are powers of two.
-template <std::size_t Slot, class Format, class Space>
-float const* host_dequantize_blocks(fp8_block_operand<Format, Space> const& x) {
+//! An operand's values dequantised into float scratch [outer, padded k]: value * its
+//! block's inverse scale, exact where the scales are powers of two (one scale read per
+//! block).
+template <std::size_t Slot, class Format, class Space, class Scale>
+float const* host_dequantize_blocks(fp8_block_operand<Format, Space, Scale> const& x) {
   struct tag {};
   std::size_t const pitch = static_cast<std::size_t>(x.layout.padded_k());
+  std::size_t const length = static_cast<std::size_t>(x.layout.block_length());
   std::size_t const n = static_cast<std::size_t>(x.layout.outer) * pitch;
   float* out = host_scratch_floats<tag, Slot>(n);
   Format const* v = x.values.data();
-  float const* s = x.inverse_scales.data();
+  Scale const* s = x.inverse_scales.data();
   for (std::size_t o = 0; o < static_cast<std::size_t>(x.layout.outer); ++o)
-    for (std::size_t kk = 0; kk < pitch; ++kk) out[o * pitch + kk] = cast<float>(v[o * pitch + kk]) * s[x.layout.slot(o, kk)];
+    for (std::size_t k0 = 0; k0 < pitch; k0 += length) {
+      float const factor = dequantisation_factor(s[x.layout.slot(o, k0)]);
+      for (std::size_t kk = k0; kk < k0 + length; ++kk) out[o * pitch + kk] = cast<float>(v[o * pitch + kk]) * factor;
+    }
   return out;
 }
 
@@ -114,6 +130,7 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
   switch (k) {
     case fp8_block_kind::row: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     case fp8_block_kind::vec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case fp8_block_kind::vec32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     case fp8_block_kind::tile128: break;
   }
   return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
@@ -127,18 +144,19 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
 //! [M, N], in the executor's memory.
 //!
 //! Error: a dequantised value is exact with power-of-two scales (block_scaling's
-//! default) and within 2^-24 relative otherwise; the float sums add at most
+//! default, and always for vec32's E8M0 scales) and within 2^-24 relative otherwise; the float sums add at most
 //! (K + 4) 2^-24 |alpha| sum_k |a||b| + |beta C0|, plus C's rounding, on the host. The GPU
 //! sums each 128-long run of K on its tensor cores and promotes to float between runs.
 //!
 //! Refused before anything runs (mpx::shape_error or mpx::invalid_argument, naming the
-//! operand): values or scales not as their layouts say, rowwise blocks with other blocks,
-//! two 128x128 operands, K that differs, N not a multiple of 16, C not [M, N], C
+//! operand): values or scales not as their layouts say, rowwise or 1x32 blocks with other
+//! blocks, two 128x128 operands, K that differs, N not a multiple of 16, C not [M, N], C
 //! overlapping an operand. On a cuda_executor too: pointers (scales included) not
-//! 16-byte aligned, a device other than Hopper (sm_90).
-template <executor Exec, class FA, class FB, memory_space Space, tensor_like C>
-void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Space> const& a,
-                    fp8_block_operand<FB, Space> const& b, C&& c, float alpha = 1.0f, float beta = 0.0f,
+//! 16-byte aligned; for rowwise, 1x128 and 128x128 blocks a device other than Hopper
+//! (sm_90), for 1x32 blocks one older than Blackwell (sm_100).
+template <executor Exec, class FA, class FB, memory_space Space, class SA, class SB, tensor_like C>
+void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Space, SA> const& a,
+                    fp8_block_operand<FB, Space, SB> const& b, C&& c, float alpha = 1.0f, float beta = 0.0f,
                     mpx::source_location loc = mpx::source_location::current()) {
   detail::check_fp8_gemm_types<FA, FB, value_t<C>>();
   detail::require_access<Exec, Space, space_t<C>>();
@@ -170,12 +188,16 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
     int device = 0, major = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&device));
     MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major != 9)
-      detail::fail<invalid_argument>("fp8_block_gemm",
-                                     "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper "
-                                     "(sm_90) only; this device is sm_" + std::to_string(major) +
-                                         "x. Use mpx::fp8_gemm with per-tensor scales here",
-                                     loc);
+    if (a.layout.kind == fp8_block_kind::vec32 ? major < 10 : major != 9)
+      detail::fail<invalid_argument>(
+          "fp8_block_gemm",
+          std::string(a.layout.kind == fp8_block_kind::vec32
+                          ? "cuBLASLt offers MXFP8 products (1x32 blocks, E8M0 scales) on Blackwell (sm_100) and "
+                            "newer"
+                          : "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper (sm_90) "
+                            "only") +
+              "; this device is sm_" + std::to_string(major) + "x. Use mpx::fp8_gemm with per-tensor scales here",
+          loc);
     // cuBLASLt's A is our B (see cuda_gemm): its scales and mode come first.
     detail::cuda_gemm<float>(exec.stream(), d, false, true, alpha, a.values.data(), b.values.data(), beta, cv.data(),
                              detail::lt_operand_scales{b.inverse_scales.data(), a.inverse_scales.data(),

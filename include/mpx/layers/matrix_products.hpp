@@ -42,14 +42,17 @@ using fp8_format_of = std::conditional_t<R == operand_role::gradient, float8_e5m
 
 //! The fp8 recipe of a policy's layers: per-tensor delayed scaling by default
 //! (Transformer Engine's default: a 1024-step amax history, no margin), block_scaling
-//! for mpx::mixed_fp8_block, rowwise_scaling for mpx::mixed_fp8_rowwise. Specialise it
-//! for a policy of your own (any of the three recipe types).
+//! for mpx::mixed_fp8_block, rowwise_scaling for mpx::mixed_fp8_rowwise, mxfp8_scaling
+//! for mpx::mixed_mxfp8. Specialise it for a policy of your own (any of the recipe
+//! types).
 template <class Policy>
 inline constexpr auto fp8_recipe_for = delayed_scaling{};
 template <>
 inline constexpr auto fp8_recipe_for<mixed_fp8_block> = block_scaling{};
 template <>
 inline constexpr auto fp8_recipe_for<mixed_fp8_rowwise> = rowwise_scaling{};
+template <>
+inline constexpr auto fp8_recipe_for<mixed_mxfp8> = mxfp8_scaling{};
 
 //! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
 //! prefix, and snapshot() returns what puts the current values back (a load that fails
@@ -134,21 +137,22 @@ class fp8_operand {
   bool on_device_ = false;
 };
 
-//! One role's block-quantized operand (block recipes): its values and its blocks'
-//! inverse scales, in buffers reserve() sizes for either orientation of the largest
-//! operand. Nothing is kept from step to step: each block's scale comes from the block.
-template <operand_role R>
+//! One role's block-quantized operand under block recipe Recipe: its values and its
+//! blocks' inverse scales, in buffers reserve() sizes for either orientation of the
+//! largest operand. Nothing is kept from step to step: each block's scale comes from the
+//! block.
+template <operand_role R, class Recipe>
 class fp8_block_role {
  public:
-  template <class Recipe>
-  static constexpr fp8_block_kind kind_for() {
+  static constexpr fp8_block_kind kind = [] {
     if constexpr (std::is_same_v<Recipe, rowwise_scaling>) return fp8_block_kind::row;
+    else if constexpr (std::is_same_v<Recipe, mxfp8_scaling>) return fp8_block_kind::vec32;
     else return R == operand_role::weight ? fp8_block_kind::tile128 : fp8_block_kind::vec128;
-  }
+  }();
+  using scale_type = std::conditional_t<kind == fp8_block_kind::vec32, float8_e8m0, float>;
 
-  template <class Recipe, executor Exec>
+  template <executor Exec>
   void reserve(Exec const& exec, operand_extent largest) {
-    constexpr fp8_block_kind kind = kind_for<Recipe>();
     fp8_block_scale_layout const as_is{kind, largest.rows, largest.cols}, turned{kind, largest.cols, largest.rows};
     std::int64_t const n = std::max(as_is.outer * as_is.padded_k(), turned.outer * turned.padded_k());
     std::int64_t const scales = std::max(as_is.count(), turned.count());
@@ -159,10 +163,9 @@ class fp8_block_role {
   //! x (a matrix) quantized as the operand [outer, K] (x itself when k_contiguous, else
   //! its transpose). Allocates nothing: an operand larger than reserve made room for is
   //! an mpx::shape_error.
-  template <class Recipe, executor Exec, class T, class Space>
-  fp8_block_operand<float8_e4m3, Space> quantize(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous,
-                                                 Recipe const& recipe) {
-    constexpr fp8_block_kind kind = kind_for<Recipe>();
+  template <executor Exec, class T, class Space>
+  fp8_block_operand<float8_e4m3, Space, scale_type> quantize(Exec const& exec, tensor_view<T const, Space> x,
+                                                             bool k_contiguous, Recipe const& recipe) {
     std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
     fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
     auto const v = values_.template view<Space>(shape{layout.outer, layout.padded_k()});
@@ -175,7 +178,7 @@ class fp8_block_role {
 
  private:
   layer_tensor<float8_e4m3> values_;
-  layer_tensor<float> scales_;
+  layer_tensor<scale_type> scales_;
 };
 
 //! Every fp8 scale a model's layers keep (dense and conv2d under an fp8 policy), by name.
@@ -221,9 +224,9 @@ class matrix_products {
   void reserve([[maybe_unused]] Exec const& exec, [[maybe_unused]] detail::operand_extent activation,
                [[maybe_unused]] detail::operand_extent weight, [[maybe_unused]] detail::operand_extent gradient) {
     if constexpr (block_scaled) {
-      activation_.template reserve<recipe_type>(exec, activation);
-      weight_.template reserve<recipe_type>(exec, weight);
-      gradient_.template reserve<recipe_type>(exec, gradient);
+      activation_.reserve(exec, activation);
+      weight_.reserve(exec, weight);
+      gradient_.reserve(exec, gradient);
     } else if constexpr (fp8) {
       activation_.reserve(exec, activation);
       weight_.reserve(exec, weight);
@@ -349,7 +352,7 @@ class matrix_products {
  private:
   struct none {};
   template <operand_role R>
-  using role_state = std::conditional_t<block_scaled, detail::fp8_block_role<R>,
+  using role_state = std::conditional_t<block_scaled, detail::fp8_block_role<R, recipe_type>,
                                         std::conditional_t<fp8, detail::fp8_operand<R>, none>>;
   template <operand_role R>
   role_state<R>& operand() {

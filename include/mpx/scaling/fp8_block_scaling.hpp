@@ -5,7 +5,10 @@
 //                    OUTER_VEC_32F scale mode);
 //   block_scaling    DeepSeek-V3's recipe, Transformer Engine's Float8BlockScaling:
 //                    activations and gradients in 1x128 blocks along K (VEC128_32F),
-//                    weights in 128x128 tiles (BLK128x128_32F), e4m3 for every role.
+//                    weights in 128x128 tiles (BLK128x128_32F), e4m3 for every role;
+//   mxfp8_scaling    MXFP8 (OCP's Microscaling format, Transformer Engine's
+//                    MXFP8BlockScaling): every operand in 1x32 blocks along K with a
+//                    power-of-two E8M0 scale (VEC32_UE8M0, Blackwell), e4m3 values.
 // A block's scale is computed from the block itself when it is quantized (no history,
 // nothing to save or to agree on between replicas). This file holds the recipes; the
 // blocks' layout and scale are kernels/fp8_block_layout.hpp, the quantize pass
@@ -30,6 +33,14 @@ struct block_scaling {
   bool power_of_two_scales = true;
 };
 
+//! MXFP8: 1x32 blocks along K for activations, weights and gradients alike, e4m3 values,
+//! each block's scale the power of two (an E8M0 byte) that brings its largest magnitude
+//! within 448 (rounded up, as NVIDIA's recipe does, so nothing saturates). Its GPU
+//! product needs Blackwell (sm_100) or newer; the host runs it anywhere.
+struct mxfp8_scaling {
+  static constexpr bool power_of_two_scales = true;  //!< E8M0 holds powers of two only
+};
+
 //! Whether R is one of the block recipes above (as opposed to per-tensor scaling).
 template <class R>
 inline constexpr bool is_block_recipe_v = false;
@@ -37,5 +48,7 @@ template <>
 inline constexpr bool is_block_recipe_v<rowwise_scaling> = true;
 template <>
 inline constexpr bool is_block_recipe_v<block_scaling> = true;
+template <>
+inline constexpr bool is_block_recipe_v<mxfp8_scaling> = true;
 
 }  // namespace mpx

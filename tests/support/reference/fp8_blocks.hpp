@@ -14,17 +14,29 @@
 
 namespace mpx_test::reference {
 
-//! What quantize_fp8_blocks must write, computed block by block from the definition.
+//! What quantize_fp8_blocks must write, computed block by block from the definition:
+//! the inverse scales as floats (the factor each slot dequantises by) and, for vec32
+//! blocks, as the E8M0 bytes the slots hold.
 struct expected_blocks {
   std::vector<mpx::float8_e4m3> values;
   std::vector<float> inverse_scales;
+  std::vector<std::uint8_t> e8m0;
   unsigned nonfinite = 0;
 };
 
+//! The MX block exponent from its definition: the smallest e with amax <= 448 * 2^e,
+//! found by stepping through powers of two in double (exact).
+inline int reference_mx_exponent(double amax, double format_max = 448.0) {
+  int e = std::ilogb(amax) - std::ilogb(format_max) - 2;
+  while (amax > std::ldexp(format_max, e)) ++e;
+  return e;
+}
+
 //! x [rows, cols] (as floats) quantized as the operand [outer, k]: the block of each
 //! value by its coordinates, the scale 448 / max(finite amax, floor) in float, rounded
-//! down to a power of two when asked, the value saturate_cast(x * scale), NaN for NaN or
-//! inf, zeros in the padding.
+//! down to a power of two when asked (vec32: 2^-e, e = reference_mx_exponent), the value
+//! saturate_cast(x * scale) (vec32: rounded once from the exact double product), NaN for
+//! NaN or inf, zeros in the padding.
 inline expected_blocks reference_quantize(std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
                                    bool k_contiguous, mpx::fp8_block_kind kind, bool pow2) {
   mpx::fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
@@ -44,8 +56,17 @@ inline expected_blocks reference_quantize(std::vector<float> const& x, std::int6
       if (std::isfinite(v)) amax[slot] = std::max(amax[slot], std::fabs(v));
     }
   std::vector<float> scale(amax.size());
+  bool const mx = kind == mpx::fp8_block_kind::vec32;
+  if (mx) e.e8m0.assign(amax.size(), 0);
   for (std::size_t s = 0; s < amax.size(); ++s) {
     float const a = std::max(amax[s], 0x1p-110f);
+    if (mx) {
+      int const x = reference_mx_exponent(a);
+      scale[s] = std::ldexp(1.0f, -x);
+      e.inverse_scales[s] = std::ldexp(1.0f, x);
+      e.e8m0[s] = static_cast<std::uint8_t>(x + 127);
+      continue;
+    }
     float sc = 448.0f / a;
     if (pow2) sc = std::ldexp(1.0f, std::ilogb(sc));
     scale[s] = sc;
@@ -60,7 +81,9 @@ inline expected_blocks reference_quantize(std::vector<float> const& x, std::int6
         out = mpx::dtype_traits<mpx::float8_e4m3>::quiet_nan();
         ++e.nonfinite;
       } else {
-        out = mpx::saturate_cast<mpx::float8_e4m3>(v * scale[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]);
+        float const sc = scale[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))];
+        out = mx ? mpx::saturate_cast<mpx::float8_e4m3>(static_cast<double>(v) * static_cast<double>(sc))
+                 : mpx::saturate_cast<mpx::float8_e4m3>(v * sc);
       }
     }
   return e;
