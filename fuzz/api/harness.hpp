@@ -11,7 +11,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
-#include <mpx/core/scale_formats.hpp>
+#include <mpx/core/block_formats.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 

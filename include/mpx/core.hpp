@@ -15,7 +15,7 @@
 #include <mpx/core/math.hpp>
 #include <mpx/core/philox.hpp>
 #include <mpx/core/policy.hpp>
-#include <mpx/core/scale_formats.hpp>
+#include <mpx/core/block_formats.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/core/splitmix64.hpp>
 #include <mpx/core/stochastic_round.hpp>

@@ -560,6 +560,7 @@ TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same pa
     CAPTURE(worst);
     CHECK(worst <= 0.02);
   };
+  run(boost::hana::type_c<mpx::mixed_fp8_current>);
   run(boost::hana::type_c<mpx::mixed_fp8_block>);
   run(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
   run(boost::hana::type_c<mpx::mixed_mxfp8>);

@@ -110,35 +110,58 @@ void for_each_product(std::int64_t m, std::int64_t n, std::int64_t k, A a, B b, 
 
 // ---- dense ----
 
-template <class Exec>
+//! The largest |v| of a tensor, in float.
+float amax_of(std::vector<fp8_storage> const& v) {
+  float m = 0;
+  for (auto x : v) m = std::max(m, std::fabs(mpx::cast<float>(x)));
+  return m;
+}
+
+//! A dense layer under P (mixed_fp8: delayed scales; mixed_fp8_current: each tensor's
+//! scale from itself), two steps, the second's three products against float64.
+template <class P, class Exec>
 void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::int64_t units) {
   using Space = mpx::memory_space_t<Exec>;
-  INFO("dense rows=" << rows << " in=" << in << " units=" << units);
-  mpx::dense<mpx::mixed_fp8> layer(units);
+  constexpr bool current = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<P>)>, mpx::current_scaling>;
+  INFO(P::name << " dense rows=" << rows << " in=" << in << " units=" << units);
+  mpx::dense<P> layer(units);
   layer.set_name("dense");
   layer.build(exec, mpx::shape{in}, mpx_test::seed);
   layer.reserve(exec, rows);
   fp8_scales first_scales;
   for (int step = 0; step < 2; ++step) {
     std::uint64_t const stream = 40 + 10 * static_cast<std::uint64_t>(step);
-    auto const xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * in), -3, 3, stream);
-    auto const dys = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * units), -1e-3, 1e-3, stream + 1);
+    // Under current scaling the first step's tensors are 8 times larger: a scale that
+    // remembered them would show in the second.
+    double const range = current && step == 0 ? 8.0 : 1.0;
+    auto const xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * in), -3 * range, 3 * range, stream);
+    auto const dys = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * units), -1e-3 * range,
+                                                          1e-3 * range, stream + 1);
     auto const x = mpx_test::upload(exec, xs, mpx::shape{rows, in});
     auto const dy = mpx_test::upload(exec, dys, mpx::shape{rows, units});
     auto y = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, units});
     auto dx = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, in});
-    fp8_scales const s = scales_of(layer, exec);
+    fp8_scales s = scales_of(layer, exec);  // delayed scaling casts with the scales from before the step
     if (step == 0) first_scales = s;
     layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
     layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(dy)),
                    mpx::view(dx));
-    if (step == 0) continue;  // the first step only sets the scales from its amaxes
-    // The scales moved from their start (1) to fp8 max / amax: the products must apply them.
-    CHECK(s.activation != first_scales.activation);
-    CHECK(s.weight != first_scales.weight);
-    CHECK(s.gradient != first_scales.gradient);
-
     auto const w = mpx_test::download(exec, layer.template kernel<Space>());
+    if constexpr (current) {
+      // Current scaling set each scale from the tensor it cast, in this step: fp8 max /
+      // amax of x, W and dy (each role casts the same tensor twice, so the state holds it).
+      s = scales_of(layer, exec);
+      CHECK(s.activation == 448.0f / amax_of(xs));
+      CHECK(s.weight == 448.0f / amax_of(w));
+      CHECK(s.gradient == 57344.0f / amax_of(dys));
+    } else {
+      if (step == 0) continue;  // the first step only sets the scales from its amaxes
+      // The scales moved from their start (1) to fp8 max / amax: the products must apply them.
+      CHECK(s.activation != first_scales.activation);
+      CHECK(s.weight != first_scales.weight);
+      CHECK(s.gradient != first_scales.gradient);
+    }
+
     auto const b = mpx_test::download(exec, layer.template bias<Space>());
     auto const q = dequantised_operands(xs, w, dys, s);
     auto const &qx = q.x, &qw = q.w, &qdy = q.dy;
@@ -232,12 +255,21 @@ void check_fp8_conv(Exec const& exec, std::int64_t n, std::int64_t h, std::int64
 TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8 matches the float64 fp8 recipe, forward and backward",
                         "[layers][fp8]", mpx_test::executors) {
   TestType const exec;
-  check_fp8_dense(exec, 32, 48, 32);
+  check_fp8_dense<mpx::mixed_fp8>(exec, 32, 48, 32);
   // Ragged batches (a short last batch; 64 rows over 3 data-parallel ranks): the weight
   // gradient's K is the rows, padded with zeros to the GPU's multiple of 16.
-  check_fp8_dense(exec, 13, 48, 32);
-  check_fp8_dense(exec, 22, 32, 16);
-  check_fp8_dense(exec, 1, 16, 16);
+  check_fp8_dense<mpx::mixed_fp8>(exec, 13, 48, 32);
+  check_fp8_dense<mpx::mixed_fp8>(exec, 22, 32, 16);
+  check_fp8_dense<mpx::mixed_fp8>(exec, 1, 16, 16);
+}
+
+TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_current scales each tensor by its own amax and matches the float64 "
+                        "recipe, forward and backward",
+                        "[layers][fp8]", mpx_test::executors) {
+  TestType const exec;
+  check_fp8_dense<mpx::mixed_fp8_current>(exec, 32, 48, 32);
+  check_fp8_dense<mpx::mixed_fp8_current>(exec, 13, 48, 32);
+  check_fp8_dense<mpx::mixed_fp8_current>(exec, 1, 16, 16);
 }
 
 TEMPLATE_LIST_TEST_CASE("conv2d under mixed_fp8 matches the float64 fp8 recipe, forward and backward",
@@ -386,8 +418,8 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp8 run resumed from its training state continues bit "
-          "for bit",
+TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp8 run resumed from its training "
+          "state continues bit for bit",
           "[layers][fp8][fp8_block][resume]") {
   auto const check_resume = [](auto policy) {
     using P = typename decltype(policy)::type;
@@ -415,6 +447,7 @@ TEST_CASE("a mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp8 run resumed from 
     }
     std::filesystem::remove_all(dir);
   };
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_current>);
   check_resume(boost::hana::type_c<mpx::mixed_fp8_block>);
   check_resume(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
   check_resume(boost::hana::type_c<mpx::mixed_mxfp8>);

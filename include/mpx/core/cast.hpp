@@ -143,6 +143,51 @@ MPX_HD inline T round_float_to_16(float x) noexcept {
   }
 }
 
+// The midpoint between T's max and the value its exponent would give next, as float
+// bits, and whether a tie there overflows (it does when max's pattern is odd: the even
+// neighbour is the next pattern). 464 for e4m3 (a tie stays 448), 61440 for e5m2 (a tie
+// is inf). The overflow threshold of both 8-bit roundings, host and device.
+template <class T>
+struct fp8_overflow_threshold {
+  using tr = dtype_traits<T>;
+  static constexpr float max = widen_8_to_float(tr::max());
+  static constexpr float half_ulp_of_max =
+      bit_cast<float>(((bit_cast<std::uint32_t>(max) >> 23) - std::uint32_t{tr::mantissa_bits} - 1u) << 23);
+  static constexpr std::uint32_t bits = bit_cast<std::uint32_t>(max + half_ulp_of_max);
+  static constexpr bool tie_overflows = (tr::max_bits & 1u) != 0;
+  MPX_HD static constexpr bool overflows(std::uint32_t magnitude_bits) noexcept {
+    return tie_overflows ? magnitude_bits >= bits : magnitude_bits > bits;
+  }
+};
+
+// float -> 8 bits rounded to nearest even, bit for bit what the double-based rounding
+// gives (overflow to inf, or e4m3's NaN of the sign; subnormals kept; NaN to the
+// canonical NaN), in a few integer and float operations, as round_float_to_16 does:
+// normals rebias the exponent and round the 20 or 21 dropped bits with one addition;
+// values below the smallest normal are rounded by a float addition whose ulp is the
+// format's subnormal step. tests/core/test_fp8 checks it on every midpoint.
+template <class T>
+MPX_HD inline T round_float_to_8(float x) noexcept {
+  using tr = dtype_traits<T>;
+  constexpr int m = tr::mantissa_bits, bias = tr::exponent_bias;
+  std::uint32_t u = bit_cast<std::uint32_t>(x);
+  std::uint32_t const sign = (u >> 24) & 0x80u;
+  u &= 0x7FFF'FFFFu;
+  if (u > 0x7F80'0000u) return tr::quiet_nan();
+  constexpr std::uint32_t overflow = tr::has_infinity ? tr::exponent_mask : tr::nan_bits;
+  if (fp8_overflow_threshold<T>::overflows(u)) return from_bits<T>(static_cast<std::uint8_t>(sign | overflow));
+  std::uint32_t h;
+  constexpr std::uint32_t min_normal = static_cast<std::uint32_t>(127 + 1 - bias) << 23;
+  if (u < min_normal) {
+    constexpr std::uint32_t magic = static_cast<std::uint32_t>(127 + 1 - bias + 23 - m) << 23;
+    h = bit_cast<std::uint32_t>(bit_cast<float>(u) + bit_cast<float>(magic)) - magic;
+  } else {
+    u += (static_cast<std::uint32_t>(bias - 127) << 23) + ((1u << (22 - m)) - 1u) + ((u >> (23 - m)) & 1u);
+    h = u >> (23 - m);
+  }
+  return from_bits<T>(static_cast<std::uint8_t>(h | sign));
+}
+
 template <class To, class From>
 MPX_HD constexpr To narrow_to_16(From x) noexcept {
 #if MPX_DEVICE_PASS
@@ -182,16 +227,9 @@ MPX_DEVICE inline To device_float_to_fp8(float x) noexcept {
   constexpr __nv_fp8_interpretation_t kind = tr::has_infinity ? __NV_E5M2 : __NV_E4M3;
   auto const r = static_cast<bits_t<To>>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, kind));
   if constexpr (!Saturate) {
-    // The midpoint between max and the next value the exponent would give, as float bits.
-    constexpr float max = widen_8_to_float(tr::max());
-    constexpr float half_ulp_of_max =
-        bit_cast<float>(((bit_cast<std::uint32_t>(max) >> 23) - std::uint32_t{tr::mantissa_bits} - 1u) << 23);
-    constexpr float midpoint = max + half_ulp_of_max;  // 464 for e4m3, 61440 for e5m2
-    constexpr std::uint32_t threshold = bit_cast<std::uint32_t>(midpoint);
-    constexpr bool max_is_odd = (tr::max_bits & 1u) != 0;  // a tie at the midpoint leaves max when max is even
     std::uint32_t const magnitude = bit_cast<std::uint32_t>(x) & 0x7FFF'FFFFu;
     constexpr unsigned overflow = tr::has_infinity ? tr::exponent_mask : tr::nan_bits;  // ±inf, or e4m3's ±NaN
-    if (max_is_odd ? magnitude >= threshold : magnitude > threshold)
+    if (fp8_overflow_threshold<To>::overflows(magnitude))
       return from_bits<To>(static_cast<bits_t<To>>((r & tr::sign_mask) | overflow));
   }
   return from_bits<To>(r);
@@ -205,6 +243,9 @@ MPX_HD constexpr To narrow_to_8(From x) noexcept {
 #if MPX_DEVICE_PASS
   if constexpr (std::is_same_v<From, float>)
     if (!__builtin_is_constant_evaluated()) return device_float_to_fp8<To, false>(x);
+#else
+  if constexpr (std::is_same_v<From, float>)
+    if (!__builtin_is_constant_evaluated()) return round_float_to_8<To>(x);
 #endif
   using tr = dtype_traits<To>;
   return from_bits<To>(static_cast<bits_t<To>>(

@@ -109,6 +109,13 @@ using pure_bfloat16 = policy<bfloat16, bfloat16, float, bfloat16>;
 //! layers out of fp8 (mpx::without_fp8<P>), as Transformer Engine advises.
 using mixed_fp8 = policy<bfloat16, float8_e4m3, float, float>;
 
+//! mixed_fp8 with Transformer Engine's current scaling (Float8CurrentScaling): each
+//! tensor's scale from its own amax, found in a pass just before its cast, instead of an
+//! amax history (no lag behind a tensor that grows; one more read of each operand).
+struct mixed_fp8_current : policy<bfloat16, float8_e4m3, float, float> {
+  static constexpr std::string_view name = "mixed_fp8_current";
+};
+
 //! mixed_fp8's dtypes with DeepSeek-V3's block recipe (Transformer Engine's
 //! Float8BlockScaling): e4m3 for every role, a scale per 1x128 block of activations and
 //! gradients and per 128x128 tile of weights, computed from each block as it is cast

@@ -30,6 +30,7 @@ inline constexpr auto preset_policies = boost::hana::make_tuple(
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_bfloat16"), boost::hana::type_c<mixed_bfloat16>),
     boost::hana::make_pair(BOOST_HANA_STRING("bfloat16"), boost::hana::type_c<pure_bfloat16>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8"), boost::hana::type_c<mixed_fp8>),
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_current"), boost::hana::type_c<mixed_fp8_current>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_block"), boost::hana::type_c<mixed_fp8_block>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_rowwise"), boost::hana::type_c<mixed_fp8_rowwise>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_mxfp8"), boost::hana::type_c<mixed_mxfp8>));
@@ -43,7 +44,7 @@ constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
   });
   static_assert(!decltype(found == boost::hana::nothing)::value,
                 "mpx::policy_by_name: no preset policy has this name; the presets are "
-                "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\", \"mixed_fp8\", \"mixed_fp8_block\", "
+                "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\", \"mixed_fp8\", \"mixed_fp8_current\", \"mixed_fp8_block\", "
                 "\"mixed_fp8_rowwise\" and \"mixed_mxfp8\"");
   return boost::hana::second(*found);
 }
@@ -56,7 +57,7 @@ namespace detail {
 [[noreturn]] inline void unknown_policy(std::string_view name, source_location loc) {
   fail<invalid_argument>("with_policy",
                          "unknown policy \"" + std::string(name) +
-                             "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_block, "
+                             "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_current, mixed_fp8_block, "
                              "mixed_fp8_rowwise and mixed_mxfp8",
                          loc);
 }

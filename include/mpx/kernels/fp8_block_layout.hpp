@@ -7,7 +7,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/core/dtype.hpp>
-#include <mpx/core/scale_formats.hpp>
+#include <mpx/core/block_formats.hpp>
 
 #include <cstddef>
 #include <cstdint>

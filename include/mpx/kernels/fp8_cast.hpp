@@ -270,6 +270,13 @@ struct fp8_current_update_once {
   MPX_HD void operator()() const { fp8_current_update<Format>(*state, margin_factor); }
 };
 
+//! Forgets the step amax recorded so far (current scaling's start: the scale is to come
+//! from the next tensor alone).
+struct fp8_clear_step_amax_once {
+  fp8_scale_values* state;
+  MPX_HD void operator()() const { state->step_amax_bits = 0; }
+};
+
 //! Current scaling's update of *state from the step amax recorded so far (fp8_current_update).
 template <class Format, class Exec>
 void fp8_current_update_pass(Exec const& exec, fp8_scale_values* state, float margin_factor) {

@@ -41,7 +41,8 @@ template <operand_role R>
 using fp8_format_of = std::conditional_t<R == operand_role::gradient, float8_e5m2, float8_e4m3>;
 
 //! The fp8 recipe of a policy's layers: per-tensor delayed scaling by default
-//! (Transformer Engine's default: a 1024-step amax history, no margin), block_scaling
+//! (Transformer Engine's default: a 1024-step amax history, no margin), current_scaling
+//! (per tensor, from the tensor itself) for mpx::mixed_fp8_current, block_scaling
 //! for mpx::mixed_fp8_block, rowwise_scaling for mpx::mixed_fp8_rowwise, mxfp8_scaling
 //! for mpx::mixed_mxfp8. Specialise it for a policy of your own (any of the recipe
 //! types).
@@ -53,6 +54,8 @@ template <>
 inline constexpr auto fp8_recipe_for<mixed_fp8_rowwise> = rowwise_scaling{};
 template <>
 inline constexpr auto fp8_recipe_for<mixed_mxfp8> = mxfp8_scaling{};
+template <>
+inline constexpr auto fp8_recipe_for<mixed_fp8_current> = current_scaling{};
 
 //! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
 //! prefix, and snapshot() returns what puts the current values back (a load that fails
@@ -82,8 +85,8 @@ class fp8_operand {
  public:
   using format = fp8_format_of<R>;
 
-  template <executor Exec>
-  void build(Exec const& exec, delayed_scaling const& recipe) {
+  template <executor Exec, class Recipe>
+  void build(Exec const& exec, Recipe const& recipe) {
     auto made = std::make_unique<fp8_tensor_scale<format, Exec>>(exec, recipe);
     on_device_ = !is_host_executor_v<Exec>;
     state_ = std::unique_ptr<void, void (*)(void*)>(
@@ -114,11 +117,15 @@ class fp8_operand {
 
   //! x (a matrix) cast to the role's format as [rows, Kp] with K contiguous: x itself
   //! when k_contiguous, else its transpose, K padded with zeros to a multiple of 16.
-  //! The amax enters this step's record. Allocates nothing: a larger operand than
-  //! reserve made room for is an mpx::shape_error.
-  template <executor Exec, class T, class Space>
-  tensor_view<format const, Space> cast(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous) {
+  //! Delayed scaling: cast with the scale from the history, the amax entering this
+  //! step's record. Current scaling: the scale from x's amax first (one more pass).
+  //! Allocates nothing: a larger operand than reserve made room for is an
+  //! mpx::shape_error.
+  template <executor Exec, class T, class Space, class Recipe>
+  tensor_view<format const, Space> cast(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous,
+                                        Recipe const& recipe) {
     auto& s = state<Exec>();
+    if constexpr (std::is_same_v<Recipe, current_scaling>) detail::fp8_current_scale_from(exec, x.data(), x.size(), s, recipe);
     std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
     shape const out =
         k_contiguous ? shape{rows, fp8_gemm_padded_extent(cols)} : shape{cols, fp8_gemm_padded_extent(rows)};
@@ -206,11 +213,13 @@ class matrix_products {
   //! no scale state; under per-tensor scaling each role keeps a delayed scale.
   static constexpr bool block_scaled = fp8 && is_block_recipe_v<recipe_type>;
   static constexpr bool tensorwise = fp8 && !block_scaled;
+  //! Per-tensor scales kept as an amax history and moved at the end of each step.
+  static constexpr bool delayed = tensorwise && std::is_same_v<recipe_type, delayed_scaling>;
 
   template <executor Exec>
   void build([[maybe_unused]] Exec const& exec) {
     if constexpr (tensorwise) {
-      constexpr delayed_scaling recipe = fp8_recipe_for<Policy>;
+      constexpr recipe_type recipe = fp8_recipe_for<Policy>;
       activation_.build(exec, recipe);
       weight_.build(exec, recipe);
       gradient_.build(exec, recipe);
@@ -262,8 +271,9 @@ class matrix_products {
         auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe);
         fp8_block_gemm(exec, a8, b8, c, o.alpha, o.beta, loc);
       } else {
-        auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a);
-        auto const b8 = operand<RB>().cast(exec, b, o.transpose_b);
+        constexpr recipe_type recipe = fp8_recipe_for<Policy>;
+        auto const a8 = operand<RA>().cast(exec, a, !o.transpose_a, recipe);
+        auto const b8 = operand<RB>().cast(exec, b, o.transpose_b, recipe);
         fp8_gemm(exec, a8, operand<RA>().template state<Exec>().inverse_scale_data(), b8,
                  operand<RB>().template state<Exec>().inverse_scale_data(), c,
                  gemm_options{.transpose_a = false, .transpose_b = true, .alpha = o.alpha, .beta = o.beta}, loc);
@@ -271,11 +281,12 @@ class matrix_products {
     }
   }
 
-  //! Ends the step's fp8 bookkeeping: every scale takes this step's amax into its
-  //! history and is recomputed from it (asynchronous, no host sync).
+  //! Ends the step's fp8 bookkeeping: under delayed scaling every scale takes this
+  //! step's amax into its history and is recomputed from it (asynchronous, no host
+  //! sync); current scaling set each scale as it cast.
   template <executor Exec>
   void end_step([[maybe_unused]] Exec const& exec) {
-    if constexpr (tensorwise) {
+    if constexpr (delayed) {
       if (amax_reduction_) {  // data-parallel: every replica updates from the global amax
         // The step amax is a float's bit pattern (see fp8_scale_values): a float max,
         // NaN kept, is the same order.

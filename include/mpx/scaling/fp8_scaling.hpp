@@ -179,6 +179,18 @@ template <class Exec, class Format>
 void fp8_current_update_on(Exec const& exec, fp8_tensor_scale<Format, Exec>& state, float factor) {
   fp8_current_update_pass<Format>(exec, state.data(), factor);
 }
+
+//! Current scaling's first half for a tensor of n elements at x: the state's scale from
+//! x's amax alone (whatever an earlier cast recorded is forgotten first), for a cast
+//! that follows (any layout: padded, transposed). A zero or non-finite amax keeps the
+//! previous scale, as cast_to_fp8 with current_scaling does.
+template <class Exec, class In, class Format>
+void fp8_current_scale_from(Exec const& exec, In const* x, std::size_t n, fp8_tensor_scale<Format, Exec>& state,
+                            current_scaling const& recipe) {
+  run_once(exec, fp8_clear_step_amax_once{state.data()});
+  fp8_pass<fp8_cast_pass::record_only>(exec, x, static_cast<Format*>(nullptr), n, state.data());
+  fp8_current_update_on(exec, state, fp8_margin_factor(recipe.margin));
+}
 }  // namespace detail
 
 //! out = saturate_cast<Format>(float(x) * scale) for every element, and |x|'s maximum

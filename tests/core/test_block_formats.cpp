@@ -1,4 +1,4 @@
-// The block-scale formats (core/scale_formats.hpp): every E8M0 pattern decoded against
+// The block-scale formats (core/block_formats.hpp): every E8M0 pattern decoded against
 // its definition (2^(b - 127), 255 NaN) and against cuda_fp8.h's own decoding; and the
 // MX block exponent (the smallest e with amax <= max(Format) * 2^e) on every float
 // exponent with the mantissas that decide it (just below, at and above max's) and
@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-TEST_CASE("every E8M0 pattern is 2^(b - 127), and 255 is NaN, as cuda_fp8.h decodes it", "[fp8][scale_formats]") {
+TEST_CASE("every E8M0 pattern is 2^(b - 127), and 255 is NaN, as cuda_fp8.h decodes it", "[fp8][block_formats]") {
   for (int b = 0; b < 256; ++b) {
     CAPTURE(b);
     auto const x = mpx::e8m0_from_bits(static_cast<std::uint8_t>(b));
@@ -69,7 +69,7 @@ void check_mx_exponents() {
 }  // namespace scale_format_cases
 
 TEST_CASE("the MX block exponent is the smallest power of two that brings amax within the format",
-          "[fp8][scale_formats]") {
+          "[fp8][block_formats]") {
   scale_format_cases::check_mx_exponents<mpx::float8_e4m3>();
   scale_format_cases::check_mx_exponents<mpx::float8_e5m2>();
   // And what it means for a block: its largest value lands in (max / 2, max], never
