@@ -19,6 +19,7 @@
 #include <mpx/kernels/fp8_block_quantize.hpp>
 #include <mpx/kernels/fp8_cast.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
+#include <mpx/kernels/nvfp4_quantize.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/layer_norm.hpp>
 #include <mpx/kernels/loss_scale_update.hpp>

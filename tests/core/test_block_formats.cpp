@@ -3,12 +3,21 @@
 // MX block exponent (the smallest e with amax <= max(Format) * 2^e) on every float
 // exponent with the mantissas that decide it (just below, at and above max's) and
 // random ones, for e4m3 and e5m2, against a search in double and against cuda_fp8.h's
-// round-up conversion of amax / max(Format) to E8M0, which NVIDIA's recipe uses.
+// round-up conversion of amax / max(Format) to E8M0, which NVIDIA's recipe uses. And
+// NVFP4's e2m1: every code decoded against its definition and cuda_fp4.h; rounding to
+// nearest even on every representable value, every midpoint and its neighbours, random
+// floats over every binade and the specials, against a search in double and against
+// cuda_fp4.h's conversion; stochastic rounding's probabilities exactly, on a grid of
+// random words.
 #include "../support/reference/fp8_blocks.hpp"
 #include "../support/testing.hpp"
 
+#include <cuda_fp4.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -81,4 +90,131 @@ TEST_CASE("the MX block exponent is the smallest power of two that brings amax w
     CHECK(scaled <= 448.0);
     CHECK(scaled > 224.0);
   }
+}
+
+namespace e2m1_cases {
+
+//! The e2m1 code nearest x by search in double, ties to the even code (mantissa bit 0),
+//! saturating at 6: independent of the thresholds mpx uses.
+std::uint8_t nearest_e2m1(double x) {
+  double const a = std::fabs(x);
+  int best = 0;
+  for (int c = 1; c < 8; ++c) {
+    double const d = std::fabs(a - mpx::e2m1_to_float(static_cast<std::uint8_t>(c)));
+    double const db = std::fabs(a - mpx::e2m1_to_float(static_cast<std::uint8_t>(best)));
+    if (d < db || (d == db && c % 2 == 0)) best = c;
+  }
+  if (a >= 6.0) best = 7;
+  return static_cast<std::uint8_t>((std::signbit(x) ? 8 : 0) | best);
+}
+
+std::vector<float> rounding_cases() {
+  std::vector<float> out;
+  float const grid[] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  auto const around = [&](float v) {
+    for (float s : {1.0f, -1.0f}) {
+      out.push_back(s * v);
+      out.push_back(s * std::nextafter(v, 0.0f));
+      out.push_back(s * std::nextafter(v, 100.0f));
+    }
+  };
+  for (int i = 0; i < 8; ++i) {
+    around(grid[i]);
+    if (i < 7) around((grid[i] + grid[i + 1]) / 2);  // every midpoint
+  }
+  for (float v : {0x1p-149f, 0x1p-126f, 7.0f, 6.5f, 1e30f, std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity()})
+    around(v);
+  std::mt19937 gen(42);
+  std::uniform_real_distribution<float> near(-8.0f, 8.0f);
+  for (int i = 0; i < 50000; ++i) out.push_back(near(gen));
+  for (int i = 0; i < 50000; ++i) {  // every binade, both signs
+    std::uint32_t const b = gen() & 0xFF7F'FFFFu;
+    out.push_back(mpx::detail::bit_cast<float>(b));
+  }
+  return out;
+}
+
+}  // namespace e2m1_cases
+
+TEST_CASE("every e2m1 code decodes as defined and as cuda_fp4.h decodes it, and pairs pack low nibble first",
+          "[nvfp4][block_formats]") {
+  float const magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (int c = 0; c < 16; ++c) {
+    CAPTURE(c);
+    float const v = mpx::e2m1_to_float(static_cast<std::uint8_t>(c));
+    float const want = (c & 8) ? -magnitudes[c & 7] : magnitudes[c & 7];
+    CHECK(v == want);
+    CHECK(std::signbit(v) == ((c & 8) != 0));
+    float const cuda = mpx::cast<float>(mpx::detail::bit_cast<mpx::half>(
+        __nv_cvt_fp4_to_halfraw(static_cast<__nv_fp4_storage_t>(c), __NV_E2M1).x));
+    CHECK(v == cuda);
+  }
+  // cuda_fp4.h's pair: the first of two floats in the low four bits.
+  auto const pair = __nv_cvt_float2_to_fp4x2(float2{1.0f, -6.0f}, __NV_E2M1, cudaRoundNearest);
+  CHECK(pair == 0xF2);
+  CHECK(mpx::fp4x2_bits(mpx::fp4x2_from_bits(0xF2)) == 0xF2);
+}
+
+TEST_CASE("float -> e2m1 rounds to nearest even and saturates, as a search in double and cuda_fp4.h do",
+          "[nvfp4][block_formats]") {
+  std::size_t mismatches = 0;
+  for (float x : e2m1_cases::rounding_cases()) {
+    std::uint8_t const got = mpx::e2m1_round(x);
+    std::uint8_t const search = e2m1_cases::nearest_e2m1(static_cast<double>(x));
+    std::uint8_t const cuda = __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest);
+    if (got != search || got != cuda) {
+      if (++mismatches <= 5) {
+        CAPTURE(x, int(got), int(search), int(cuda));
+        CHECK(got == search);
+        CHECK(got == cuda);
+      }
+    }
+  }
+  CHECK(mismatches == 0);
+  // NaN becomes +6, as cuda_fp4.h's satfinite conversion makes it, whatever its sign.
+  CHECK(mpx::e2m1_round(std::numeric_limits<float>::quiet_NaN()) == 7u);
+  CHECK(mpx::e2m1_round(-std::numeric_limits<float>::quiet_NaN()) == 7u);
+  CHECK(__nv_cvt_float_to_fp4(std::numeric_limits<float>::quiet_NaN(), __NV_E2M1, cudaRoundNearest) == 7u);
+}
+
+TEST_CASE("float -> e2m1 stochastically: up with probability (x - lower) / gap, exact values stay, 6 saturates",
+          "[nvfp4][block_formats]") {
+  // The top 24 bits of the random word decide: u = (random >> 8) / 2^24. On the grid
+  // u = i / 4096 the count of words that round up is exactly ceil(p * 4096).
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> below_six(0.0f, 6.0f);
+  std::vector<float> xs{0.0f, 0.1f, 0.25f, 0.5f, 0.75f, 1.2f, 2.5f, 3.999f, 5.0f, 5.999f, 0x1p-140f};
+  for (int i = 0; i < 200; ++i) xs.push_back(below_six(gen));
+  for (float x : xs)
+    for (float sign : {1.0f, -1.0f}) {
+      float const v = sign * x;
+      CAPTURE(v);
+      std::uint8_t const exact = mpx::e2m1_round(v);
+      if (static_cast<double>(mpx::e2m1_to_float(exact)) == static_cast<double>(v)) {
+        for (std::uint32_t i = 0; i < 4096; i += 7) CHECK(mpx::e2m1_stochastic_round(v, i << 20) == exact);
+        continue;
+      }
+      // The neighbours, by search: the largest magnitude below |x| and the next code.
+      int low = 0;
+      for (int c = 0; c < 8; ++c)
+        if (mpx::e2m1_to_float(static_cast<std::uint8_t>(c)) <= x) low = c;
+      double const lo = mpx::e2m1_to_float(static_cast<std::uint8_t>(low));
+      double const hi = mpx::e2m1_to_float(static_cast<std::uint8_t>(low + 1));
+      double const p = (static_cast<double>(x) - lo) / (hi - lo);
+      std::uint32_t ups = 0;
+      for (std::uint32_t i = 0; i < 4096; ++i) {
+        std::uint8_t const got = mpx::e2m1_stochastic_round(v, i << 20);
+        std::uint8_t const magnitude = got & 7u;
+        REQUIRE((magnitude == low || magnitude == low + 1));
+        REQUIRE(((got & 8u) != 0) == std::signbit(v));
+        ups += magnitude == low + 1 ? 1u : 0u;
+      }
+      CHECK(ups == static_cast<std::uint32_t>(std::ceil(p * 4096.0)));
+    }
+  for (float big : {6.0f, 6.5f, 1e20f, std::numeric_limits<float>::infinity()})
+    for (std::uint32_t r : {0u, 0x8000'0000u, 0xFFFF'FFFFu}) {
+      CHECK(mpx::e2m1_stochastic_round(big, r) == 7u);
+      CHECK(mpx::e2m1_stochastic_round(-big, r) == 15u);
+    }
 }

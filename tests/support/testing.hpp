@@ -141,6 +141,7 @@ T poison() {
   else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
   else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
   else if constexpr (std::is_same_v<T, mpx::float8_e8m0>) return mpx::e8m0_from_bits(0xFF);  // its NaN
+  else if constexpr (std::is_same_v<T, mpx::float4_e2m1x2>) return mpx::fp4x2_from_bits(0xDB);  // -3, -1.5: no NaN
   else return T(0x5A);
 }
 

@@ -61,11 +61,14 @@ struct lt_problem {
   //! How A's and B's scales apply (cublasLtMatmulMatrixScale_t): 0, one float per matrix,
   //! unless the operands are block-scaled (mpx::fp8_block_gemm).
   std::int32_t a_scale_mode = 0, b_scale_mode = 0;
+  //! alpha and beta are read from device memory (NVFP4: alpha carries the tensors'
+  //! decode factors, which live on the device).
+  bool alpha_beta_on_device = false;
 
   auto tie() const {
     return std::tie(device, a_type, b_type, c_type, scale_type, compute, op_a, op_b, a_rows, a_cols, b_rows, b_cols,
                     c_rows, c_cols, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, align_a, align_b, align_c,
-                    a_scale_mode, b_scale_mode);
+                    a_scale_mode, b_scale_mode, alpha_beta_on_device);
   }
   friend bool operator<(lt_problem const& x, lt_problem const& y) { return x.tie() < y.tie(); }
 };
@@ -281,6 +284,11 @@ class lt_context {
     set_layout(plan->a, p.batch, p.stride_a);
     set_layout(plan->b, p.batch, p.stride_b);
     set_layout(plan->c, p.batch, p.stride_c);
+    if (p.alpha_beta_on_device) {
+      cublasLtPointerMode_t const mode = CUBLASLT_POINTER_MODE_DEVICE;
+      check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)),
+                   "cublasLtMatmulDescSetAttribute(POINTER_MODE)");
+    }
     if (p.a_scale_mode != 0 || p.b_scale_mode != 0) {  // set before the heuristic: it picks kernels by them
       check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &p.a_scale_mode,
                                                   sizeof(p.a_scale_mode)),
@@ -364,11 +372,15 @@ struct lt_operand_scales {
   //! cublasLtMatmulMatrixScale_t of each: 0 (one float), or a block mode, when the
   //! pointers are to block scales (mpx::fp8_block_gemm).
   std::int32_t a_mode = 0, b_mode = 0;
+  //! Where alpha and beta are in device memory (two floats), for products whose alpha
+  //! the GPU computes (NVFP4's decode factors); null: they are host values.
+  float const* device_alpha_beta = nullptr;
 };
 
 //! Runs one planned product on `stream`: D = C = alpha * scales.a * scales.b * op(A) op(B)
 //! + beta * C, in cuBLASLt's column-major terms. alpha and beta point to host values of
-//! the scale type; the scales (when given) to device floats, read when the product runs.
+//! the scale type (device floats when p.alpha_beta_on_device); the scales (when given)
+//! to device memory, read when the product runs.
 inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alpha, void const* a, void const* b,
                       void const* beta, void* c, lt_operand_scales const& scales = {}) {
   lt_context& context = lt_context::instance();

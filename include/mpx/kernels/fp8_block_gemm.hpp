@@ -1,15 +1,19 @@
 // mpx::fp8_block_gemm: C = alpha * A B^T + beta * C for operands quantized with one
-// scale per block (mpx::quantize_fp8_blocks), summed in float. On the host each value is
-// dequantised (fp8 value * its block's inverse scale: exact when the scales are powers of
-// two) and the float product runs as mpx::gemm's; on a cuda_executor it is one cuBLASLt
-// call with the blocks' scale modes: OUTER_VEC_32F, VEC128_32F and BLK128x128_32F, which
-// cuBLASLt offers on Hopper (sm_90), and VEC32_UE8M0 (MXFP8), which it offers on
-// Blackwell (sm_100) and newer.
+// scale per block (mpx::quantize_fp8_blocks, or mpx::quantize_nvfp4 for NVFP4), summed
+// in float. On the host each value is dequantised (the value times its block's inverse
+// scale: exact when the scales are powers of two, and always for NVFP4, whose e2m1
+// values times e4m3 scales fit a float) and the float product runs as mpx::gemm's; on a
+// cuda_executor it is one cuBLASLt call with the blocks' scale modes: OUTER_VEC_32F,
+// VEC128_32F and BLK128x128_32F, which cuBLASLt offers on Hopper (sm_90), and
+// VEC32_UE8M0 (MXFP8) and VEC16_UE4M3 (NVFP4), which it offers on Blackwell (sm_100)
+// and newer.
 #pragma once
 
+#include <mpx/core/block_formats.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
@@ -25,13 +29,20 @@ namespace mpx {
 
 //! An operand quantize_fp8_blocks made: values [outer, layout.padded_k()] (K contiguous)
 //! and the blocks' inverse scales [layout.count()] (floats, or float8_e8m0 for vec32
-//! blocks), in Space.
+//! blocks), in Space. Or one quantize_nvfp4 made: values float4_e2m1x2 [outer,
+//! layout.padded_k() / 2], the block scales float8_e4m3, and its tensor scale.
 template <class Format, memory_space Space, class Scale = float>
 struct fp8_block_operand {
   tensor_view<Format const, Space> values;
   tensor_view<Scale const, Space> inverse_scales;
   fp8_block_scale_layout layout;
+  //! NVFP4 only: [amax, decode factor] as quantize_nvfp4 wrote them; empty otherwise.
+  tensor_view<float const, Space> tensor_scale{};
 };
+
+//! An NVFP4 operand (mpx::quantize_nvfp4's outputs).
+template <memory_space Space>
+using nvfp4_operand = fp8_block_operand<float4_e2m1x2, Space, float8_e4m3>;
 
 namespace detail {
 
@@ -41,9 +52,33 @@ inline char const* block_kind_name(fp8_block_kind k) noexcept {
     case fp8_block_kind::row: return "rowwise";
     case fp8_block_kind::vec128: return "1x128";
     case fp8_block_kind::vec32: return "1x32 (MXFP8)";
+    case fp8_block_kind::vec16: return "1x16 (NVFP4)";
     case fp8_block_kind::tile128: break;
   }
   return "128x128";
+}
+
+//! The type a layout's scales are stored in, named.
+inline char const* block_scale_type_name(fp8_block_scale_layout const& l) noexcept {
+  return l.e8m0_scales() ? "float8_e8m0" : l.e4m3_scales() ? "float8_e4m3" : "float";
+}
+template <class Scale>
+constexpr bool scale_type_fits(fp8_block_scale_layout const& l) noexcept {
+  if (l.e8m0_scales()) return std::is_same_v<Scale, float8_e8m0>;
+  if (l.e4m3_scales()) return std::is_same_v<Scale, float8_e4m3>;
+  return std::is_same_v<Scale, float>;
+}
+
+//! The types a block product takes: NVFP4 with NVFP4, else fp8_gemm's rules.
+template <class FA, class FB, class TC>
+constexpr void check_block_gemm_types() {
+  constexpr bool fp4_a = std::is_same_v<FA, float4_e2m1x2>, fp4_b = std::is_same_v<FB, float4_e2m1x2>;
+  static_assert(fp4_a == fp4_b, "mpx::fp8_block_gemm: NVFP4 operands (float4_e2m1x2) multiply NVFP4 operands only");
+  if constexpr (fp4_a)
+    static_assert(std::is_same_v<TC, half> || std::is_same_v<TC, bfloat16> || std::is_same_v<TC, float>,
+                  "mpx::fp8_block_gemm: C must hold half, bfloat16 or float");
+  else
+    check_fp8_gemm_types<FA, FB, TC>();
 }
 
 //! The checks of fp8_block_gemm that hold on every executor, in this order: each
@@ -55,13 +90,27 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space, SA> const& a, fp8_block_o
                           shape const& c, mpx::source_location loc) {
   auto const check_operand = [&](char const* name, auto const& x) {
     using scale_type = std::remove_const_t<typename decltype(x.inverse_scales)::element_type>;
-    if (x.layout.e8m0_scales() != std::is_same_v<scale_type, float8_e8m0>)
+    using value_type = std::remove_const_t<typename decltype(x.values)::element_type>;
+    constexpr bool fp4 = std::is_same_v<value_type, float4_e2m1x2>;
+    if (!scale_type_fits<scale_type>(x.layout))
       fail<invalid_argument>("fp8_block_gemm", std::string(name) + "'s layout says " +
                                                    block_kind_name(x.layout.kind) + " blocks, whose scales are " +
-                                                   (x.layout.e8m0_scales() ? "float8_e8m0" : "float") +
+                                                   block_scale_type_name(x.layout) +
                                                    ", but its scales hold another type",
                              loc);
-    shape const want{x.layout.outer, x.layout.padded_k()};
+    if (fp4 != (x.layout.kind == fp8_block_kind::vec16))
+      fail<invalid_argument>("fp8_block_gemm", std::string(name) + (fp4 ? " holds e2m1 values, which need 1x16 (NVFP4) "
+                                                                          "blocks; its layout says "
+                                                                        : " holds fp8 values, which 1x16 (NVFP4) "
+                                                                          "blocks do not take; its layout says ") +
+                                                   block_kind_name(x.layout.kind),
+                             loc);
+    if (fp4 && x.tensor_scale.shape() != shape{2})
+      fail<shape_error>("fp8_block_gemm", std::string(name) + "'s tensor scale has shape " +
+                                              x.tensor_scale.shape().to_string() +
+                                              " but an NVFP4 operand carries [2] (quantize_nvfp4's tensor_scale)",
+                        loc);
+    shape const want{x.layout.outer, x.layout.padded_k() / (fp4 ? 2 : 1)};
     if (x.values.shape() != want)
       fail<shape_error>("fp8_block_gemm", std::string(name) + "'s values have shape " + x.values.shape().to_string() +
                                               " but its layout says " + want.to_string(),
@@ -75,7 +124,7 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space, SA> const& a, fp8_block_o
   };
   check_operand("A", a);
   check_operand("B", b);
-  for (fp8_block_kind const only_alike : {fp8_block_kind::row, fp8_block_kind::vec32})
+  for (fp8_block_kind const only_alike : {fp8_block_kind::row, fp8_block_kind::vec32, fp8_block_kind::vec16})
     if ((a.layout.kind == only_alike) != (b.layout.kind == only_alike))
       fail<invalid_argument>("fp8_block_gemm", std::string(block_kind_name(only_alike)) + " blocks multiply only " +
                                                    block_kind_name(only_alike) + " blocks; got A " +
@@ -119,18 +168,42 @@ float const* host_dequantize_blocks(fp8_block_operand<Format, Space, Scale> cons
   for (std::size_t o = 0; o < static_cast<std::size_t>(x.layout.outer); ++o)
     for (std::size_t k0 = 0; k0 < pitch; k0 += length) {
       float const factor = dequantisation_factor(s[x.layout.slot(o, k0)]);
-      for (std::size_t kk = k0; kk < k0 + length; ++kk) out[o * pitch + kk] = cast<float>(v[o * pitch + kk]) * factor;
+      for (std::size_t kk = k0; kk < k0 + length; ++kk) {
+        if constexpr (std::is_same_v<Format, float4_e2m1x2>) {
+          std::uint8_t const pair = fp4x2_bits(v[(o * pitch + kk) / 2]);
+          out[o * pitch + kk] = e2m1_to_float(kk % 2 == 0 ? pair & 0xFu : pair >> 4) * factor;
+        } else {
+          out[o * pitch + kk] = cast<float>(v[o * pitch + kk]) * factor;
+        }
+      }
     }
   return out;
 }
 
+//! NVFP4 on the GPU: {alpha * decode(A) * decode(B), beta} where cuBLASLt reads them.
+struct nvfp4_alpha_beta {
+  float* out;
+  float const* a_tensor_scale;
+  float const* b_tensor_scale;
+  float alpha, beta;
+  MPX_HD void operator()() const noexcept {
+    out[0] = alpha * (a_tensor_scale[1] * b_tensor_scale[1]);
+    out[1] = beta;
+  }
+};
+
 #if MPX_HAS_CUDA
+//! Packed e2m1 pairs are cuBLASLt's CUDA_R_4F_E2M1 (its extents count values, not bytes).
+template <>
+inline constexpr cudaDataType_t cuda_data_type<float4_e2m1x2> = CUDA_R_4F_E2M1;
+
 //! cuBLASLt's scale mode (cublasLtMatmulMatrixScale_t, an int32_t attribute) of a kind.
 inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
   switch (k) {
     case fp8_block_kind::row: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     case fp8_block_kind::vec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     case fp8_block_kind::vec32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    case fp8_block_kind::vec16: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
     case fp8_block_kind::tile128: break;
   }
   return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
@@ -158,7 +231,7 @@ template <executor Exec, class FA, class FB, memory_space Space, class SA, class
 void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Space, SA> const& a,
                     fp8_block_operand<FB, Space, SB> const& b, C&& c, float alpha = 1.0f, float beta = 0.0f,
                     mpx::source_location loc = mpx::source_location::current()) {
-  detail::check_fp8_gemm_types<FA, FB, value_t<C>>();
+  detail::check_block_gemm_types<FA, FB, value_t<C>>();
   detail::require_access<Exec, Space, space_t<C>>();
   auto const cv = mpx::view(c);
   static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::fp8_block_gemm: C is const");
@@ -174,7 +247,9 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
     float const* af = detail::host_dequantize_blocks<0>(a);
     float const* bf = detail::host_dequantize_blocks<1>(b);
-    detail::host_gemm<float>(d, false, true, alpha, af, bf, beta, cv.data());
+    // NVFP4: the tensors' decode factors join alpha, as cuBLASLt's alpha carries them.
+    float const scaled_alpha = a.tensor_scale.empty() ? alpha : alpha * (a.tensor_scale.data()[1] * b.tensor_scale.data()[1]);
+    detail::host_gemm<float>(d, false, true, scaled_alpha, af, bf, beta, cv.data());
   } else {
 #if MPX_HAS_CUDA
     detail::check_fp8_gemm_device(d, o, a.values.data(), b.values.data(), cv.data(), loc);
@@ -188,21 +263,34 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
     int device = 0, major = 0;
     MPX_CUDA_CHECK(cudaGetDevice(&device));
     MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (a.layout.kind == fp8_block_kind::vec32 ? major < 10 : major != 9)
+    bool const blackwell_mode = a.layout.swizzled();
+    if (blackwell_mode ? major < 10 : major != 9)
       detail::fail<invalid_argument>(
           "fp8_block_gemm",
-          std::string(a.layout.kind == fp8_block_kind::vec32
-                          ? "cuBLASLt offers MXFP8 products (1x32 blocks, E8M0 scales) on Blackwell (sm_100) and "
-                            "newer"
-                          : "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper (sm_90) "
-                            "only") +
+          std::string(blackwell_mode ? std::string("cuBLASLt offers ") +
+                                           (a.layout.kind == fp8_block_kind::vec16
+                                                ? "NVFP4 products (1x16 blocks, e4m3 scales)"
+                                                : "MXFP8 products (1x32 blocks, E8M0 scales)") +
+                                           " on Blackwell (sm_100) and newer"
+                                     : "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper "
+                                       "(sm_90) only") +
               "; this device is sm_" + std::to_string(major) + "x. Use mpx::fp8_gemm with per-tensor scales here",
           loc);
     // cuBLASLt's A is our B (see cuda_gemm): its scales and mode come first.
-    detail::cuda_gemm<float>(exec.stream(), d, false, true, alpha, a.values.data(), b.values.data(), beta, cv.data(),
-                             detail::lt_operand_scales{b.inverse_scales.data(), a.inverse_scales.data(),
-                                                       detail::lt_scale_mode(b.layout.kind),
-                                                       detail::lt_scale_mode(a.layout.kind)});
+    detail::lt_operand_scales scales{b.inverse_scales.data(), a.inverse_scales.data(),
+                                     detail::lt_scale_mode(b.layout.kind), detail::lt_scale_mode(a.layout.kind)};
+    if constexpr (std::is_same_v<FA, float4_e2m1x2>) {
+      // The decode factors live on the device: alpha and beta go to cuBLASLt by device
+      // pointer, from a stream-ordered pair written in stream order.
+      tensor<float, memory_space_t<Exec>> const alpha_beta(exec, shape{2});
+      run_once(exec, detail::nvfp4_alpha_beta{alpha_beta.data(), a.tensor_scale.data(), b.tensor_scale.data(), alpha, beta});
+      scales.device_alpha_beta = alpha_beta.data();
+      detail::cuda_gemm<float>(exec.stream(), d, false, true, alpha, a.values.data(), b.values.data(), beta, cv.data(),
+                               scales);
+    } else {
+      detail::cuda_gemm<float>(exec.stream(), d, false, true, alpha, a.values.data(), b.values.data(), beta, cv.data(),
+                               scales);
+    }
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif

@@ -1,7 +1,7 @@
-// Block-scaled fp8's layout (scaling/fp8_block_scaling.hpp holds the recipes): how an
-// operand's values share scales, each block's scale, and where the scales lie in memory
+// Block-scaled fp8's and NVFP4's layout (scaling/fp8_block_scaling.hpp holds the
+// recipes): how an operand's values share scales, each block's scale, and where the scales lie in memory
 // (the layouts cuBLASLt's block scale modes read). Used by the quantize pass
-// (fp8_block_quantize.hpp) and the product (fp8_block_gemm.hpp).
+// (fp8_block_quantize.hpp, nvfp4_quantize.hpp) and the product (fp8_block_gemm.hpp).
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -21,12 +21,16 @@ enum class fp8_block_kind {
   vec128,   //!< one per 128 consecutive values along K (1x128)
   tile128,  //!< one per 128x128 tile (128 rows of outer by 128 of K)
   vec32,    //!< one per 32 consecutive values along K, an E8M0 power of two (MXFP8)
+  vec16,    //!< one per 16 consecutive values along K, an unsigned e4m3 (NVFP4's e2m1 values)
 };
 
 //! The block edge of vec128 and tile128, and what K is padded to (with zeros) for them.
 inline constexpr std::int64_t fp8_block_length = 128;
 //! The block length of vec32 (MXFP8), and what K is padded to for it.
 inline constexpr std::int64_t mx_block_length = 32;
+//! The block length of vec16 (NVFP4). K is padded to twice that: 16 bytes of packed
+//! e2m1 values, the alignment cuBLASLt's rows need.
+inline constexpr std::int64_t nvfp4_block_length = 16;
 
 //! The smallest amax a block's scale is computed from. An all-zero or all-subnormal
 //! block would otherwise get a scale of inf (and 0 * inf = NaN); from 2^-110 the scale
@@ -42,7 +46,9 @@ inline constexpr float fp8_block_amax_floor = 0x1p-110f;
 //!   tile128: [outer_blocks, pad4(k_blocks)] floats, K blocks fastest (BLK128x128_32F);
 //!   vec32:   E8M0 bytes in 512-byte tiles of 128 rows by 4 blocks (VEC32_UE8M0), the
 //!            tiles row by row ([pad128(outer) / 128, pad4(k_blocks) / 4]); inside a
-//!            tile, row r and block c at (r % 32) * 16 + (r / 32) * 4 + c.
+//!            tile, row r and block c at (r % 32) * 16 + (r / 32) * 4 + c;
+//!   vec16:   unsigned e4m3 bytes (float8_e4m3, sign clear) in the same tiles
+//!            (VEC16_UE4M3), a tile covering 128 rows by 4 blocks of 16.
 //! The padding (to 16-byte rows, or to whole tiles) holds valid scales nobody reads.
 struct fp8_block_scale_layout {
   fp8_block_kind kind = fp8_block_kind::vec128;
@@ -55,18 +61,20 @@ struct fp8_block_scale_layout {
     switch (kind) {
       case fp8_block_kind::row: return padded_k();
       case fp8_block_kind::vec32: return mx_block_length;
+      case fp8_block_kind::vec16: return nvfp4_block_length;
       case fp8_block_kind::vec128:
       case fp8_block_kind::tile128: break;
     }
     return fp8_block_length;
   }
   //! The K the quantized values are stored with: k padded with zeros to a multiple of
-  //! the block length (128, or 32 for vec32), or of 16 for row blocks, as cuBLASLt's fp8
-  //! products need.
+  //! the block length (128, or 32 for vec32), of 32 for vec16 (16 bytes of e2m1 pairs),
+  //! or of 16 for row blocks, as cuBLASLt's fp8 and fp4 products need.
   [[nodiscard]] MPX_HD constexpr std::int64_t padded_k() const noexcept {
     switch (kind) {
       case fp8_block_kind::row: return up(k, 16);
       case fp8_block_kind::vec32: return up(k, mx_block_length);
+      case fp8_block_kind::vec16: return up(k, 2 * nvfp4_block_length);
       case fp8_block_kind::vec128:
       case fp8_block_kind::tile128: break;
     }
@@ -80,12 +88,20 @@ struct fp8_block_scale_layout {
   }
   //! Whether the scales are E8M0 bytes (vec32) rather than floats.
   [[nodiscard]] MPX_HD constexpr bool e8m0_scales() const noexcept { return kind == fp8_block_kind::vec32; }
-  //! Scales (floats, or E8M0 bytes for vec32) the layout takes, padding included.
+  //! Whether the scales are unsigned e4m3 bytes (vec16, NVFP4) rather than floats.
+  [[nodiscard]] MPX_HD constexpr bool e4m3_scales() const noexcept { return kind == fp8_block_kind::vec16; }
+  //! Whether the scales lie in cuBLASLt's swizzled 128x4 tiles (vec32 and vec16).
+  [[nodiscard]] MPX_HD constexpr bool swizzled() const noexcept {
+    return kind == fp8_block_kind::vec32 || kind == fp8_block_kind::vec16;
+  }
+  //! Scales (floats, E8M0 bytes for vec32, e4m3 bytes for vec16) the layout takes,
+  //! padding included.
   [[nodiscard]] MPX_HD constexpr std::int64_t count() const noexcept {
     switch (kind) {
       case fp8_block_kind::row: return outer;
       case fp8_block_kind::vec128: return k_blocks() * up(outer, 4);
-      case fp8_block_kind::vec32: return up(outer, 128) * up(k_blocks(), 4);
+      case fp8_block_kind::vec32:
+      case fp8_block_kind::vec16: return up(outer, 128) * up(k_blocks(), 4);
       case fp8_block_kind::tile128: break;
     }
     return outer_blocks() * up(k_blocks(), 4);
@@ -96,8 +112,9 @@ struct fp8_block_scale_layout {
       case fp8_block_kind::row: return o;
       case fp8_block_kind::vec128:
         return kk / static_cast<std::size_t>(fp8_block_length) * static_cast<std::size_t>(up(outer, 4)) + o;
-      case fp8_block_kind::vec32: {
-        std::size_t const kb = kk / static_cast<std::size_t>(mx_block_length);
+      case fp8_block_kind::vec32:
+      case fp8_block_kind::vec16: {
+        std::size_t const kb = kk / static_cast<std::size_t>(block_length());
         std::size_t const tiles_across = static_cast<std::size_t>(up(k_blocks(), 4)) / 4;
         std::size_t const tile = o / 128 * tiles_across + kb / 4;
         return tile * 512 + o % 32 * 16 + o % 128 / 32 * 4 + kb % 4;
@@ -145,6 +162,7 @@ MPX_HD inline block_scale_pair<Scale> block_scale_from_amax(float finite_amax, b
 //! What a slot's inverse scale multiplies its block's values by, as a float.
 MPX_HD inline float dequantisation_factor(float inverse) noexcept { return inverse; }
 MPX_HD inline float dequantisation_factor(float8_e8m0 inverse) noexcept { return e8m0_to_float(inverse); }
+MPX_HD inline float dequantisation_factor(float8_e4m3 block_scale) noexcept { return cast<float>(block_scale); }
 
 }  // namespace detail
 }  // namespace mpx

@@ -231,6 +231,11 @@ void quantize_fp8_blocks(Exec const& exec, X&& x, bool k_contiguous, fp8_block_k
     detail::fail<shape_error>("quantize_fp8_blocks", "x must be a matrix, got shape " + xv.shape().to_string(), loc);
   std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];
   fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+  if (kind == fp8_block_kind::vec16)
+    detail::fail<invalid_argument>("quantize_fp8_blocks",
+                                   "1x16 blocks are NVFP4's (e2m1 values, two scales): quantize them with "
+                                   "mpx::quantize_nvfp4",
+                                   loc);
   if (layout.e8m0_scales() != std::is_same_v<Scale, float8_e8m0>)
     detail::fail<invalid_argument>("quantize_fp8_blocks",
                                    layout.e8m0_scales()

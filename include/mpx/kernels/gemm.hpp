@@ -415,8 +415,9 @@ void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const
 // ---- CUDA -----------------------------------------------------------------------------
 
 #if MPX_HAS_CUDA
-// From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile.
-template <dtype T>
+// From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile,
+// unless specialised (NVFP4's packed e2m1 pairs, in fp8_block_gemm.hpp).
+template <class T>
 inline constexpr cudaDataType_t cuda_data_type = dtype_traits<T>::cuda_data_type;
 
 //! The alignment cuBLASLt may assume for a matrix at p whose batch entries are
@@ -470,6 +471,10 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
   p.align_c = gemm_alignment(c, p.stride_c * static_cast<std::int64_t>(sizeof(TC)));
   p.a_scale_mode = scales.a_mode;
   p.b_scale_mode = scales.b_mode;
+  if (scales.device_alpha_beta != nullptr) {
+    p.alpha_beta_on_device = true;
+    return lt_matmul(p, stream, scales.device_alpha_beta, b, a, scales.device_alpha_beta + 1, c, scales);
+  }
   if constexpr (half_sums) {
     half const alpha_h = mpx::cast<half>(alpha), beta_h = mpx::cast<half>(beta);
     lt_matmul(p, stream, &alpha_h, b, a, &beta_h, c);
