@@ -14,7 +14,7 @@
 // context scores), and a short text sampled from each model.
 //
 //   char_lm [--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8|mixed_fp8_current|
-//            mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8] [--steps N] [--batch N]
+//            mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4] [--steps N] [--batch N]
 //           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
 //           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
 //           [--demo-overflow]
@@ -257,7 +257,7 @@ void demonstrate_overflow(Exec const& exec, settings s, mpx::text_split const& t
 }
 
 constexpr char const* usage_text =
-    "[--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8]\n"
+    "[--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4]\n"
     "          [--steps N] [--batch N]\n"
     "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
     "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
@@ -269,7 +269,8 @@ settings parse(int argc, char** argv) {
   while (args.next()) {
     if (args.is("--policy"))
       s.policy = args.choice({"all", "float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "mixed_fp8",
-                              "mixed_fp8_current", "mixed_fp8_block", "mixed_fp8_rowwise", "mixed_mxfp8"});
+                              "mixed_fp8_current", "mixed_fp8_block", "mixed_fp8_rowwise", "mixed_mxfp8",
+                              "mixed_nvfp4"});
     else if (args.is("--steps")) s.steps = args.whole<std::size_t>(1, 1'000'000);
     else if (args.is("--batch")) s.batch = args.whole<std::size_t>(1, 4096);
     else if (args.is("--context"))

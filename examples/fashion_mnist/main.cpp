@@ -19,7 +19,7 @@
 // Engine advises.
 //
 //   fashion_mnist [--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|mixed_fp8_current|
-//                  mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|all] [--epochs N]
+//                  mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
 //                 [--test-limit N] [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N]
 //                 [--cuda-graph] [--probe] [--data-parallel]
@@ -269,7 +269,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, cluster
   std::vector<outcome> out;
   std::vector<std::string> names = {s.policy};
   if (s.policy == "all")
-    names = {"mixed_float16", "mixed_bfloat16", "float32", "bfloat16", "mixed_fp8", "mixed_fp8_current", "mixed_fp8_block", "mixed_fp8_rowwise", "mixed_mxfp8"};
+    names = {"mixed_float16", "mixed_bfloat16", "float32", "bfloat16", "mixed_fp8", "mixed_fp8_current", "mixed_fp8_block", "mixed_fp8_rowwise", "mixed_mxfp8", "mixed_nvfp4"};
   for (auto const& name : names) {
     try {
       mpx::with_policy(name, [&](auto p) { out.push_back(train<typename decltype(p)::type>(exec, s, job, train_set, test_set)); });
@@ -285,7 +285,7 @@ std::vector<outcome> train_policies(Exec const& exec, settings const& s, cluster
 }
 
 constexpr char const* usage_text =
-    "[--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|all]\n"
+    "[--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4|all]\n"
     "          [--epochs N] [--batch-size N] [--executor auto|host|cuda] [--train-limit N] [--test-limit N]\n"
     "          [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n"
     "          [--data-parallel]";
@@ -296,7 +296,7 @@ settings parse(int argc, char** argv) {
   while (args.next()) {
     if (args.is("--policy"))
       s.policy = args.choice({"mixed_float16", "mixed_bfloat16", "float32", "bfloat16", "mixed_fp8", "mixed_fp8_current", "mixed_fp8_block",
-                              "mixed_fp8_rowwise", "mixed_mxfp8", "all"});
+                              "mixed_fp8_rowwise", "mixed_mxfp8", "mixed_nvfp4", "all"});
     else if (args.is("--epochs")) s.epochs = args.whole<std::size_t>(1, 1000);
     else if (args.is("--batch-size")) s.batch_size = args.whole<std::size_t>(1, 60000, " (the training set's size)");
     else if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});

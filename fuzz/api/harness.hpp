@@ -15,6 +15,8 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
 
+#include "../../tests/support/poison.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -162,17 +164,8 @@ std::string shape_text(std::vector<std::int64_t> const& e) {
   return s + ']';
 }
 
-//! The value an output element is poisoned with before a call, and its guard bands:
-//! NaN with a payload no arithmetic produces where the format has room, so an element a
-//! call forgot to write fails every comparison with a number.
-template <class T>
-T poison() {
-  if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
-  else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(std::uint16_t{0x7FAB});
-  else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
-  else if constexpr (std::is_same_v<T, mpx::float8_e8m0>) return mpx::e8m0_from_bits(0xFF);  // its NaN
-  else return T(0x5A);
-}
+using mpx_test::poison;  // tests/support/poison.hpp: what guard bands and outputs hold before a call
+
 
 //! A host tensor seen through a view that starts `offset` elements into its buffer,
 //! with guard elements on both sides that no call may write: the views users make into

@@ -16,12 +16,14 @@
 #include <mpx/kernels/fp8_block_gemm.hpp>
 #include <mpx/kernels/fp8_block_quantize.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
+#include <mpx/kernels/nvfp4_quantize.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/max_pool.hpp>
 
 #include "../../tests/support/reference/conv2d.hpp"
 #include "../../tests/support/reference/fp8_blocks.hpp"
 #include "../../tests/support/reference/matmul.hpp"
+#include "../../tests/support/reference/nvfp4.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -582,15 +584,149 @@ void fp8_block_case_with(draw& d, mpx::fp8_block_kind a_kind, mpx::fp8_block_kin
     }
 }
 
+//! NVFP4: x [M, K] and w [N, K] (or their transposes) through quantize_nvfp4 with drawn
+//! options (16x16 blocks, the transform; stochastic rounding, whose draws the reference
+//! does not follow, only when nothing but acceptance and finiteness is checked), every
+//! code, block scale and tensor scale against the definition, and the product against
+//! the float64 product of the dequantised operands. Invalid variants: values or the
+//! tensor scale of the wrong size, N not a multiple of 16, an NVFP4 operand whose layout
+//! is not 1x16.
+template <class TX, class TC>
+void nvfp4_case(draw& d, std::int64_t m, std::int64_t k, std::int64_t n) {
+  using P = mpx::float4_e2m1x2;
+  using E = mpx::float8_e4m3;
+  mpx::host_executor exec;
+  bool const hostile = d.byte() % 3 == 0, a_k_contiguous = d.coin(), b_k_contiguous = d.coin();
+  mpx::nvfp4_quantize_options options;
+  options.square_blocks = d.coin();
+  options.hadamard = d.coin();
+  bool const stochastic = d.byte() % 4 == 0;
+  float const alpha = draw_alpha(d), beta = draw_beta(d);
+  std::uint8_t const fault = d.byte();
+  bool const invalid = fault >= 200;
+  if (invalid && fault % 4 == 2) n += 1 + fault % 15;
+  if (m * k > max_elements || n * k > max_elements || m * n * (k + 128) > (1 << 17)) return;
+  call_name call("fp8_block_gemm");
+  call << " NVFP4 A " << mpx::dtype_name<TX> << "[" << m << "," << k << "]" << (a_k_contiguous ? "" : " (from its transpose)")
+       << ", B [" << n << "," << k << "]" << (b_k_contiguous ? "" : " (from its transpose)") << " -> C "
+       << mpx::dtype_name<TC> << (options.square_blocks ? " 16x16" : "") << (options.hadamard ? " hadamard" : "")
+       << (stochastic ? " stochastic" : "") << (hostile ? " hostile" : "") << " alpha=" << alpha << " beta=" << beta;
+  std::vector<std::int64_t> const xa = a_k_contiguous ? std::vector<std::int64_t>{m, k} : std::vector<std::int64_t>{k, m};
+  std::vector<std::int64_t> const xb = b_k_contiguous ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n};
+  guarded<TX> x(exec, xa, d), w(exec, xb, d);
+  x.assign(d.values<TX>(x.size(), hostile));
+  w.assign(d.values<TX>(w.size(), hostile));
+  mpx::fp8_block_scale_layout const la{mpx::fp8_block_kind::vec16, m, k}, lb{mpx::fp8_block_kind::vec16, n, k};
+  guarded<P> aq(exec, {m, la.padded_k() / 2}, d), bq(exec, {n, lb.padded_k() / 2}, d);
+  guarded<E> as(exec, {la.count()}, d), bs(exec, {lb.count()}, d);
+  guarded<float> at(exec, {2}, d), bt(exec, {2}, d);
+  if (invalid && fault % 4 == 0) {
+    bool const values = d.coin();
+    guarded<P> wrong_values(exec, {m, la.padded_k()}, d);
+    guarded<float> wrong_tensor(exec, {3}, d);
+    call << (values ? " invalid: values unpacked" : " invalid: three tensor-scale slots");
+    require_refusal(call, {values ? "values has shape" : "tensor_scale has shape"}, [&] {
+      mpx::quantize_nvfp4(exec, x.cview(), a_k_contiguous, options, values ? wrong_values.view() : aq.view(), as.view(),
+                          values ? at.view() : wrong_tensor.view());
+    });
+    return;
+  }
+  mpx::tensor<std::uint64_t> draw_count = mpx::make_tensor<std::uint64_t>(exec, mpx::shape{1});
+  draw_count.data()[0] = d.byte();
+  mpx::nvfp4_quantize_options a_options = options, b_options = options;
+  if (stochastic) b_options.draw = draw_count.data();  // B rounds stochastically, A to nearest
+  require_accepted(call, [&] {
+    mpx::quantize_nvfp4(exec, x.cview(), a_k_contiguous, a_options, aq.view(), as.view(), at.view());
+    mpx::quantize_nvfp4(exec, w.cview(), b_k_contiguous, b_options, bq.view(), bs.view(), bt.view());
+  });
+  for (auto const* g : {&aq, &bq}) g->require_guards_intact(call, "values");
+  for (auto const* g : {&as, &bs}) g->require_guards_intact(call, "block scales");
+  for (auto const* g : {&at, &bt}) g->require_guards_intact(call, "tensor scale");
+  std::vector<float> widened(x.size()), widened_w(w.size());
+  for (std::size_t i = 0; i < x.size(); ++i) widened[i] = mpx::cast<float>(x.data()[i]);
+  for (std::size_t i = 0; i < w.size(); ++i) widened_w[i] = mpx::cast<float>(w.data()[i]);
+  std::uint32_t const signs = mpx::detail::nvfp4_hadamard_signs(options.hadamard_seed);
+  auto const want_a = mpx_test::reference::reference_nvfp4(widened, xa[0], xa[1], a_k_contiguous, options.square_blocks,
+                                                           options.hadamard, signs);
+  auto const want_b = mpx_test::reference::reference_nvfp4(widened_w, xb[0], xb[1], b_k_contiguous,
+                                                           options.square_blocks, options.hadamard, signs);
+  auto const bytes = [](std::vector<E> const& v) {
+    std::vector<std::uint8_t> out;
+    for (E s : v) out.push_back(mpx::bits(s));
+    return out;
+  };
+  auto const codes_a = mpx_test::reference::unpacked_codes(aq.values());
+  auto const codes_b = mpx_test::reference::unpacked_codes(bq.values());
+  if (codes_a != want_a.codes) fail(call.str() + ": A's e2m1 codes differ from the definition's");
+  if (bytes(as.values()) != want_a.scales) fail(call.str() + ": A's block scales differ from the definition's");
+  if (bytes(bs.values()) != want_b.scales) fail(call.str() + ": B's block scales differ from the definition's");
+  if (!stochastic && codes_b != want_b.codes) fail(call.str() + ": B's e2m1 codes differ from the definition's");
+  for (auto const* t : {&at, &bt})
+    if (!(t->data()[1] > 0.0f) || !std::isfinite(t->data()[1]))
+      fail(call.str() + ": a decode factor is " + std::to_string(t->data()[1]));
+  using op = mpx::nvfp4_operand<mpx::host_space>;
+  op const a_op{aq.cview(), as.cview(), la, at.cview()}, b_op{bq.cview(), bs.cview(), lb, bt.cview()};
+  if (invalid) {
+    guarded<TC> c(exec, {m, n}, d);
+    if (fault % 4 == 2) {
+      call << " invalid: N = " << n;
+      require_refusal(call, {"N (B's rows) must be a multiple of 16"},
+                      [&] { mpx::fp8_block_gemm(exec, a_op, b_op, c.view(), alpha, beta); });
+    } else {
+      mpx::fp8_block_scale_layout const mx{mpx::fp8_block_kind::vec32, n, k};
+      call << " invalid: B's layout 1x32";
+      require_refusal(call, {"B's layout says 1x32 (MXFP8)"}, [&] {
+        mpx::fp8_block_gemm(exec, a_op, op{bq.cview(), bs.cview(), mx, bt.cview()}, c.view(), alpha, beta);
+      });
+    }
+    return;
+  }
+  guarded<TC> c(exec, {m, n}, d);
+  if (beta != 0) c.assign(d.values<TC>(c.size(), hostile));
+  auto const c_old = c.values();
+  require_accepted(call, [&] { mpx::fp8_block_gemm(exec, a_op, b_op, c.view(), alpha, beta); });
+  c.require_guards_intact(call, "C");
+  if (stochastic) return;  // the reference does not follow the draws
+  auto const ad = mpx_test::reference::dequantised_nvfp4(want_a.codes, want_a.scales, want_a.decode, la);
+  auto const bd = mpx_test::reference::dequantised_nvfp4(want_b.codes, want_b.scales, want_b.decode, lb);
+  std::int64_t const kp = la.padded_k();
+  double const u_out = unit_roundoff<TC>();
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      auto const idx = static_cast<std::size_t>(i * n + j);
+      double exact = 0, finite = 0;
+      if (alpha != 0 && kp != 0) {
+        double raw = 0;
+        for (std::int64_t kk = 0; kk < kp; ++kk) {
+          double const t = ad[static_cast<std::size_t>(i * kp + kk)] * bd[static_cast<std::size_t>(j * kp + kk)];
+          exact += t;
+          if (std::isfinite(t)) raw += std::fabs(t);
+        }
+        exact *= alpha;
+        finite = std::max(raw, std::fabs(alpha) * raw);
+      }
+      if (beta != 0) {
+        double const old = mpx::detail::to_double(c_old[idx]);
+        exact += beta * old;
+        if (std::isfinite(old)) finite += std::fabs(beta * old);
+      }
+      // The decode factors join alpha in float: two more roundings of 2^-24.
+      double const tolerance = (u_out + static_cast<double>(kp + 6) * 0x1p-24) * finite + min_subnormal<TC>() +
+                               static_cast<double>(kp) * float_underflow;
+      check_element(call, "C", idx, c.data()[idx], exact, tolerance, finite, float_max, true);
+    }
+}
+
 //! Draws the shape and the pair of block kinds (row x row, 1x128 x 1x128, 1x128 x
-//! 128x128, 128x128 x 1x128, MXFP8's 1x32 x 1x32), then runs the case with the kinds'
-//! scale format.
+//! 128x128, 128x128 x 1x128, MXFP8's 1x32 x 1x32, NVFP4), then runs the case with the
+//! kinds' scale format.
 template <class TX, class TC>
 void fp8_block_case(draw& d) {
   using kind = mpx::fp8_block_kind;
   std::int64_t const m = d.extent(40), k = d.extent(300);
   std::int64_t const n = 16 * (1 + static_cast<std::int64_t>(d.byte() % 3));
-  std::uint8_t const pair = d.byte() % 5;
+  std::uint8_t const pair = d.byte() % 6;
+  if (pair == 5) return nvfp4_case<TX, TC>(d, m, k, n);
   if (pair == 4) return fp8_block_case_with<TX, TC, mpx::float8_e8m0>(d, kind::vec32, kind::vec32, m, k, n);
   kind const a_kind = pair == 0 ? kind::row : pair == 3 ? kind::tile128 : kind::vec128;
   kind const b_kind = pair == 0 ? kind::row : pair == 2 ? kind::tile128 : kind::vec128;

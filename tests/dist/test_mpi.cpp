@@ -513,7 +513,7 @@ TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same pa
   int const ranks = comm().size();
   std::size_t const local_batch = 16, steps = 4;
   auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 23, 16);
-  auto const run = [&](auto policy) {
+  auto const run = [&](auto policy, double tolerance) {
     using P = typename decltype(policy)::type;
     INFO(P::name);
     auto reference = small_fp8_model<P>();
@@ -547,7 +547,8 @@ TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same pa
     // gradients quantize each sample's row alone, the same blocks either way; the weight
     // gradient's K is the batch, so its blocks (and their scales) span a rank's rows
     // here and the global batch there. The parameters then differ by about an e4m3
-    // rounding of the weight updates (2^-4 relative) times the learning rate.
+    // rounding of the weight updates (2^-4 relative; 2^-2 for NVFP4's e2m1, whose
+    // stochastic rounding also draws differently) times the learning rate.
     auto const got = parameter_values(exec, model);
     auto const expected = parameter_values(exec, reference);
     REQUIRE(got.size() == expected.size());
@@ -558,12 +559,13 @@ TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same pa
         worst = std::max(worst, std::abs(got[p][i] - expected[p][i]) / std::max(1.0, std::abs(expected[p][i])));
       }
     CAPTURE(worst);
-    CHECK(worst <= 0.02);
+    CHECK(worst <= tolerance);
   };
-  run(boost::hana::type_c<mpx::mixed_fp8_current>);
-  run(boost::hana::type_c<mpx::mixed_fp8_block>);
-  run(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
-  run(boost::hana::type_c<mpx::mixed_mxfp8>);
+  run(boost::hana::type_c<mpx::mixed_fp8_current>, 0.02);
+  run(boost::hana::type_c<mpx::mixed_fp8_block>, 0.02);
+  run(boost::hana::type_c<mpx::mixed_fp8_rowwise>, 0.02);
+  run(boost::hana::type_c<mpx::mixed_mxfp8>, 0.02);
+  run(boost::hana::type_c<mpx::mixed_nvfp4>, 0.08);
 }
 
 TEST_CASE("half gradients all-reduced in their own dtype match the float reduction closely", "[dist]") {

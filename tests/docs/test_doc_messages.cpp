@@ -382,7 +382,7 @@ TEST_CASE("docs/gemm.md, docs/lstm.md, docs/policies.md: shapes that do not agre
   std::string const unknown = message_of([&] { mpx::with_policy("mixed_float8", [](auto) { return 0; }); });
   check_doc_quote("policies.md",
                   "mpx::with_policy: unknown policy \"mixed_float8\"; the presets are float32, mixed_float16, "
-                  "mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise and mixed_mxfp8 (at "
+                  "mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 and mixed_nvfp4 (at "
                   "<your file>:<line>)",
                   unknown);
   CHECK_THAT(unknown, Catch::Contains("test_doc_messages.cpp:"));  // the caller's line

@@ -135,11 +135,20 @@ TEMPLATE_LIST_TEST_CASE("quantize_nvfp4's Hadamard transform is H diag(signs) / 
   double turned = 0.0;
   for (std::size_t i = 0; i < 16; ++i) turned += static_cast<double>(sa.operand[i]) * sb.operand[i];
   CHECK(turned == exact);
-  // The kernel's butterflies agree with the matrix on those exact inputs.
-  float v[16];
-  for (std::size_t i = 0; i < 16; ++i) v[i] = a[i];
-  mpx::detail::hadamard16(v, mpx::detail::nvfp4_hadamard_signs(5));
-  for (std::size_t i = 0; i < 16; ++i) CHECK(v[i] == sa.operand[i]);
+  // The kernel's butterflies are the matrix H diag(signs) / 4 on inputs where both are
+  // exact, for many sign patterns (each of the 16 unit vectors and random data).
+  for (std::uint64_t seed : {5ull, 6ull, 7ull, 0x4E56'4650'3452'4854ull}) {
+    std::uint32_t const signs = mpx::detail::nvfp4_hadamard_signs(seed);
+    for (std::size_t unit = 0; unit <= 16; ++unit) {
+      std::vector<float> in = unit < 16 ? std::vector<float>(16, 0.0f) : exact_sum_data(16, seed);
+      if (unit < 16) in[unit] = 1.0f;
+      float v[16];
+      for (std::size_t i = 0; i < 16; ++i) v[i] = in[i];
+      mpx::detail::hadamard16(v, signs);
+      auto const want = mpx_test::reference::hadamard_by_matrix(in, signs);
+      for (std::size_t i = 0; i < 16; ++i) CHECK(static_cast<double>(v[i]) == want[i]);
+    }
+  }
 }
 
 TEMPLATE_LIST_TEST_CASE("quantize_nvfp4: 16x16 blocks give a weight the same values read either way", "[nvfp4]",

@@ -15,6 +15,7 @@
 // col2im sums them.
 #include "../support/reference/conv2d.hpp"
 #include "../support/reference/fp8_blocks.hpp"
+#include "../support/reference/nvfp4.hpp"
 #include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
@@ -418,8 +419,8 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp8 run resumed from its training "
-          "state continues bit for bit",
+TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 or mixed_nvfp4 run resumed from its "
+          "training state continues bit for bit",
           "[layers][fp8][fp8_block][resume]") {
   auto const check_resume = [](auto policy) {
     using P = typename decltype(policy)::type;
@@ -451,6 +452,7 @@ TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise or mixed_mxfp
   check_resume(boost::hana::type_c<mpx::mixed_fp8_block>);
   check_resume(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
   check_resume(boost::hana::type_c<mpx::mixed_mxfp8>);
+  check_resume(boost::hana::type_c<mpx::mixed_nvfp4>);  // its stochastic rounding's draw count included
 }
 #endif
 
@@ -598,4 +600,165 @@ TEMPLATE_LIST_TEST_CASE("dense under mixed_fp8_block, mixed_fp8_rowwise and mixe
   CHECK(entries.empty());
   CHECK(mpx::mixed_fp8_block::name == "mixed_fp8_block");
   CHECK(std::is_same_v<mpx::without_fp8<mpx::mixed_fp8_block>, mpx::mixed_bfloat16>);
+}
+
+// ---- dense under NVFP4 (mixed_nvfp4, and its recipe without stochastic rounding) ----
+
+//! mixed_nvfp4's dtypes with NVFP4 rounded to nearest everywhere: the layer's products
+//! are then exactly the reference's.
+struct nvfp4_nearest : mpx::policy<mpx::bfloat16, mpx::float8_e4m3, float, float> {
+  static constexpr std::string_view name = "nvfp4_nearest";
+};
+namespace mpx {
+template <>
+inline constexpr auto fp8_recipe_for<nvfp4_nearest> = nvfp4_scaling{.stochastic_gradients = false};
+}  // namespace mpx
+
+namespace nvfp4_layer_cases {
+
+//! The operand [outer, k] of x [rows, cols] quantized to NVFP4 as the recipe says for
+//! its role (16x16 blocks for weights, the transform for a weight gradient's inputs),
+//! dequantised in float64.
+std::vector<double> nvfp4_operand(std::vector<fp8_storage> const& x, std::int64_t rows, std::int64_t cols,
+                                  bool k_contiguous, bool square, bool hadamard) {
+  std::vector<float> f(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) f[i] = mpx::cast<float>(x[i]);
+  auto const q = mpx_test::reference::reference_nvfp4(
+      f, rows, cols, k_contiguous, square, hadamard,
+      mpx::detail::nvfp4_hadamard_signs(mpx::nvfp4_quantize_options{}.hadamard_seed));
+  mpx::fp8_block_scale_layout const layout{mpx::fp8_block_kind::vec16, k_contiguous ? rows : cols,
+                                           k_contiguous ? cols : rows};
+  return mpx_test::reference::dequantised_nvfp4(q.codes, q.scales, q.decode, layout);
+}
+
+//! dense under Policy (an NVFP4 recipe) against the reference: y always exactly as
+//! rounded to nearest; dx and dW too without stochastic rounding, and with it within
+//! the rounding's spread of the unquantized product (and not the nearest rounding's).
+template <class Policy, class Exec>
+void check_nvfp4_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::int64_t units) {
+  using Space = mpx::memory_space_t<Exec>;
+  constexpr auto recipe = mpx::fp8_recipe_for<Policy>;
+  INFO(Policy::name << " dense rows=" << rows << " in=" << in << " units=" << units);
+  mpx::dense<Policy> layer(units);
+  layer.set_name("dense");
+  layer.build(exec, mpx::shape{in}, mpx_test::seed);
+  layer.reserve(exec, rows);
+  auto xs = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * in), -3, 3, 92);
+  for (std::int64_t k = 0; k < in; ++k)  // one row 2^12 larger: per-tensor scaling would lose the rest
+    xs[static_cast<std::size_t>(k)] = mpx::cast<fp8_storage>(mpx::cast<float>(xs[static_cast<std::size_t>(k)]) * 4096.0f);
+  auto const dys = mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * units), -1e-3, 1e-3, 93);
+  auto const x = mpx_test::upload(exec, xs, mpx::shape{rows, in});
+  auto const dy = mpx_test::upload(exec, dys, mpx::shape{rows, units});
+  auto y = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, units});
+  auto dx = mpx_test::poisoned<fp8_storage>(exec, mpx::shape{rows, in});
+  layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+  layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(dy)),
+                 mpx::view(dx));
+  auto const w = mpx_test::download(exec, layer.template kernel<Space>());
+  auto const b = mpx_test::download(exec, layer.template bias<Space>());
+  auto const got_y = mpx_test::download(exec, y), got_dx = mpx_test::download(exec, dx);
+  auto const got_dw = mpx_test::download(exec, layer.template kernel_gradient<Space>());
+  bool const sq = recipe.square_weight_blocks, rht = recipe.hadamard_weight_gradients;
+  auto const ya = nvfp4_operand(xs, rows, in, true, false, false), yb = nvfp4_operand(w, in, units, false, sq, false);
+  auto const xa = nvfp4_operand(dys, rows, units, true, false, false), xb = nvfp4_operand(w, in, units, true, sq, false);
+  auto const wa = nvfp4_operand(xs, rows, in, false, false, rht), wb = nvfp4_operand(dys, rows, units, false, false, rht);
+  auto const padded = [](std::int64_t k) { return (k + 31) / 32 * 32; };
+  auto* const sum_bound = &mpx_test::fp8_sum_bound<Exec>;
+  fp8_bound fy{"dense y", sum_bound}, fdx{"dense dx", sum_bound}, fdw{"dense dW", sum_bound};
+  // alpha carries the two decode factors, rounded to float: 2^-23 of each term.
+  double const dequant = std::ldexp(1.0, -23);
+  auto const product = [&](std::vector<double> const& a, std::vector<double> const& bv, std::int64_t k, auto check,
+                           std::int64_t m, std::int64_t n) {
+    std::int64_t const kp = padded(k);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        double exact = 0, magnitude = 0;
+        for (std::int64_t kk = 0; kk < kp; ++kk) {
+          double const t = a[static_cast<std::size_t>(i * kp + kk)] * bv[static_cast<std::size_t>(j * kp + kk)];
+          exact += t;
+          magnitude += std::fabs(t);
+        }
+        check(i, j, exact, magnitude, kp);
+      }
+  };
+  auto const at = [](std::int64_t i, std::int64_t j, std::int64_t cols) { return static_cast<std::size_t>(i * cols + j); };
+  product(ya, yb, in, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+    fy.check(mpx::detail::to_double(got_y[at(i, j, units)]), ref + mpx::detail::to_double(b[static_cast<std::size_t>(j)]),
+             sum, k, dequant + std::ldexp(1.0, -8));
+  }, rows, units);
+  fy.require();
+  if constexpr (!recipe.stochastic_gradients) {
+    product(xa, xb, units, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+      fdx.check(mpx::detail::to_double(got_dx[at(i, j, in)]), ref, sum, k, dequant);
+    }, rows, in);
+    product(wa, wb, rows, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+      fdw.check(mpx::detail::to_double(got_dw[at(i, j, units)]), ref, sum, k, dequant);
+    }, in, units);
+    fdx.require();
+    fdw.require();
+  } else {
+    // Stochastic: the gradients are the unquantized products within what 4 bits allow,
+    // and some differ from the nearest rounding's beyond the float-sum bound.
+    double err = 0, norm = 0;
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t j = 0; j < in; ++j) {
+        double exact = 0;
+        for (std::int64_t u = 0; u < units; ++u)
+          exact += mpx::detail::to_double(dys[at(i, u, units)]) * mpx::detail::to_double(w[at(j, u, units)]);
+        double const g = mpx::detail::to_double(got_dx[at(i, j, in)]);
+        REQUIRE(std::isfinite(g));
+        err += (g - exact) * (g - exact);
+        norm += exact * exact;
+      }
+    CHECK(std::sqrt(err / norm) < 0.25);
+    product(xa, xb, units, [&](auto i, auto j, double ref, double sum, std::int64_t k) {
+      fdx.check(mpx::detail::to_double(got_dx[at(i, j, in)]), ref, sum, k, dequant);
+    }, rows, in);
+    CHECK(fdx.bad > 0);
+  }
+}
+
+}  // namespace nvfp4_layer_cases
+
+TEMPLATE_LIST_TEST_CASE("dense under NVFP4 matches the float64 recipe: 16x16 weights, the transformed weight "
+                        "gradient, stochastically rounded gradients",
+                        "[fp8][nvfp4][layers]", mpx_test::executors) {
+  using namespace nvfp4_layer_cases;
+  TestType exec;
+  if (!mpx_test::block_fp8_products_here(exec, true)) {
+    WARN("mixed_nvfp4 needs Blackwell (sm_100) or newer: skipped");
+    return;
+  }
+  for (auto [rows, in, units] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{13, 48, 16}, {130, 208, 32},
+                                 {5, 144, 144}, {33, 80, 16}}) {
+    check_nvfp4_dense<nvfp4_nearest>(exec, rows, in, units);
+    check_nvfp4_dense<mpx::mixed_nvfp4>(exec, rows, in, units);
+  }
+  // The draw count advances once per gradient cast (the input gradient's product and the
+  // weight gradient's), and is training state with its seed.
+  mpx::dense<mpx::mixed_nvfp4> layer(16);
+  layer.set_name("d");
+  layer.build(exec, mpx::shape{32}, 5);
+  layer.reserve(exec, 4);
+  auto const x = mpx_test::upload(exec, std::vector<fp8_storage>(4 * 32, mpx::cast<fp8_storage>(0.5f)), mpx::shape{4, 32});
+  auto y = mpx::make_tensor<fp8_storage>(exec, mpx::shape{4, 16});
+  auto dx = mpx::make_tensor<fp8_storage>(exec, mpx::shape{4, 32});
+  layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+  layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)), mpx::view(std::as_const(y)),
+                 mpx::view(dx));
+  using Space = mpx::memory_space_t<TestType>;
+  std::vector<std::pair<std::string, mpx::tensor_view<std::uint64_t, Space>>> counters;
+  layer.template append_counters<Space>(counters);
+  REQUIRE(counters.size() == 1);
+  CHECK(counters[0].first == "d/nvfp4_gradient_draws");
+  CHECK(mpx_test::download(exec, counters[0].second)[0] == 2u);
+  std::vector<std::pair<std::string, std::uint64_t*>> seeds;
+  layer.append_seeds(seeds);
+  REQUIRE(seeds.size() == 1);
+  CHECK(seeds[0].first == "d/nvfp4_gradient_seed");
+  // Other policies keep none.
+  mpx::dense<mpx::mixed_mxfp8> other(16);
+  std::vector<std::pair<std::string, mpx::tensor_view<std::uint64_t, Space>>> none;
+  other.template append_counters<Space>(none);
+  CHECK(none.empty());
 }

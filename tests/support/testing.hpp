@@ -6,6 +6,8 @@
 
 #include <mpx/mpx.hpp>
 
+#include "poison.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -131,19 +133,6 @@ auto download(Exec const& exec, X&& x) {
   return std::vector<mpx::value_t<X>>(host.begin(), host.end());
 }
 
-//! A value no correct kernel writes: NaN (with a recognisable payload where the format
-//! has room for one), so an element a kernel forgot to write fails every comparison
-//! with a number. fp8 formats: their NaN pattern from the dtype traits (e4m3 has only
-//! S.1111.111; e5m2's is S.11111.11).
-template <class T>
-T poison() {
-  if constexpr (std::is_same_v<T, float>) return mpx::detail::from_bits<float>(0x7FC0'DEADu);
-  else if constexpr (mpx::dtype16<T>) return mpx::detail::from_bits<T>(0x7FAB);
-  else if constexpr (mpx::dtype8<T>) return mpx::dtype_traits<T>::quiet_nan();
-  else if constexpr (std::is_same_v<T, mpx::float8_e8m0>) return mpx::e8m0_from_bits(0xFF);  // its NaN
-  else if constexpr (std::is_same_v<T, mpx::float4_e2m1x2>) return mpx::fp4x2_from_bits(0xDB);  // -3, -1.5: no NaN
-  else return T(0x5A);
-}
 
 //! The allowed error of a float-summed product per unit of the sum of its terms'
 //! magnitudes, for K terms, on the executor that sums: the host adds exact products in

@@ -134,6 +134,15 @@ struct mixed_fp8_rowwise : policy<bfloat16, float8_e4m3, float, float> {
 struct mixed_mxfp8 : policy<bfloat16, float8_e4m3, float, float> {
   static constexpr std::string_view name = "mixed_mxfp8";
 };
+//! NVFP4 (NVIDIA's 4-bit recipe) in the products: e2m1 values for every role, an e4m3
+//! scale per 16 values along K (per 16x16 for weights) under a float scale per tensor,
+//! stochastic rounding of gradients and a random Hadamard transform on the weight
+//! gradient's inputs (docs/fp8_training.md). The compute dtype names the nearest dtype,
+//! e4m3 (the 4-bit values are not a dtype: no tensor holds them outside the products).
+//! cuBLASLt runs its products on Blackwell and newer; the host runs it anywhere.
+struct mixed_nvfp4 : policy<bfloat16, float8_e4m3, float, float> {
+  static constexpr std::string_view name = "mixed_nvfp4";
+};
 
 namespace detail {
 template <class P>

@@ -33,7 +33,8 @@ inline constexpr auto preset_policies = boost::hana::make_tuple(
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_current"), boost::hana::type_c<mixed_fp8_current>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_block"), boost::hana::type_c<mixed_fp8_block>),
     boost::hana::make_pair(BOOST_HANA_STRING("mixed_fp8_rowwise"), boost::hana::type_c<mixed_fp8_rowwise>),
-    boost::hana::make_pair(BOOST_HANA_STRING("mixed_mxfp8"), boost::hana::type_c<mixed_mxfp8>));
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_mxfp8"), boost::hana::type_c<mixed_mxfp8>),
+    boost::hana::make_pair(BOOST_HANA_STRING("mixed_nvfp4"), boost::hana::type_c<mixed_nvfp4>));
 
 //! The preset named by a compile-time Hana string, as a hana::type:
 //! `constexpr auto n = BOOST_HANA_STRING("mixed_float16"); using P = decltype(mpx::policy_by_name(n))::type;`
@@ -45,7 +46,7 @@ constexpr auto policy_by_name(boost::hana::string<Cs...> name) {
   static_assert(!decltype(found == boost::hana::nothing)::value,
                 "mpx::policy_by_name: no preset policy has this name; the presets are "
                 "\"float32\", \"mixed_float16\", \"mixed_bfloat16\", \"bfloat16\", \"mixed_fp8\", \"mixed_fp8_current\", \"mixed_fp8_block\", "
-                "\"mixed_fp8_rowwise\" and \"mixed_mxfp8\"");
+                "\"mixed_fp8_rowwise\", \"mixed_mxfp8\" and \"mixed_nvfp4\"");
   return boost::hana::second(*found);
 }
 
@@ -58,7 +59,7 @@ namespace detail {
   fail<invalid_argument>("with_policy",
                          "unknown policy \"" + std::string(name) +
                              "\"; the presets are float32, mixed_float16, mixed_bfloat16, bfloat16, mixed_fp8, mixed_fp8_current, mixed_fp8_block, "
-                             "mixed_fp8_rowwise and mixed_mxfp8",
+                             "mixed_fp8_rowwise, mixed_mxfp8 and mixed_nvfp4",
                          loc);
 }
 

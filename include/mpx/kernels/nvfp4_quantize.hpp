@@ -83,7 +83,7 @@ MPX_HD inline nvfp4_block_scale nvfp4_scale_of_block(float finite_amax, float te
 }
 
 //! The 16 signs of the Hadamard transform, bit j set: value j negated.
-MPX_HD constexpr std::uint32_t nvfp4_hadamard_signs(std::uint64_t seed) noexcept {
+constexpr std::uint32_t nvfp4_hadamard_signs(std::uint64_t seed) noexcept {
   return static_cast<std::uint32_t>(splitmix64(seed)() & 0xFFFFu);
 }
 

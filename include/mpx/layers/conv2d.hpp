@@ -75,7 +75,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
     initialize(exec, this->template kernel<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters,
                seed);
     initialize(exec, this->template bias<Space>(), config_.bias_initializer, 1, 1, seed + 1);
-    this->products_.build(exec);
+    this->products_.build(exec, seed + 2);
     mark_built(in, out);
   }
 

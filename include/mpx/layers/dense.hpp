@@ -69,7 +69,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
     using Space = memory_space_t<Exec>;
     initialize(exec, this->template kernel<Space>(), config_.kernel_initializer, fan_in, config_.units, seed);
     initialize(exec, this->template bias<Space>(), config_.bias_initializer, fan_in, config_.units, seed + 1);
-    this->products_.build(exec);
+    this->products_.build(exec, seed + 2);
     mark_built(in, out);
   }
 

@@ -47,6 +47,15 @@ class kernel_bias_layer : public with_matrix_products<Policy> {
   void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
     this->products_.append_to(out, self().name());
   }
+  //! NVFP4's stochastic-rounding draw count and seed, for save_training_state (nothing
+  //! under other policies).
+  template <memory_space Space>
+  void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
+    this->products_.template append_counters<Space>(out, self().name());
+  }
+  void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
+    this->products_.append_seeds(out, self().name());
+  }
 
  protected:
   //! Allocates the kernel [kernel_shape] and the bias [units] with their gradients.

@@ -17,8 +17,10 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/fp8_block_gemm.hpp>
 #include <mpx/kernels/fp8_block_quantize.hpp>
+#include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
+#include <mpx/kernels/nvfp4_quantize.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/scaling/fp8_block_scaling.hpp>
 #include <mpx/scaling/fp8_scaling.hpp>
@@ -44,8 +46,8 @@ using fp8_format_of = std::conditional_t<R == operand_role::gradient, float8_e5m
 //! (Transformer Engine's default: a 1024-step amax history, no margin), current_scaling
 //! (per tensor, from the tensor itself) for mpx::mixed_fp8_current, block_scaling
 //! for mpx::mixed_fp8_block, rowwise_scaling for mpx::mixed_fp8_rowwise, mxfp8_scaling
-//! for mpx::mixed_mxfp8. Specialise it for a policy of your own (any of the recipe
-//! types).
+//! for mpx::mixed_mxfp8, nvfp4_scaling for mpx::mixed_nvfp4. Specialise it for a policy
+//! of your own (any of the recipe types, with the options you choose).
 template <class Policy>
 inline constexpr auto fp8_recipe_for = delayed_scaling{};
 template <>
@@ -56,6 +58,8 @@ template <>
 inline constexpr auto fp8_recipe_for<mixed_mxfp8> = mxfp8_scaling{};
 template <>
 inline constexpr auto fp8_recipe_for<mixed_fp8_current> = current_scaling{};
+template <>
+inline constexpr auto fp8_recipe_for<mixed_nvfp4> = nvfp4_scaling{};
 
 //! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
 //! prefix, and snapshot() returns what puts the current values back (a load that fails
@@ -169,10 +173,11 @@ class fp8_block_role {
 
   //! x (a matrix) quantized as the operand [outer, K] (x itself when k_contiguous, else
   //! its transpose). Allocates nothing: an operand larger than reserve made room for is
-  //! an mpx::shape_error.
+  //! an mpx::shape_error. (Whether the product is a weight gradient matters to NVFP4 only.)
   template <executor Exec, class T, class Space>
   fp8_block_operand<float8_e4m3, Space, scale_type> quantize(Exec const& exec, tensor_view<T const, Space> x,
-                                                             bool k_contiguous, Recipe const& recipe) {
+                                                             bool k_contiguous, Recipe const& recipe,
+                                                             bool /*weight_gradient*/) {
     std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
     fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
     auto const v = values_.template view<Space>(shape{layout.outer, layout.padded_k()});
@@ -186,6 +191,77 @@ class fp8_block_role {
  private:
   layer_tensor<float8_e4m3> values_;
   layer_tensor<scale_type> scales_;
+};
+
+//! One role's NVFP4 operand: its e2m1 pairs, block scales and tensor scale, in buffers
+//! reserve() sizes; for the gradient role under stochastic rounding, the count of draws
+//! so far (training state, where the executor computes) and the seed they are keyed by.
+template <operand_role R>
+class fp8_block_role<R, nvfp4_scaling> {
+ public:
+  static constexpr fp8_block_kind kind = fp8_block_kind::vec16;
+
+  //! Makes the draw count (0) and keeps the seed: from the layer's build.
+  template <executor Exec>
+  void build(Exec const& exec, std::uint64_t seed) {
+    if constexpr (R == operand_role::gradient) {
+      seed_ = seed;
+      draws_.allocate(exec, shape{1});
+      fill(exec, draws_.template view<memory_space_t<Exec>>(), std::uint64_t{0});
+    }
+  }
+
+  template <executor Exec>
+  void reserve(Exec const& exec, operand_extent largest) {
+    fp8_block_scale_layout const as_is{kind, largest.rows, largest.cols}, turned{kind, largest.cols, largest.rows};
+    std::int64_t const n = std::max(as_is.outer * as_is.padded_k(), turned.outer * turned.padded_k()) / 2;
+    std::int64_t const scales = std::max(as_is.count(), turned.count());
+    values_.ensure(exec, shape{n > 0 ? n : 1});
+    scales_.ensure(exec, shape{scales > 0 ? scales : 1});
+    tensor_scale_.ensure(exec, shape{nvfp4_tensor_scale_slots});
+  }
+
+  //! x quantized to NVFP4 as the operand [outer, K]: weights in 16x16 blocks, gradients
+  //! rounded stochastically (one draw of the count each), a weight gradient's inputs
+  //! transformed, as the recipe asks.
+  template <executor Exec, class T, class Space>
+  nvfp4_operand<Space> quantize(Exec const& exec, tensor_view<T const, Space> x, bool k_contiguous,
+                                nvfp4_scaling const& recipe, bool weight_gradient) {
+    std::int64_t const rows = x.shape()[0], cols = x.shape()[1];
+    fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+    auto const v = values_.template view<Space>(shape{layout.outer, layout.padded_k() / 2});
+    auto const sc = scales_.template view<Space>(shape{layout.count()});
+    auto const ts = tensor_scale_.template view<Space>(shape{nvfp4_tensor_scale_slots});
+    nvfp4_quantize_options o;
+    o.square_blocks = R == operand_role::weight && recipe.square_weight_blocks;
+    o.hadamard = weight_gradient && recipe.hadamard_weight_gradients;
+    if (R == operand_role::gradient && recipe.stochastic_gradients) {
+      o.draw = draws_.template view<Space>().data();
+      o.seed = seed_;
+    }
+    quantize_nvfp4(exec, x, k_contiguous, o, v, sc, ts);
+    if (o.draw != nullptr) run_once(exec, increment_count{draws_.template view<Space>().data()});
+    return {v, sc, layout, ts};
+  }
+
+  [[nodiscard]] void const* buffer_data() const noexcept { return values_.address(); }
+
+  //! The draw count and seed of stochastic rounding, as training state.
+  template <memory_space Space>
+  void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out,
+                       std::string const& name) {
+    if (draws_.allocated()) out.emplace_back(name + "/nvfp4_gradient_draws", draws_.template view<Space>());
+  }
+  void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out, std::string const& name) {
+    if (draws_.allocated()) out.emplace_back(name + "/nvfp4_gradient_seed", &seed_);
+  }
+
+ private:
+  layer_tensor<float4_e2m1x2> values_;
+  layer_tensor<float8_e4m3> scales_;
+  layer_tensor<float> tensor_scale_;
+  layer_tensor<std::uint64_t> draws_;
+  std::uint64_t seed_ = 0;
 };
 
 //! Every fp8 scale a model's layers keep (dense and conv2d under an fp8 policy), by name.
@@ -213,11 +289,14 @@ class matrix_products {
   //! no scale state; under per-tensor scaling each role keeps a delayed scale.
   static constexpr bool block_scaled = fp8 && is_block_recipe_v<recipe_type>;
   static constexpr bool tensorwise = fp8 && !block_scaled;
+  //! NVFP4: block-scaled, and the gradient role keeps a draw count for stochastic rounding.
+  static constexpr bool nvfp4 = block_scaled && std::is_same_v<recipe_type, nvfp4_scaling>;
   //! Per-tensor scales kept as an amax history and moved at the end of each step.
   static constexpr bool delayed = tensorwise && std::is_same_v<recipe_type, delayed_scaling>;
 
   template <executor Exec>
-  void build([[maybe_unused]] Exec const& exec) {
+  void build([[maybe_unused]] Exec const& exec, [[maybe_unused]] std::uint64_t seed = 0) {
+    if constexpr (nvfp4) gradient_.build(exec, seed);
     if constexpr (tensorwise) {
       constexpr recipe_type recipe = fp8_recipe_for<Policy>;
       activation_.build(exec, recipe);
@@ -267,8 +346,10 @@ class matrix_products {
       detail::check_fp8_gemm_layout(d, gemm_options{.transpose_a = false, .transpose_b = true}, loc);
       if constexpr (block_scaled) {
         constexpr recipe_type recipe = fp8_recipe_for<Policy>;
-        auto const a8 = operand<RA>().quantize(exec, a, !o.transpose_a, recipe);
-        auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe);
+        // The weight gradient's product reads the activations and the gradients.
+        constexpr bool weight_gradient = RA != operand_role::weight && RB != operand_role::weight;
+        auto const a8 = operand<RA>().quantize(exec, a, !o.transpose_a, recipe, weight_gradient);
+        auto const b8 = operand<RB>().quantize(exec, b, o.transpose_b, recipe, weight_gradient);
         fp8_block_gemm(exec, a8, b8, c, o.alpha, o.beta, loc);
       } else {
         constexpr recipe_type recipe = fp8_recipe_for<Policy>;
@@ -341,6 +422,18 @@ class matrix_products {
                      },
                      [this](std::function<void(float*)> reduce) { amax_reduction_ = std::move(reduce); }});
     }
+  }
+
+  //! NVFP4's stochastic-rounding draw count and seed, named under the layer's name, as
+  //! training state (nothing under other policies).
+  template <memory_space Space>
+  void append_counters([[maybe_unused]] std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out,
+                       [[maybe_unused]] std::string const& name) {
+    if constexpr (nvfp4) gradient_.template append_counters<Space>(out, name);
+  }
+  void append_seeds([[maybe_unused]] std::vector<std::pair<std::string, std::uint64_t*>>& out,
+                    [[maybe_unused]] std::string const& name) {
+    if constexpr (nvfp4) gradient_.append_seeds(out, name);
   }
 
   //! Where a role's cast buffer is (nullptr before reserve), for tests that no step

@@ -7,6 +7,7 @@
 #include <mpx/core/block_formats.hpp>
 #include <mpx/core/cast.hpp>
 #include <mpx/kernels/fp8_block_layout.hpp>
+#include <mpx/kernels/nvfp4_quantize.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -42,8 +43,25 @@ struct expected_nvfp4 {
   std::vector<float> operand;  // [outer, padded k], after the transform
 };
 
+//! The transform of 16 values from its definition, H diag(signs) x / 4 with H[i][j] =
+//! (-1)^popcount(i & j), in double: what the kernel's butterflies must give where the
+//! float sums are exact (the kernel test checks it).
+inline std::vector<double> hadamard_by_matrix(std::vector<float> const& x, std::uint32_t signs) {
+  std::vector<double> y(16, 0.0);
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      double const h = std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1.0 : 1.0;
+      double const s = (signs >> j) & 1u ? -1.0 : 1.0;
+      y[static_cast<std::size_t>(i)] += h * s * x[static_cast<std::size_t>(j)];
+    }
+    y[static_cast<std::size_t>(i)] /= 4.0;
+  }
+  return y;
+}
+
 //! x [rows, cols] (as floats) quantized to NVFP4 as the operand [outer, k]: transformed
-//! (each 16 along K times H diag(signs) / 4, H[i][j] = (-1)^popcount(i & j), in double),
+//! (each 16 along K by the kernel's float butterflies, mpx::detail::hadamard16, whose
+//! sums can round: the reference must round them alike; hadamard_by_matrix checks them),
 //! then S = 2688 / max(amax, 2^-110), a block's d = e4m3(amax_b / 6 * S) (at least
 //! 2^-9; NaN if the block's inputs hold a NaN or inf), its values' codes nearest to the
 //! float x * (S / d). Blocks are 1x16, or 16x16 with `square`.
@@ -61,23 +79,16 @@ inline expected_nvfp4 reference_nvfp4(std::vector<float> const& x, std::int64_t 
   std::vector<bool> bad_block(static_cast<std::size_t>(outer * (kp / 16)), false);
   for (std::int64_t o = 0; o < outer; ++o)
     for (std::int64_t k0 = 0; k0 < kp; k0 += 16) {
+      float block[16];
       for (std::int64_t i = 0; i < 16; ++i) {
-        double y = at(o, k0 + i);
-        if (!std::isfinite(y)) {
+        block[i] = at(o, k0 + i);
+        if (!std::isfinite(block[i])) {
           ++e.nonfinite;
           bad_block[static_cast<std::size_t>(o * (kp / 16) + k0 / 16)] = true;
         }
-        if (hadamard) {
-          y = 0.0;
-          for (int j = 0; j < 16; ++j) {
-            double const h = std::popcount(static_cast<unsigned>(i & j)) % 2 ? -1.0 : 1.0;
-            double const s = (signs >> j) & 1u ? -1.0 : 1.0;
-            y += h * s * at(o, k0 + j);
-          }
-          y /= 4.0;
-        }
-        e.operand[static_cast<std::size_t>(o * kp + k0 + i)] = static_cast<float>(y);
       }
+      if (hadamard) mpx::detail::hadamard16(block, signs);
+      for (std::int64_t i = 0; i < 16; ++i) e.operand[static_cast<std::size_t>(o * kp + k0 + i)] = block[i];
     }
   for (float v : e.operand)
     if (std::isfinite(v)) e.amax = std::max(e.amax, std::fabs(v));
