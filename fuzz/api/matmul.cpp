@@ -622,9 +622,9 @@ void nvfp4_case(draw& d, std::int64_t m, std::int64_t k, std::int64_t n) {
   guarded<float> at(exec, {2}, d), bt(exec, {2}, d);
   if (invalid && fault % 4 == 0) {
     bool const values = d.coin();
-    guarded<P> wrong_values(exec, {m, la.padded_k()}, d);
+    guarded<P> wrong_values(exec, {m, la.padded_k() / 2 + 1}, d);
     guarded<float> wrong_tensor(exec, {3}, d);
-    call << (values ? " invalid: values unpacked" : " invalid: three tensor-scale slots");
+    call << (values ? " invalid: values one pair too long" : " invalid: three tensor-scale slots");
     require_refusal(call, {values ? "values has shape" : "tensor_scale has shape"}, [&] {
       mpx::quantize_nvfp4(exec, x.cview(), a_k_contiguous, options, values ? wrong_values.view() : aq.view(), as.view(),
                           values ? at.view() : wrong_tensor.view());
@@ -710,7 +710,7 @@ void nvfp4_case(draw& d, std::int64_t m, std::int64_t k, std::int64_t n) {
         exact += beta * old;
         if (std::isfinite(old)) finite += std::fabs(beta * old);
       }
-      // The decode factors join alpha in float: two more roundings of 2^-24.
+      // Each dequantised value: the block scale times the decode factor, one more 2^-24.
       double const tolerance = (u_out + static_cast<double>(kp + 6) * 0x1p-24) * finite + min_subnormal<TC>() +
                                static_cast<double>(kp) * float_underflow;
       check_element(call, "C", idx, c.data()[idx], exact, tolerance, finite, float_max, true);

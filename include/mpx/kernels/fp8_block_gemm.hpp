@@ -155,7 +155,9 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space, SA> const& a, fp8_block_o
 
 //! An operand's values dequantised into float scratch [outer, padded k]: value * its
 //! block's inverse scale, exact where the scales are powers of two (one scale read per
-//! block).
+//! block). NVFP4's: e2m1 value * (block scale * decode factor), one rounding, so that
+//! the product of two operands overflows only where its true value does (cuBLASLt's
+//! alpha, which carries both decode factors, can overflow first).
 template <std::size_t Slot, class Format, class Space, class Scale>
 float const* host_dequantize_blocks(fp8_block_operand<Format, Space, Scale> const& x) {
   struct tag {};
@@ -165,9 +167,11 @@ float const* host_dequantize_blocks(fp8_block_operand<Format, Space, Scale> cons
   float* out = host_scratch_floats<tag, Slot>(n);
   Format const* v = x.values.data();
   Scale const* s = x.inverse_scales.data();
+  float const decode = x.tensor_scale.empty() ? 1.0f : x.tensor_scale.data()[1];
   for (std::size_t o = 0; o < static_cast<std::size_t>(x.layout.outer); ++o)
     for (std::size_t k0 = 0; k0 < pitch; k0 += length) {
-      float const factor = dequantisation_factor(s[x.layout.slot(o, k0)]);
+      float const block = dequantisation_factor(s[x.layout.slot(o, k0)]);
+      float const factor = x.tensor_scale.empty() ? block : block * decode;
       for (std::size_t kk = k0; kk < k0 + length; ++kk) {
         if constexpr (std::is_same_v<Format, float4_e2m1x2>) {
           std::uint8_t const pair = fp4x2_bits(v[(o * pitch + kk) / 2]);
@@ -217,9 +221,13 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
 //! [M, N], in the executor's memory.
 //!
 //! Error: a dequantised value is exact with power-of-two scales (block_scaling's
-//! default, and always for vec32's E8M0 scales) and within 2^-24 relative otherwise; the float sums add at most
-//! (K + 4) 2^-24 |alpha| sum_k |a||b| + |beta C0|, plus C's rounding, on the host. The GPU
-//! sums each 128-long run of K on its tensor cores and promotes to float between runs.
+//! default, and always for vec32's E8M0 scales) and within 2^-24 relative otherwise
+//! (NVFP4's: the block scale times the decode factor, rounded once); the float sums add
+//! at most (K + 4) 2^-24 |alpha| sum_k |a||b| + |beta C0|, plus C's rounding, on the
+//! host. The GPU sums each 128-long run of K on its tensor cores and promotes to float
+//! between runs; for NVFP4 its alpha carries both decode factors, amax(A) amax(B) / 2688^2,
+//! which overflows a float (inf or NaN in C) when the two tensors' largest magnitudes
+//! multiply past about 2.4e45.
 //!
 //! Refused before anything runs (mpx::shape_error or mpx::invalid_argument, naming the
 //! operand): values or scales not as their layouts say, rowwise or 1x32 blocks with other
@@ -247,9 +255,7 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
     float const* af = detail::host_dequantize_blocks<0>(a);
     float const* bf = detail::host_dequantize_blocks<1>(b);
-    // NVFP4: the tensors' decode factors join alpha, as cuBLASLt's alpha carries them.
-    float const scaled_alpha = a.tensor_scale.empty() ? alpha : alpha * (a.tensor_scale.data()[1] * b.tensor_scale.data()[1]);
-    detail::host_gemm<float>(d, false, true, scaled_alpha, af, bf, beta, cv.data());
+    detail::host_gemm<float>(d, false, true, alpha, af, bf, beta, cv.data());
   } else {
 #if MPX_HAS_CUDA
     detail::check_fp8_gemm_device(d, o, a.values.data(), b.values.data(), cv.data(), loc);

@@ -103,19 +103,18 @@ MPX_HD inline void hadamard16(float (&v)[16], std::uint32_t signs) noexcept {
 }
 
 //! The 16 values of row o from K index k0 (zeros past k), transformed when asked; the
-//! count of NaN and inf among them before the transform.
+//! count of NaN and inf among them (after the transform: one NaN spreads over its
+//! block, and sums of huge finite values can overflow).
 template <class In>
 struct nvfp4_block_reader {
   block_operand_reader<In> read;
   bool hadamard;
   std::uint32_t signs;
   MPX_HD unsigned operator()(std::size_t o, std::size_t k0, float (&v)[16]) const noexcept {
-    unsigned nonfinite = 0;
-    for (std::size_t j = 0; j < 16; ++j) {
-      v[j] = k0 + j < read.k ? read(o, k0 + j) : 0.0f;
-      nonfinite += is_finite(v[j]) ? 0u : 1u;
-    }
+    for (std::size_t j = 0; j < 16; ++j) v[j] = k0 + j < read.k ? read(o, k0 + j) : 0.0f;
     if (hadamard) hadamard16(v, signs);
+    unsigned nonfinite = 0;
+    for (float x : v) nonfinite += is_finite(x) ? 0u : 1u;
     return nonfinite;
   }
 };
@@ -265,8 +264,8 @@ struct nvfp4_quantize_items {
 //! at fp8_block_amax_floor; S = 2688 / amax. A block's scale is e4m3(amax_b / 6 * S)
 //! rounded to nearest even, at least nvfp4_block_scale_floor; its values x * S / d
 //! rounded to e2m1 (nearest even, or stochastically), saturating at 6. A block holding
-//! a NaN or inf gets the NaN scale and adds its non-finite values to *nonfinite_count
-//! (when not null). Asynchronous on a cuda_executor. Shapes that do not fit are
+//! a NaN or inf (after the transform, which spreads one over its 16 values) gets the
+//! NaN scale and adds its non-finite values to *nonfinite_count (when not null). Asynchronous on a cuda_executor. Shapes that do not fit are
 //! mpx::shape_error, naming the tensor; overlapping outputs an mpx::invalid_argument.
 template <executor Exec, tensor_like X, tensor_like Values, tensor_like Scales, tensor_like TensorScale>
 void quantize_nvfp4(Exec const& exec, X&& x, bool k_contiguous, nvfp4_quantize_options const& options,

@@ -63,7 +63,7 @@ inline std::vector<double> hadamard_by_matrix(std::vector<float> const& x, std::
 //! (each 16 along K by the kernel's float butterflies, mpx::detail::hadamard16, whose
 //! sums can round: the reference must round them alike; hadamard_by_matrix checks them),
 //! then S = 2688 / max(amax, 2^-110), a block's d = e4m3(amax_b / 6 * S) (at least
-//! 2^-9; NaN if the block's inputs hold a NaN or inf), its values' codes nearest to the
+//! 2^-9; NaN if the block holds a NaN or inf after the transform), its values' codes nearest to the
 //! float x * (S / d). Blocks are 1x16, or 16x16 with `square`.
 inline expected_nvfp4 reference_nvfp4(std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
                                       bool k_contiguous, bool square, bool hadamard, std::uint32_t signs) {
@@ -80,15 +80,15 @@ inline expected_nvfp4 reference_nvfp4(std::vector<float> const& x, std::int64_t 
   for (std::int64_t o = 0; o < outer; ++o)
     for (std::int64_t k0 = 0; k0 < kp; k0 += 16) {
       float block[16];
+      for (std::int64_t i = 0; i < 16; ++i) block[i] = at(o, k0 + i);
+      if (hadamard) mpx::detail::hadamard16(block, signs);
       for (std::int64_t i = 0; i < 16; ++i) {
-        block[i] = at(o, k0 + i);
-        if (!std::isfinite(block[i])) {
+        e.operand[static_cast<std::size_t>(o * kp + k0 + i)] = block[i];
+        if (!std::isfinite(block[i])) {  // counted as quantized: after the transform
           ++e.nonfinite;
           bad_block[static_cast<std::size_t>(o * (kp / 16) + k0 / 16)] = true;
         }
       }
-      if (hadamard) mpx::detail::hadamard16(block, signs);
-      for (std::int64_t i = 0; i < 16; ++i) e.operand[static_cast<std::size_t>(o * kp + k0 + i)] = block[i];
     }
   for (float v : e.operand)
     if (std::isfinite(v)) e.amax = std::max(e.amax, std::fabs(v));
