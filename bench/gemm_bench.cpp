@@ -231,6 +231,38 @@ void run_all(Exec const& exec, options const& opt) {
   // scale layout may be read otherwise than mpx writes it) prints its error and the run
   // goes on, so one GPU run still measures the rest; the program then exits non-zero.
   std::size_t block_failures = 0;
+  // Spot-checks a block row's product against float64 of the bfloat16 data (within
+  // `tolerance` of the sum of the terms' magnitudes) and prints its rate.
+  auto report_block_row = [&](shape_case const& c, char const* label, std::vector<mpx::bfloat16> const& ha,
+                              std::vector<mpx::bfloat16> const& hb, auto const& out, double s, double tolerance) {
+    auto host_out = mpx::to_host(exec, out);
+    std::vector<mpx::bfloat16> const got(host_out.begin(), host_out.end());
+    std::uint64_t seed = 777;
+    for (int t = 0; t < 64; ++t) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      auto const i = static_cast<std::int64_t>((seed >> 30) % static_cast<std::uint64_t>(c.m));
+      auto const j = static_cast<std::int64_t>((seed >> 4) % static_cast<std::uint64_t>(c.n));
+      double exact = 0, scale = 0;
+      for (std::int64_t k = 0; k < c.k; ++k) {
+        double const p = mpx::detail::to_double(ha[static_cast<std::size_t>(i * c.k + k)]) *
+                         mpx::detail::to_double(hb[static_cast<std::size_t>(k * c.n + j)]);
+        exact += p;
+        scale += std::abs(p);
+      }
+      double const g = mpx::detail::to_double(got[static_cast<std::size_t>(i * c.n + j)]);
+      if (!(std::abs(g - exact) <= tolerance * scale + 1e-30))
+        throw mpx::error(std::string("mpx::fp8_block_gemm ") + label + " " + c.name + ": C[" + std::to_string(i) +
+                         "][" + std::to_string(j) + "] = " + std::to_string(g) + ", float64 says " +
+                         std::to_string(exact));
+    }
+    double const flops = 2.0 * static_cast<double>(c.m) * static_cast<double>(c.n * c.k);
+    double const rate = flops / s / (gpu ? 1e12 : 1e9);
+    std::string const dims = "1x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
+    std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f %10s %7.2fx  (of the bfloat16 row; quantize included)\n",
+                std::string(Exec::name).c_str(), c.name.c_str(), label, dims.c_str(), s * 1e6, rate, "",
+                bfloat16_rate > 0 ? rate / bfloat16_rate : 0.0);
+    std::fflush(stdout);
+  };
   auto block_row_once = [&](shape_case const& c, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind,
                             char const* label, auto mx) {
     if (c.batch != 1 || c.n % mpx::fp8_gemm_multiple != 0) return;
@@ -263,36 +295,45 @@ void run_all(Exec const& exec, options const& opt) {
                               mpx::fp8_block_operand<F, space, S>{mpx::view(bq), mpx::view(bs), lb}, out);
         },
         inner);
-    auto host_out = mpx::to_host(exec, out);
-    std::vector<mpx::bfloat16> const got(host_out.begin(), host_out.end());
-    std::uint64_t seed = 777;
-    for (int t = 0; t < 64; ++t) {
-      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-      auto const i = static_cast<std::int64_t>((seed >> 30) % static_cast<std::uint64_t>(c.m));
-      auto const j = static_cast<std::int64_t>((seed >> 4) % static_cast<std::uint64_t>(c.n));
-      double exact = 0, scale = 0;
-      for (std::int64_t k = 0; k < c.k; ++k) {
-        double const p = mpx::detail::to_double(ha[static_cast<std::size_t>(i * c.k + k)]) *
-                         mpx::detail::to_double(hb[static_cast<std::size_t>(k * c.n + j)]);
-        exact += p;
-        scale += std::abs(p);
-      }
-      double const g = mpx::detail::to_double(got[static_cast<std::size_t>(i * c.n + j)]);
-      if (!(std::abs(g - exact) <= 0.14 * scale + 1e-30))
-        throw mpx::error(std::string("mpx::fp8_block_gemm ") + label + " " + c.name + ": C[" + std::to_string(i) +
-                         "][" + std::to_string(j) + "] = " + std::to_string(g) + ", float64 says " +
-                         std::to_string(exact));
-    }
-    double const rate = flops / s / (gpu ? 1e12 : 1e9);
-    std::string const dims = "1x" + std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k);
-    std::printf("%-6s %-28s %-9s %22s %10.1f %10.2f %10s %7.2fx  (of the bfloat16 row; quantize included)\n",
-                std::string(Exec::name).c_str(), c.name.c_str(), label, dims.c_str(), s * 1e6, rate, "",
-                bfloat16_rate > 0 ? rate / bfloat16_rate : 0.0);
-    std::fflush(stdout);
+    report_block_row(c, label, ha, hb, out, s, 0.14);
+  };
+  // NVFP4 on the same operands: both through quantize_nvfp4 (B as a weight, in 16x16
+  // blocks) and multiplied. e2m1 keeps 2 significant bits: the check allows half of
+  // the terms' magnitudes (a decode factor or a scale applied wrongly is off by more
+  // than that on these shapes' sums).
+  auto nvfp4_row_once = [&](shape_case const& c) {
+    if (c.batch != 1 || c.n % mpx::fp8_gemm_multiple != 0) return;
+    using space = mpx::memory_space_t<Exec>;
+    auto const ha = random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.m * c.k), 1);
+    auto const hb = random_operand<mpx::bfloat16>(static_cast<std::size_t>(c.k * c.n), 2);
+    auto a = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.k});
+    auto b = mpx::make_tensor<mpx::bfloat16>(exec, {c.k, c.n});
+    mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(ha.data(), a.shape()), a);
+    mpx::copy(exec, mpx::tensor_view<mpx::bfloat16 const>(hb.data(), b.shape()), b);
+    mpx::fp8_block_scale_layout const la{mpx::fp8_block_kind::vec16, c.m, c.k}, lb{mpx::fp8_block_kind::vec16, c.n, c.k};
+    auto aq = mpx::make_tensor<mpx::float4_e2m1x2>(exec, {c.m, la.padded_k() / 2});
+    auto bq = mpx::make_tensor<mpx::float4_e2m1x2>(exec, {c.n, lb.padded_k() / 2});
+    auto as = mpx::make_tensor<mpx::float8_e4m3>(exec, {la.count()});
+    auto bs = mpx::make_tensor<mpx::float8_e4m3>(exec, {lb.count()});
+    auto at = mpx::make_tensor<float>(exec, {mpx::nvfp4_tensor_scale_slots});
+    auto bt = mpx::make_tensor<float>(exec, {mpx::nvfp4_tensor_scale_slots});
+    auto out = mpx::make_tensor<mpx::bfloat16>(exec, {c.m, c.n});
+    double const flops = 2.0 * static_cast<double>(c.m) * static_cast<double>(c.n * c.k);
+    int const inner = gpu ? static_cast<int>(std::clamp(2e10 / flops, 1.0, 1000.0)) : 1;
+    double const s = mpx_bench::median_seconds(
+        exec, opt.repeat,
+        [&] {
+          mpx::quantize_nvfp4(exec, a, true, {}, aq, as, at);
+          mpx::quantize_nvfp4(exec, b, false, {.square_blocks = true}, bq, bs, bt);
+          mpx::fp8_block_gemm(exec, mpx::nvfp4_operand<space>{mpx::view(aq), mpx::view(as), la, mpx::view(at)},
+                              mpx::nvfp4_operand<space>{mpx::view(bq), mpx::view(bs), lb, mpx::view(bt)}, out);
+        },
+        inner);
+    report_block_row(c, "e2m1 nv", ha, hb, out, s, 0.5);
   };
   auto block_row = [&](shape_case const& c, mpx::fp8_block_kind a_kind, mpx::fp8_block_kind b_kind,
                        char const* label) {
-    bool const mx = a_kind == mpx::fp8_block_kind::vec32;
+    bool const mx = a_kind == mpx::fp8_block_kind::vec32 || a_kind == mpx::fp8_block_kind::vec16;
     int const major = device_generation(exec);
     if (gpu && (mx ? major < 10 : major != 9)) {  // cuBLASLt has these scale modes on one generation
       std::printf("%-6s %-28s %-9s skipped: cuBLASLt runs it on %s, this device is sm_%dx\n",
@@ -301,7 +342,8 @@ void run_all(Exec const& exec, options const& opt) {
       return;
     }
     try {
-      if (mx) block_row_once(c, a_kind, b_kind, label, std::true_type{});
+      if (a_kind == mpx::fp8_block_kind::vec16) nvfp4_row_once(c);
+      else if (mx) block_row_once(c, a_kind, b_kind, label, std::true_type{});
       else block_row_once(c, a_kind, b_kind, label, std::false_type{});
     } catch (mpx::error const& e) {
       ++block_failures;
@@ -357,6 +399,7 @@ void run_all(Exec const& exec, options const& opt) {
     block_row(c, mpx::fp8_block_kind::vec128, mpx::fp8_block_kind::tile128, "e4m3 blk");
     block_row(c, mpx::fp8_block_kind::row, mpx::fp8_block_kind::row, "e4m3 row");
     block_row(c, mpx::fp8_block_kind::vec32, mpx::fp8_block_kind::vec32, "e4m3 mx");
+    block_row(c, mpx::fp8_block_kind::vec16, mpx::fp8_block_kind::vec16, "e2m1 nv");
   }
 #if MPX_HAS_CUDA
   if constexpr (gpu) check(cublasDestroy(handle), "cublasDestroy");

@@ -20,7 +20,9 @@ import os
 import sys
 
 COLUMNS = ("epoch", "step", "loss", "loss_scale", "skipped", "gradient_norm", "accuracy", "seconds")
-POLICIES = ("mixed_bfloat16", "mixed_float16", "float32")  # longest first: a name may contain another
+# Every preset, longest first: a name may contain another (mixed_fp8 in mixed_fp8_block).
+POLICIES = ("mixed_fp8_rowwise", "mixed_fp8_current", "mixed_bfloat16", "mixed_fp8_block", "mixed_float16",
+            "mixed_mxfp8", "mixed_nvfp4", "mixed_fp8", "bfloat16", "float32")
 
 
 class LogError(Exception):

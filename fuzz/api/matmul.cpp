@@ -649,7 +649,7 @@ void nvfp4_case(draw& d, std::int64_t m, std::int64_t k, std::int64_t n) {
   auto const want_a = mpx_test::reference::reference_nvfp4(widened, xa[0], xa[1], a_k_contiguous, options.square_blocks,
                                                            options.hadamard, signs);
   auto const want_b = mpx_test::reference::reference_nvfp4(widened_w, xb[0], xb[1], b_k_contiguous,
-                                                           options.square_blocks, options.hadamard, signs);
+                                                           options.square_blocks, options.hadamard, signs, stochastic);
   auto const bytes = [](std::vector<E> const& v) {
     std::vector<std::uint8_t> out;
     for (E s : v) out.push_back(mpx::bits(s));

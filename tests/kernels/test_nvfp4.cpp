@@ -155,7 +155,7 @@ TEMPLATE_LIST_TEST_CASE("quantize_nvfp4: 16x16 blocks give a weight the same val
                         mpx_test::executors) {
   using namespace nvfp4_cases;
   TestType exec;
-  std::int64_t const rows = 48, cols = 80;  // K padded to 96 and to 64: the codes' rows are longer
+  std::int64_t const rows = 50, cols = 70;  // partial 16x16 tiles on both edges; K padded to 96 and 64
   auto const data = nvfp4_data(static_cast<std::size_t>(rows * cols), 11);
   mpx::nvfp4_quantize_options const options{.square_blocks = true};
   auto const as_is = run_quantize<float>(exec, data, rows, cols, true, options);
@@ -188,49 +188,98 @@ TEMPLATE_LIST_TEST_CASE("quantize_nvfp4 rounds stochastically to a neighbour, un
   TestType exec;
   std::int64_t const rows = 8, cols = 48;
   auto const data = nvfp4_data(static_cast<std::size_t>(rows * cols), 21);
-  auto const want = reference_nvfp4(data, rows, cols, true, false, false, 0);
+  // Under stochastic rounding each block's scale is the e4m3 at or above amax / 6 * S,
+  // so no value saturates and the average is the scaled value itself.
+  auto const want = reference_nvfp4(data, rows, cols, true, false, false, 0, true);
   mpx::fp8_block_scale_layout const layout{mpx::fp8_block_kind::vec16, rows, cols};
   std::int64_t const kp = layout.padded_k();
+  std::vector<double> scaled(want.codes.size()), lower(want.codes.size()), upper(want.codes.size());
+  for (std::size_t i = 0; i < scaled.size(); ++i) {
+    auto const o = static_cast<std::int64_t>(i) / kp, kk = static_cast<std::int64_t>(i) % kp;
+    float const d = mpx::cast<float>(mpx::detail::from_bits<mpx::float8_e4m3>(
+        want.scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]));
+    scaled[i] = static_cast<double>(want.operand[i] * (mpx::detail::nvfp4_tensor_encode(want.amax) / d));  // as the kernel
+    REQUIRE(std::fabs(scaled[i]) <= 6.0);  // rounded up: nothing saturates
+    // The two neighbours, by search.
+    double const a = std::fabs(scaled[i]);
+    double lo = 0, hi = 0;
+    for (int c = 0; c < 8; ++c) {
+      double const v = mpx::e2m1_to_float(static_cast<std::uint8_t>(c));
+      if (v <= a) lo = v;
+      if (v >= a && hi == 0 && (v > 0 || a == 0)) hi = v;
+    }
+    lower[i] = std::copysign(lo, scaled[i]);
+    upper[i] = std::copysign(hi, scaled[i]);
+  }
   std::vector<double> sum(want.codes.size(), 0.0);
   constexpr int draws = 400;
   std::vector<std::uint8_t> first;
   for (int d = 0; d < draws; ++d) {
-    auto const draw = mpx_test::upload(exec, std::vector<std::uint64_t>{static_cast<std::uint64_t>(d)});
-    mpx::nvfp4_quantize_options const options{.draw = draw.data(), .seed = 99};
+    auto const draw = mpx_test::upload(exec, std::vector<std::uint64_t>{static_cast<std::uint64_t>(d) << 33});
+    mpx::nvfp4_quantize_options const options{.draw = draw.data(), .seed = 0x1234'5678'9ABCull};
     auto const got = run_quantize<float>(exec, data, rows, cols, true, options);
-    REQUIRE(got.scales == want.scales);  // the scales do not depend on the rounding
+    REQUIRE(got.scales == want.scales);  // the scales do not depend on the draws
     if (d == 0) first = got.codes;
     if (d == 1) CHECK(got.codes != first);
     for (std::size_t i = 0; i < got.codes.size(); ++i) {
-      // Each code is one of the two neighbours of the scaled value.
-      auto const o = static_cast<std::int64_t>(i) / kp, kk = static_cast<std::int64_t>(i) % kp;
-      float const d_scale = mpx::cast<float>(mpx::detail::from_bits<mpx::float8_e4m3>(
-          want.scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]));
-      float const scaled = want.operand[i] * (1.0f / (want.decode * d_scale));
       double const v = mpx::e2m1_to_float(got.codes[i]);
-      double const nearest = mpx::e2m1_to_float(want.codes[i]);
-      if (std::fabs(v - nearest) > 2.0 || (v != nearest && std::fabs(v - scaled) > 2.0)) {
-        CAPTURE(i, scaled, v, nearest);
-        REQUIRE(false);
+      if (v != lower[i] && v != upper[i]) {
+        CAPTURE(i, scaled[i], v, lower[i], upper[i]);
+        REQUIRE(false);  // only the two neighbours
       }
       sum[i] += v;
     }
   }
   // Same counter, same bits.
   auto const again_draw = mpx_test::upload(exec, std::vector<std::uint64_t>{0u});
-  CHECK(run_quantize<float>(exec, data, rows, cols, true, {.draw = again_draw.data(), .seed = 99}).codes == first);
-  // Unbiased: the mean of the draws is the scaled value, within 4 standard errors of a
-  // two-point draw over a gap of at most 2.
+  CHECK(run_quantize<float>(exec, data, rows, cols, true, {.draw = again_draw.data(), .seed = 0x1234'5678'9ABCull})
+            .codes == first);
+  // Unbiased: the mean of the draws is the scaled value, within 4.5 standard errors of
+  // a two-point draw (gap g, probability p: sd g sqrt(p (1 - p))), plus 2^-20 of slack.
   std::size_t far = 0;
   for (std::size_t i = 0; i < sum.size(); ++i) {
-    auto const o = static_cast<std::int64_t>(i) / kp, kk = static_cast<std::int64_t>(i) % kp;
-    float const d_scale = mpx::cast<float>(mpx::detail::from_bits<mpx::float8_e4m3>(
-        want.scales[layout.slot(static_cast<std::size_t>(o), static_cast<std::size_t>(kk))]));
-    double const scaled = std::min(6.0, std::max(-6.0, static_cast<double>(want.operand[i]) /
-                                                           (static_cast<double>(want.decode) * d_scale)));
-    if (std::fabs(sum[i] / draws - scaled) > 4.0 * 1.0 / std::sqrt(static_cast<double>(draws))) ++far;
+    double const g = std::fabs(upper[i] - lower[i]);
+    double const p = g > 0 ? std::fabs(scaled[i] - lower[i]) / g : 0.0;
+    double const allowed = 4.5 * g * std::sqrt(p * (1 - p) / draws) + 0x1p-20;
+    if (std::fabs(sum[i] / draws - scaled[i]) > allowed) ++far;
   }
   CHECK(far == 0);
+}
+
+TEMPLATE_LIST_TEST_CASE("quantize_nvfp4 lays the block scales in cuBLASLt's 128x4 tiles, as documented",
+                        "[nvfp4]", mpx_test::executors) {
+  using namespace nvfp4_cases;
+  TestType exec;
+  // 300 rows (3 tiles down, the last partial), K = 200: 13 blocks of 16 (the last
+  // partial), padded to 224 values (14 blocks) and the scales to 16 blocks (4 tiles
+  // across). Block (o, kb) holds 2^-j, j = (o % 7 + kb) % 10, and smaller values, the
+  // tensor's amax 1: its scale is e4m3(448 * 2^-j), exact.
+  std::int64_t const outer = 300, k = 200, blocks = 13;
+  auto const j_of = [](std::int64_t o, std::int64_t kb) { return static_cast<int>((o % 7 + kb) % 10); };
+  for (bool k_contiguous : {true, false}) {
+    CAPTURE(k_contiguous);
+    std::vector<float> x(static_cast<std::size_t>(outer * k));
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t kk = 0; kk < k; ++kk)
+        x[static_cast<std::size_t>(k_contiguous ? o * k + kk : kk * outer + o)] =
+            std::ldexp(kk % 16 == 3 ? 1.0f : 0.75f, -j_of(o, kk / 16));
+    x[0] = 1.0f;  // block (0, 0) has j = 0 anyway: the tensor's amax is 1
+    auto const q = run_quantize<float>(exec, x, k_contiguous ? outer : k, k_contiguous ? k : outer, k_contiguous, {});
+    mpx::fp8_block_scale_layout const layout{mpx::fp8_block_kind::vec16, outer, k};
+    REQUIRE(layout.count() == 384 * 16);
+    std::size_t mismatches = 0;
+    for (std::int64_t r = 0; r < 384; ++r)
+      for (std::int64_t c = 0; c < 16; ++c) {
+        std::uint8_t const want =
+            r < outer && c < blocks ? mpx::bits(mpx::cast<mpx::float8_e4m3>(std::ldexp(448.0f, -j_of(r, c)))) : 0x01;
+        std::int64_t const tile = (r / 128) * 4 + c / 4, rr = r % 128;
+        std::int64_t const at = tile * 512 + (rr % 32) * 16 + (rr / 32) * 4 + c % 4;
+        if (q.scales[static_cast<std::size_t>(at)] != want && mismatches++ == 0)
+          FAIL_CHECK("row " << r << " block " << c << ": byte " << int(q.scales[static_cast<std::size_t>(at)])
+                            << ", expected " << int(want));
+      }
+    CHECK(mismatches == 0);
+  }
 }
 
 TEMPLATE_LIST_TEST_CASE("quantize_nvfp4: zero and subnormal blocks get finite scales, NaN and inf blocks a NaN scale, "
@@ -289,11 +338,13 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm on NVFP4 operands is the float product o
       auto bt = mpx_test::poisoned<float>(exec, mpx::shape{2});
       mpx::quantize_nvfp4(exec, a_x, true, options, av, as, at);
       mpx::quantize_nvfp4(exec, b_x, false, options, bv, bs, bt);
-      auto c = mpx_test::poisoned<float>(exec, mpx::shape{m, n});
-      float const alpha = 0.75f;
+      auto const c0 = mpx_test::random_values<float>(static_cast<std::size_t>(m * n), -1, 1, 33);
+      auto c = mpx_test::upload(exec, c0, mpx::shape{m, n});
+      float const alpha = 0.75f, beta = hadamard ? 0.5f : 0.0f;  // beta: the GPU reads it from device memory
       mpx::fp8_block_gemm(exec, mpx::nvfp4_operand<mpx::memory_space_t<TestType>>{av, as, la, at},
-                          mpx::nvfp4_operand<mpx::memory_space_t<TestType>>{bv, bs, lb, bt}, c, alpha);
-      auto const got = mpx_test::download(exec, c);
+                          mpx::nvfp4_operand<mpx::memory_space_t<TestType>>{bv, bs, lb, bt}, c, alpha, beta);
+      auto got = mpx_test::download(exec, c);
+      for (std::size_t i = 0; i < got.size(); ++i) got[i] -= beta * c0[i];  // exact: c0 * 0.5
       auto const qa = reference_nvfp4(ad, m, k, true, false, hadamard, mpx::detail::nvfp4_hadamard_signs(options.hadamard_seed));
       auto const qb = reference_nvfp4(bd, k, n, false, false, hadamard, mpx::detail::nvfp4_hadamard_signs(options.hadamard_seed));
       auto const da = mpx_test::reference::dequantised_nvfp4(qa.codes, qa.scales, 1.0f, la);
@@ -324,6 +375,34 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm on NVFP4 operands is the float product o
       CHECK(worst <= 1.0);
       // And what 4 bits buy: the product of the original data within about 15%.
       CHECK(std::sqrt(err_sq / ref_sq) < 0.15);
+    }
+  // A NaN in A's row 1 marks its block with the NaN scale (e2m1 has no NaN): row 1 of C
+  // is NaN and nothing else is, on the GPU as on the host.
+  std::int64_t const m = 4, n = 16, k = 40;
+  auto ad = nvfp4_data(static_cast<std::size_t>(m * k), 41);
+  ad[static_cast<std::size_t>(k + 20)] = std::numeric_limits<float>::quiet_NaN();
+  auto const bd = mpx_test::random_values<float>(static_cast<std::size_t>(n * k), -2, 2, 42);
+  mpx::fp8_block_scale_layout const la{mpx::fp8_block_kind::vec16, m, k}, lb{mpx::fp8_block_kind::vec16, n, k};
+  auto const a_x = mpx_test::upload(exec, ad, mpx::shape{m, k});
+  auto const b_x = mpx_test::upload(exec, bd, mpx::shape{n, k});
+  auto av = mpx::make_tensor<mpx::float4_e2m1x2>(exec, mpx::shape{m, la.padded_k() / 2});
+  auto as = mpx::make_tensor<mpx::float8_e4m3>(exec, mpx::shape{la.count()});
+  auto at = mpx::make_tensor<float>(exec, mpx::shape{2});
+  auto bv = mpx::make_tensor<mpx::float4_e2m1x2>(exec, mpx::shape{n, lb.padded_k() / 2});
+  auto bs = mpx::make_tensor<mpx::float8_e4m3>(exec, mpx::shape{lb.count()});
+  auto bt = mpx::make_tensor<float>(exec, mpx::shape{2});
+  auto count = mpx_test::upload(exec, std::vector<unsigned>{0u});
+  mpx::quantize_nvfp4(exec, a_x, true, {}, av, as, at, count.data());
+  mpx::quantize_nvfp4(exec, b_x, true, {}, bv, bs, bt);
+  auto c = mpx_test::poisoned<mpx::bfloat16>(exec, mpx::shape{m, n});
+  mpx::fp8_block_gemm(exec, mpx::nvfp4_operand<mpx::memory_space_t<TestType>>{av, as, la, at},
+                      mpx::nvfp4_operand<mpx::memory_space_t<TestType>>{bv, bs, lb, bt}, c);
+  auto const got = mpx_test::download(exec, c);
+  CHECK(mpx_test::download(exec, count)[0] == 1u);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      CAPTURE(i, j);
+      CHECK(mpx::is_nan(got[static_cast<std::size_t>(i * n + j)]) == (i == 1));
     }
 }
 

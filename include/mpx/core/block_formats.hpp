@@ -77,9 +77,9 @@ MPX_HD constexpr std::uint8_t e2m1_round(float x) noexcept {
 
 //! x rounded to e2m1 stochastically: to the neighbour further from zero with
 //! probability equal to its distance to the nearer-to-zero neighbour over the gap, so
-//! that the rounding is unbiased on average; `random` is 32 uniform bits (the top 24
-//! decide, as in detail::stochastic_round). |x| of 6 and beyond (inf included) becomes
-//! ±6; NaN +6.
+//! that the rounding is unbiased on average; `random` is 32 uniform bits, of which the
+//! top 24 make u = (k + 1/2) / 2^24, centred in its step so that the probability is p
+//! to within 2^-25 either way. |x| of 6 and beyond (inf included) becomes ±6; NaN +6.
 MPX_HD constexpr std::uint8_t e2m1_stochastic_round(float x, std::uint32_t random) noexcept {
   if (!(x == x)) return 7u;
   std::uint8_t const sign = x < 0.0f || (x == 0.0f && detail::bit_cast<std::uint32_t>(x) != 0u) ? 8u : 0u;
@@ -88,7 +88,7 @@ MPX_HD constexpr std::uint8_t e2m1_stochastic_round(float x, std::uint32_t rando
   std::uint8_t const low = a < 0.5f ? 0u : a < 1.0f ? 1u : a < 1.5f ? 2u : a < 2.0f ? 3u : a < 3.0f ? 4u : a < 4.0f ? 5u : 6u;
   float const lo = e2m1_to_float(low), hi = e2m1_to_float(static_cast<std::uint8_t>(low + 1u));
   float const p_up = (a - lo) / (hi - lo);  // exact: the gaps are powers of two
-  float const u = static_cast<float>(random >> 8) * 0x1p-24f;
+  float const u = (static_cast<float>(random >> 8) + 0.5f) * 0x1p-24f;  // exact: 25 bits
   return static_cast<std::uint8_t>(sign | (u < p_up ? low + 1u : low));
 }
 

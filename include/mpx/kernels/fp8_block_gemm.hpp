@@ -110,6 +110,11 @@ void check_fp8_block_gemm(fp8_block_operand<FA, Space, SA> const& a, fp8_block_o
                                               x.tensor_scale.shape().to_string() +
                                               " but an NVFP4 operand carries [2] (quantize_nvfp4's tensor_scale)",
                         loc);
+    if (!fp4 && !x.tensor_scale.empty())
+      fail<invalid_argument>("fp8_block_gemm", std::string(name) +
+                                                   " is an fp8 operand with a tensor scale, which only NVFP4 "
+                                                   "operands carry: leave it empty",
+                             loc);
     shape const want{x.layout.outer, x.layout.padded_k() / (fp4 ? 2 : 1)};
     if (x.values.shape() != want)
       fail<shape_error>("fp8_block_gemm", std::string(name) + "'s values have shape " + x.values.shape().to_string() +
@@ -227,7 +232,8 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
 //! host. The GPU sums each 128-long run of K on its tensor cores and promotes to float
 //! between runs; for NVFP4 its alpha carries both decode factors, amax(A) amax(B) / 2688^2,
 //! which overflows a float (inf or NaN in C) when the two tensors' largest magnitudes
-//! multiply past about 2.4e45.
+//! multiply past about 2.4e45, and loses precision (0 below about 2^-126 * 2688^2) when
+//! they multiply below about 2^-103; the host is exact in both cases.
 //!
 //! Refused before anything runs (mpx::shape_error or mpx::invalid_argument, naming the
 //! operand): values or scales not as their layouts say, rowwise or 1x32 blocks with other

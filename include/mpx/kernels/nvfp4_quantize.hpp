@@ -70,13 +70,18 @@ MPX_HD inline float nvfp4_tensor_encode(float finite_amax) noexcept {
 }
 
 //! A block's e4m3 scale d = e4m3(amax / 6 * S) (at least the floor), and the factor
-//! S / d its values are multiplied by before rounding (at most FLT_MAX).
+//! S / d its values are multiplied by before rounding (at most FLT_MAX). Rounded to
+//! nearest, d can be up to 1/16 below amax / 6 * S, and the block's largest value then
+//! saturates at 6 (NVIDIA's recipe); `round_up` (under stochastic rounding, whose
+//! average must not be clipped) takes the e4m3 at or above instead.
 struct nvfp4_block_scale {
   float8_e4m3 stored;
   float encode;
 };
-MPX_HD inline nvfp4_block_scale nvfp4_scale_of_block(float finite_amax, float tensor_encode) noexcept {
-  float8_e4m3 d = saturate_cast<float8_e4m3>(finite_amax / e2m1_max * tensor_encode);
+MPX_HD inline nvfp4_block_scale nvfp4_scale_of_block(float finite_amax, float tensor_encode, bool round_up) noexcept {
+  float const wanted = finite_amax / e2m1_max * tensor_encode;  // at most 448
+  float8_e4m3 d = saturate_cast<float8_e4m3>(wanted);
+  if (round_up && cast<float>(d) < wanted) d = from_bits<float8_e4m3>(static_cast<std::uint8_t>(bits(d) + 1u));
   if (bits(d) == 0) d = from_bits<float8_e4m3>(std::uint8_t{1});  // 2^-9
   float const e = tensor_encode / cast<float>(d);
   return {d, is_finite(e) ? e : dtype_traits<float>::max()};
@@ -217,7 +222,8 @@ struct nvfp4_quantize_items {
         m = b > m ? b : m;
       }
     }
-    nvfp4_block_scale const s = nvfp4_scale_of_block(bit_cast<float>(m), nvfp4_tensor_encode(tensor_scale[0]));
+    nvfp4_block_scale const s =
+        nvfp4_scale_of_block(bit_cast<float>(m), nvfp4_tensor_encode(tensor_scale[0]), draw != nullptr);
     std::size_t const pitch = static_cast<std::size_t>(items.layout.padded_k()) / 2;
     for (std::size_t o = r.first; o < r.end; ++o) {
       block(o, k0, v);
@@ -262,8 +268,9 @@ struct nvfp4_quantize_items {
 //!
 //! The tensor's amax is its largest finite |x| (after the transform, if asked), floored
 //! at fp8_block_amax_floor; S = 2688 / amax. A block's scale is e4m3(amax_b / 6 * S)
-//! rounded to nearest even, at least nvfp4_block_scale_floor; its values x * S / d
-//! rounded to e2m1 (nearest even, or stochastically), saturating at 6. A block holding
+//! rounded to nearest even (up, under stochastic rounding, so that no value saturates
+//! and the rounding stays unbiased), at least nvfp4_block_scale_floor; its values
+//! x * S / d rounded to e2m1 (nearest even, or stochastically), saturating at 6. A block holding
 //! a NaN or inf (after the transform, which spreads one over its 16 values) gets the
 //! NaN scale and adds its non-finite values to *nonfinite_count (when not null). Asynchronous on a cuda_executor. Shapes that do not fit are
 //! mpx::shape_error, naming the tensor; overlapping outputs an mpx::invalid_argument.

@@ -63,10 +63,12 @@ inline std::vector<double> hadamard_by_matrix(std::vector<float> const& x, std::
 //! (each 16 along K by the kernel's float butterflies, mpx::detail::hadamard16, whose
 //! sums can round: the reference must round them alike; hadamard_by_matrix checks them),
 //! then S = 2688 / max(amax, 2^-110), a block's d = e4m3(amax_b / 6 * S) (at least
-//! 2^-9; NaN if the block holds a NaN or inf after the transform), its values' codes nearest to the
+//! 2^-9; the e4m3 at or above under stochastic rounding, whose codes the reference
+//! does not draw; NaN if the block holds a NaN or inf after the transform), its values' codes nearest to the
 //! float x * (S / d). Blocks are 1x16, or 16x16 with `square`.
 inline expected_nvfp4 reference_nvfp4(std::vector<float> const& x, std::int64_t rows, std::int64_t cols,
-                                      bool k_contiguous, bool square, bool hadamard, std::uint32_t signs) {
+                                      bool k_contiguous, bool square, bool hadamard, std::uint32_t signs,
+                                      bool stochastic = false) {
   mpx::fp8_block_scale_layout const layout{mpx::fp8_block_kind::vec16, k_contiguous ? rows : cols,
                                            k_contiguous ? cols : rows};
   std::int64_t const kp = layout.padded_k(), outer = layout.outer;
@@ -111,6 +113,15 @@ inline expected_nvfp4 reference_nvfp4(std::vector<float> const& x, std::int64_t 
       }
       float const wanted = amax_b / 6.0f * s_enc;
       auto d = mpx::saturate_cast<mpx::float8_e4m3>(wanted);
+      if (stochastic) {  // the e4m3 at or above: the smallest whose value is not below
+        for (int b = 0; b < 0x7F; ++b) {
+          auto const c = mpx::detail::from_bits<mpx::float8_e4m3>(static_cast<std::uint8_t>(b));
+          if (mpx::cast<float>(c) >= wanted) {
+            d = c;
+            break;
+          }
+        }
+      }
       if (mpx::bits(d) == 0) d = mpx::detail::from_bits<mpx::float8_e4m3>(std::uint8_t{1});
       float encode = s_enc / mpx::cast<float>(d);
       if (!std::isfinite(encode)) encode = std::numeric_limits<float>::max();
