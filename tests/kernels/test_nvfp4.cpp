@@ -230,6 +230,19 @@ TEMPLATE_LIST_TEST_CASE("quantize_nvfp4 rounds stochastically to a neighbour, un
       sum[i] += v;
     }
   }
+  // The tensor's largest block asks for amax / 6 * S, which float rounding can put a few
+  // ulps above 448: rounded up, its scale stays 448 (0x7E), never 0x7F (NaN).
+  float above = 0;
+  for (float a = 1.0f; above == 0 && a < 2.0f; a = std::nextafter(a, 2.0f))
+    if (a / 6.0f * mpx::detail::nvfp4_tensor_encode(a) > 448.0f) above = a;
+  REQUIRE(above > 0);
+  std::vector<float> peak(32, 0.25f);
+  peak[3] = above;
+  auto const peak_draw = mpx_test::upload(exec, std::vector<std::uint64_t>{1u});
+  auto const q = run_quantize<float>(exec, peak, 1, 32, true, {.draw = peak_draw.data(), .seed = 3});
+  mpx::fp8_block_scale_layout const one_row{mpx::fp8_block_kind::vec16, 1, 32};
+  CHECK(q.scales[one_row.slot(0, 0)] == 0x7Eu);
+  CHECK(q.codes[3] == 7u);  // 6, saturated by a few ulps
   // Same counter, same bits.
   auto const again_draw = mpx_test::upload(exec, std::vector<std::uint64_t>{0u});
   CHECK(run_quantize<float>(exec, data, rows, cols, true, {.draw = again_draw.data(), .seed = 0x1234'5678'9ABCull})

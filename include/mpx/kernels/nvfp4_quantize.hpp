@@ -79,9 +79,12 @@ struct nvfp4_block_scale {
   float encode;
 };
 MPX_HD inline nvfp4_block_scale nvfp4_scale_of_block(float finite_amax, float tensor_encode, bool round_up) noexcept {
-  float const wanted = finite_amax / e2m1_max * tensor_encode;  // at most 448
+  // At most 448 but for float rounding (the tensor's own largest block can come out a
+  // few ulps above): 448 stays 448, never the next code, 0x7F, which is NaN.
+  float const wanted = finite_amax / e2m1_max * tensor_encode;
   float8_e4m3 d = saturate_cast<float8_e4m3>(wanted);
-  if (round_up && cast<float>(d) < wanted) d = from_bits<float8_e4m3>(static_cast<std::uint8_t>(bits(d) + 1u));
+  if (round_up && cast<float>(d) < wanted && bits(d) < 0x7Eu)
+    d = from_bits<float8_e4m3>(static_cast<std::uint8_t>(bits(d) + 1u));
   if (bits(d) == 0) d = from_bits<float8_e4m3>(std::uint8_t{1});  // 2^-9
   float const e = tensor_encode / cast<float>(d);
   return {d, is_finite(e) ? e : dtype_traits<float>::max()};
