@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   float result = 0;
   try {
     result = mpx::with_policy(name, [](auto p) {
-      using P = typename decltype(p)::type;  // one of the nine presets
+      using P = typename decltype(p)::type;  // one of the ten presets
       std::printf("running under %s: storage %s, params %s\n", std::string(P::name).c_str(),
                   std::string(mpx::dtype_name<typename P::storage_type>).c_str(),
                   std::string(mpx::dtype_name<typename P::param_type>).c_str());
