@@ -10,6 +10,7 @@
 // cuda_fp4.h's conversion; stochastic rounding's probabilities exactly, on a grid of
 // random words.
 #include "../support/reference/fp8_blocks.hpp"
+#include "../support/reference/nvfp4.hpp"
 #include "../support/testing.hpp"
 
 #include <cuda_fp4.h>
@@ -94,20 +95,6 @@ TEST_CASE("the MX block exponent is the smallest power of two that brings amax w
 
 namespace e2m1_cases {
 
-//! The e2m1 code nearest x by search in double, ties to the even code (mantissa bit 0),
-//! saturating at 6: independent of the thresholds mpx uses.
-std::uint8_t nearest_e2m1(double x) {
-  double const a = std::fabs(x);
-  int best = 0;
-  for (int c = 1; c < 8; ++c) {
-    double const d = std::fabs(a - mpx::e2m1_to_float(static_cast<std::uint8_t>(c)));
-    double const db = std::fabs(a - mpx::e2m1_to_float(static_cast<std::uint8_t>(best)));
-    if (d < db || (d == db && c % 2 == 0)) best = c;
-  }
-  if (a >= 6.0) best = 7;
-  return static_cast<std::uint8_t>((std::signbit(x) ? 8 : 0) | best);
-}
-
 std::vector<float> rounding_cases() {
   std::vector<float> out;
   float const grid[] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -161,7 +148,7 @@ TEST_CASE("float -> e2m1 rounds to nearest even and saturates, as a search in do
   std::size_t mismatches = 0;
   for (float x : e2m1_cases::rounding_cases()) {
     std::uint8_t const got = mpx::e2m1_round(x);
-    std::uint8_t const search = e2m1_cases::nearest_e2m1(static_cast<double>(x));
+    std::uint8_t const search = mpx_test::reference::nearest_e2m1_code(static_cast<double>(x));
     std::uint8_t const cuda = __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest);
     if (got != search || got != cuda) {
       if (++mismatches <= 5) {
