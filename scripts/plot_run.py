@@ -6,7 +6,10 @@
 
 One PNG with three panels over the training steps: the loss and the accuracy of each
 step (a faint line for the raw values, a bold one smoothed), and the loss scale on a log
-axis; skipped steps (a NaN or inf gradient) are red marks. One colour per run. A run's
+axis; skipped steps (a NaN or inf gradient) are red marks. One colour per run. A log of a
+run that shadowed its layers (fit_options::shadow_every, fashion_mnist --shadow N) adds a
+fourth panel: each layer's error against its float32 twin over the steps (the worst of
+its output, input-gradient and weight-gradient errors), one colour per layer. A run's
 label is --label, else the CSV's policy column, else a policy named in the file name
 (fashion_mnist --csv run writes run.mixed_float16.csv), else the file name.
 
@@ -20,6 +23,9 @@ import os
 import sys
 
 COLUMNS = ("epoch", "step", "loss", "loss_scale", "skipped", "gradient_norm", "accuracy", "seconds")
+# The shadow's columns: error/<layer>/<what>, filled on the shadow steps only.
+SHADOW_PREFIX = "error/"
+SHADOW_MEASURES = ("output", "input_gradient", "weight_gradient")
 # Every preset, longest first: a name may contain another (mixed_fp8 in mixed_fp8_block).
 POLICIES = ("mixed_fp8_rowwise", "mixed_fp8_current", "mixed_bfloat16", "mixed_fp8_block", "mixed_float16",
             "mixed_mxfp8", "mixed_nvfp4", "mixed_fp8", "bfloat16", "float32")
@@ -44,6 +50,11 @@ def read_log(path):
                                f"(header: {','.join(header)})")
             index = {c: header.index(c) for c in header}
             data = {c: [] for c in COLUMNS}
+            shadow_columns = {}  # layer -> the indices of its error columns
+            for i, c in enumerate(header):
+                if c.startswith(SHADOW_PREFIX) and c.rsplit("/", 1)[-1] in SHADOW_MEASURES:
+                    shadow_columns.setdefault(c[len(SHADOW_PREFIX):c.rindex("/")], []).append(i)
+            data["shadow"] = {layer: [] for layer in shadow_columns}  # layer -> [(step, worst error)]
             policies = set()
             for line, row in enumerate(reader, start=2):
                 if not row:
@@ -58,6 +69,16 @@ def read_log(path):
                         raise LogError(f"{path}:{line}: {c} is not a number: '{text}'") from None
                 if "policy" in index:
                     policies.add(row[index["policy"]].strip())
+                for layer, columns in shadow_columns.items():
+                    cells = [row[i].strip() for i in columns if row[i].strip()]
+                    if not cells:
+                        continue  # not a shadow step, or nothing of this layer was measured
+                    try:
+                        values = [float(t) for t in cells]
+                    except ValueError:
+                        raise LogError(f"{path}:{line}: an error of {layer} is not a number: {cells}") from None
+                    worst = math.nan if any(math.isnan(v) for v in values) else max(values)
+                    data["shadow"][layer].append((len(data["step"]), worst))
     except FileNotFoundError:
         raise LogError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, csv.Error) as e:
@@ -93,8 +114,13 @@ def plot(runs, output, smooth, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc, ax_scale) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5),
-                                                    gridspec_kw={"height_ratios": [3, 2, 1.6]})
+    shadowed = any(any(points for points in data["shadow"].values()) for _, data in runs)
+    if shadowed:
+        fig, (ax_loss, ax_acc, ax_scale, ax_shadow) = plt.subplots(
+            4, 1, sharex=True, figsize=(10, 11), gridspec_kw={"height_ratios": [3, 2, 1.6, 2.4]})
+    else:
+        fig, (ax_loss, ax_acc, ax_scale) = plt.subplots(3, 1, sharex=True, figsize=(10, 8.5),
+                                                        gridspec_kw={"height_ratios": [3, 2, 1.6]})
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]  # runs that agree draw over each other: each stays visible
     any_skipped = False
@@ -120,6 +146,29 @@ def plot(runs, output, smooth, title):
                 for ax in (ax_loss, ax_acc, ax_scale):
                     ax.axvline(s + 0.5, color=colour, alpha=0.25, linestyle=":", linewidth=1)
 
+    if shadowed:  # one colour per layer, one line style per run
+        # Layers that cost nothing (exact zeros: pooling, float32 layers) have no point on a log axis.
+        def drawn(points):
+            return any(math.isfinite(v) and v > 0 for _, v in points)
+        layers = []
+        for _, data in runs:
+            layers += [name for name, points in data["shadow"].items() if drawn(points) and name not in layers]
+        for i, (label, data) in enumerate(runs):
+            for name, points in data["shadow"].items():
+                if name not in layers:
+                    continue
+                k = layers.index(name)
+                values = [v if math.isfinite(v) and v > 0 else math.nan for _, v in points]
+                ax_shadow.plot([s for s, _ in points], values, color=colours[k % len(colours)],
+                               linestyle=styles[i % len(styles)], marker=".", linewidth=1.2,
+                               label=name if i == 0 else None)
+        ax_shadow.set_yscale("log")
+        ax_shadow.set_ylabel("error vs float32 twin")
+        if layers:
+            ax_shadow.legend(loc="best", fontsize="small", ncol=max(1, (len(layers) + 3) // 4), framealpha=0.7)
+        ax_shadow.grid(True, alpha=0.3)
+        ax_shadow.set_xlabel("step")
+
     ax_loss.set_ylabel("training loss")
     losses = [v for _, data in runs for v in data["loss"] if math.isfinite(v) and v > 0]
     if losses and max(losses) > 20 * min(losses):  # a log axis only where it shows more
@@ -127,7 +176,7 @@ def plot(runs, output, smooth, title):
     ax_acc.set_ylabel("training accuracy")
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_yscale("log", base=2)
-    ax_scale.set_xlabel("step")
+    ax_scale.set_xlabel("" if shadowed else "step")
     for ax in (ax_loss, ax_acc, ax_scale):
         ax.grid(True, alpha=0.3)
     handles, labels = ax_loss.get_legend_handles_labels()

@@ -22,9 +22,12 @@
 //                  mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4|all] [--epochs N]
 //                 [--batch-size N] [--executor auto|host|cuda] [--train-limit N]
 //                 [--test-limit N] [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N]
-//                 [--cuda-graph] [--probe] [--data-parallel]
+//                 [--cuda-graph] [--probe] [--shadow N] [--data-parallel]
 //
 // --cuda-graph captures one training step in a CUDA graph and replays it (GPU only).
+// --shadow N runs every layer again in float32 every N steps (mpx::model_shadow) and
+// prints, after training, each layer's error against its float32 twin: which layer
+// costs the model its precision. The training itself is unchanged.
 // --probe prints, before training, the share of each parameter's gradients that a
 // batch loses at each loss scale (mpx::probe_loss_scales): why a scale is needed.
 // --csv FILE writes one log per policy, FILE.<policy>.csv (one row per step); --plot
@@ -78,6 +81,7 @@ struct settings {
   std::uint64_t seed = 1;
   bool cuda_graph = false;
   bool probe = false;  // print probe_loss_scales on the first batch before training
+  std::size_t shadow = 0;  // measure each layer against its float32 twin every N steps
   bool data_parallel = false;
 };
 
@@ -223,6 +227,7 @@ outcome train(Exec const& exec, settings const& s, cluster const& job, mpx::imag
     mpx::fit_options options;
     options.epochs = s.epochs;
     options.cuda_graph = s.cuda_graph;
+    options.shadow_every = s.shadow;
     if (!s.csv.empty()) options.csv_log = o.csv = s.csv + "." + o.policy + ".csv";
     std::vector<mpx::epoch_summary> history;
     as_replica(exec, job, optimizer, [&](mpx::replica_hooks hooks) {
@@ -288,7 +293,7 @@ constexpr char const* usage_text =
     "[--policy mixed_float16|mixed_bfloat16|float32|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4|all]\n"
     "          [--epochs N] [--batch-size N] [--executor auto|host|cuda] [--train-limit N] [--test-limit N]\n"
     "          [--data DIR] [--csv FILE] [--plot FILE.png] [--seed N] [--cuda-graph] [--probe]\n"
-    "          [--data-parallel]";
+    "          [--shadow N] [--data-parallel]";
 
 settings parse(int argc, char** argv) {
   settings s;
@@ -308,6 +313,7 @@ settings parse(int argc, char** argv) {
     else if (args.is("--seed")) s.seed = args.whole<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
     else if (args.is("--cuda-graph")) s.cuda_graph = true;
     else if (args.is("--probe")) s.probe = true;
+    else if (args.is("--shadow")) s.shadow = args.whole<std::size_t>(1, 1000000);
     else if (args.is("--data-parallel")) s.data_parallel = true;
     else args.unknown();
   }

@@ -8,5 +8,6 @@
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/residual.hpp>
 #include <mpx/model/sequential.hpp>
+#include <mpx/model/shadow.hpp>
 #include <mpx/model/train_step.hpp>
 #include <mpx/model/training_state.hpp>

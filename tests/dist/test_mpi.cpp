@@ -587,6 +587,42 @@ TEST_CASE("half gradients all-reduced in their own dtype match the float reducti
   CHECK(worst < 1e-2);
 }
 
+TEST_CASE("a shadowed data-parallel run trains bit for bit as one that is not", "[dist][shadow]") {
+  mpx::host_executor exec;
+  auto run = [&](std::size_t shadow_every) {
+    auto model = small_model<mpx::mixed_float16>();
+    model.build(exec, {2, 1, 1}, 1);
+    auto opt = sgd_with_dynamic_scale(exec, model);
+    mpx::data_parallel dp(exec, comm(), opt);
+    auto const data = quadrant_images(8 * static_cast<std::size_t>(comm().size()) * 5, 23);
+    mpx::batch_loader<mpx::host_executor, mpx::half> shard(
+        exec, data, {.batch_size = 8, .replica = static_cast<std::size_t>(comm().rank()),
+                     .replicas = static_cast<std::size_t>(comm().size())});
+    mpx::fit_options options;
+    options.quiet = true;
+    options.replicas = dp.hooks(exec);
+    options.shadow_every = shadow_every;
+    auto history = mpx::fit(exec, model, opt, shard, options);
+    return std::make_pair(std::move(history), parameter_values(exec, model));
+  };
+  auto const [plain, plain_values] = run(0);
+  auto const [shadowed, shadowed_values] = run(2);
+  CHECK(shadowed_values == plain_values);  // every parameter, exactly
+  CHECK(shadowed[0].loss == plain[0].loss);
+  REQUIRE(shadowed[0].shadow.size() == 2);  // steps 2 and 4 of 5
+  auto const& layers = shadowed[0].shadow[0].layers;
+  REQUIRE(layers.size() == 4);
+  // Each replica's own dense layers cost something in float16; their weight gradients were
+  // averaged over the replicas during the backward pass: not this replica's, not measured.
+  for (std::size_t i : {1, 2}) {
+    INFO(layers[i].layer);
+    REQUIRE(layers[i].output.has_value());
+    CHECK(*layers[i].output > 0.0);
+    CHECK(*layers[i].output < 1e-2);
+    CHECK_FALSE(layers[i].weight_gradient.has_value());
+  }
+}
+
 TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {
   mpx::host_executor exec;
   auto model = small_model<mpx::mixed_float16>(comm().rank() == 0 ? 16 : 17);

@@ -3,9 +3,10 @@
 
     test_plot_run.py FASHION_MNIST_EXE PLOT_RUN_PY
 
-1. fashion_mnist --policy all --plot on a slice of the data (a few seconds on the host):
-   three CSV logs next to the PNG, and a PNG of sane size that holds each policy's
-   colour (matplotlib's first three) in its lines;
+1. fashion_mnist --policy all --shadow 3 --plot on a slice of the data (a few seconds on
+   the host): three CSV logs next to the PNG, with the shadow's error columns, and a PNG
+   of sane size that holds each policy's colour (matplotlib's first three) in its lines
+   and the fourth panel of the layers' errors (a log without those columns has three);
 2. one log with two steps marked skipped: the plot has the red skip marks, and a plot
    of the unmarked log has none;
 3. a missing file, an empty one, a header without mpx::fit's columns and a row with a
@@ -56,7 +57,7 @@ def main(exe, script):
     with tempfile.TemporaryDirectory(prefix="mpx_plot_run_") as tmp:
         png = os.path.join(tmp, "run.png")
         run = subprocess.run([exe, "--policy", "all", "--train-limit", "640", "--test-limit", "200",
-                              "--epochs", "1", "--executor", "host", "--plot", png],
+                              "--epochs", "1", "--executor", "host", "--shadow", "3", "--plot", png],
                              capture_output=True, text=True, timeout=240)
         print(run.stdout[-1500:], run.stderr[-1500:])
         check(run.returncode == 0, "fashion_mnist --plot exits 0")
@@ -66,13 +67,28 @@ def main(exe, script):
         if not os.path.exists(png) or not all(os.path.exists(p) for p in logs):
             return 1
         size = png_size(png)
-        check(size is not None and size[0] >= 600 and size[1] >= 500, f"a PNG of sane dimensions: {size}")
+        check(size is not None and size[0] >= 600 and size[1] >= 1100, f"a PNG of sane dimensions, four panels: {size}")
         check(20_000 < os.path.getsize(png) < 5_000_000, f"a PNG of sane size: {os.path.getsize(png)} bytes")
         found = colours_present(png, [matplotlib.colors.to_rgb(c) for c in cycle])
         check(all(n > 200 for n in found), f"one colour per policy, each drawn: pixels {found}")
         with open(logs[0]) as f:
             rows = f.read().splitlines()
         check(len(rows) == 1 + 10, f"the mixed_float16 log has a row per step: {len(rows) - 1} of 10")
+        header = rows[0].split(",")
+        check("error/conv2d/output" in header and "error/dense_1/weight_gradient" in header,
+              f"the log has the shadow's columns: {header[8:11]}")
+        measured = [r for r in rows[1:] if r.split(",")[header.index("error/conv2d/output")]]
+        check(len(measured) == 3, f"the shadow's cells are filled on steps 3, 6 and 9: {len(measured)} rows")
+
+        # Without the shadow's columns, three panels.
+        plain = os.path.join(tmp, "plain.csv")
+        with open(plain, "w") as f:
+            f.write("\n".join(",".join(r.split(",")[:8]) for r in rows) + "\n")
+        plain_png = os.path.join(tmp, "plain.png")
+        r = subprocess.run([sys.executable, script, plain, "-o", plain_png], capture_output=True, text=True)
+        plain_size = png_size(plain_png) if os.path.exists(plain_png) else None
+        check(r.returncode == 0 and plain_size is not None and plain_size[1] < 1000,
+              f"a log without the shadow's columns draws three panels: {plain_size} {r.stderr}")
 
         # Two steps skipped, as a step with an inf gradient records them.
         marked = os.path.join(tmp, "marked.csv")

@@ -58,6 +58,8 @@ class causal_self_attention : public layer_base {
     detail::require_dropout_rate("causal_self_attention (dropout)", c.dropout);
   }
   [[nodiscard]] causal_self_attention_config config() const noexcept { return config_; }
+  //! A training forward draws a dropout mask (mpx::model_shadow cannot rerun it with the same one).
+  [[nodiscard]] bool draws_random_numbers_in_training() const noexcept { return config_.dropout > 0.0f; }
 
   //! [tokens, width] -> [tokens, width].
   [[nodiscard]] shape compute_output_shape(shape const& in) const {

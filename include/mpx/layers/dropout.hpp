@@ -36,6 +36,8 @@ class dropout : public layer_base {
   }
   explicit dropout(float rate) : dropout(dropout_config{rate}) {}
   [[nodiscard]] dropout_config const& config() const noexcept { return config_; }
+  //! A training forward draws a mask (mpx::model_shadow cannot rerun it with the same one).
+  [[nodiscard]] bool draws_random_numbers_in_training() const noexcept { return config_.rate > 0.0f; }
 
   [[nodiscard]] shape compute_output_shape(shape const& in) const { return in; }
   template <executor Exec>

@@ -19,6 +19,7 @@
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/progress.hpp>
+#include <mpx/model/shadow.hpp>
 #include <mpx/model/train_step.hpp>
 
 #include <algorithm>
@@ -48,6 +49,13 @@ struct fit_options {
   //! On a cuda_executor, replay each full-size step from a CUDA graph captured once
   //! (classifier_trainer::use_cuda_graph): fewer launches for the CPU to issue.
   bool cuda_graph = false;
+  //! Every n-th step (0: never), measure each layer against its float32 twin
+  //! (mpx::model_shadow): the CSV log gets three columns per layer (the relative error
+  //! of its output, input gradient and weight gradients, filled on those steps), each
+  //! epoch's summary holds the reports, and the end of the run prints the table of the
+  //! layers that cost the most precision. The training is unchanged; each shadow step
+  //! costs about one more step.
+  std::size_t shadow_every = 0;
   //! Called after every epoch with its summary (e.g. to save a checkpoint).
   std::function<void(struct epoch_summary const&)> on_epoch_end;
   //! Set by a data-parallel job (mpx::data_parallel::hooks): each step averages the
@@ -73,6 +81,7 @@ struct epoch_summary {
   double seconds = 0;
   bool validated = false;
   evaluation validation;
+  std::vector<shadow_report> shadow;  //!< the epoch's shadow steps (fit_options::shadow_every)
 };
 
 namespace detail {
@@ -194,12 +203,21 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
   bool const quiet = options.quiet || !replicas.prints();
   bool const redraw = !quiet && (options.progress > 0 || (options.progress == -1 && detail::stdout_is_terminal()));
   bool const plain = !quiet && !redraw;
+  std::vector<std::string> shadow_layers;
+  if (options.shadow_every) detail::shadowed_layer_names(model, shadow_layers);
   std::ofstream csv;
   if (!options.csv_log.empty() && replicas.prints()) {
     csv.open(options.csv_log);
     if (!csv) detail::fail<invalid_argument>("fit", "cannot write the CSV log " + options.csv_log.string());
-    csv << "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds\n";
+    csv << "epoch,step,loss,loss_scale,skipped,gradient_norm,accuracy,seconds";
+    if (options.shadow_every) {
+      for (auto const& n : shadow_layers) csv << ",error/" << n << "/output,error/" << n << "/input_gradient,error/" << n << "/weight_gradient";
+    }
+    csv << '\n';
   }
+  trainer.shadow_every(options.shadow_every);
+  std::vector<shadow_report> shadows;  // every shadow step of the run, for the final table
+  std::size_t logged = 0;              // steps written to the log (a shadow report's step counts the same)
   auto const start = clock::now();
   std::vector<epoch_summary> history;
   for (std::size_t epoch = 1; epoch <= options.epochs; ++epoch) {
@@ -211,14 +229,34 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     // Replicas update the progress together, every `shared_every` steps: the metrics
     // are summed over them, a collective every replica must call at the same step.
     std::size_t const shared_every = std::max<std::size_t>(1, steps / 50);
+    std::vector<shadow_report> epoch_shadows;
     auto drain = [&] {
       double const now = std::chrono::duration<double>(clock::now() - start).count();
+      std::size_t const first_new_shadow = epoch_shadows.size();
+      for (auto& r : trainer.take_shadow_reports()) epoch_shadows.push_back(std::move(r));
+      std::size_t next_shadow = first_new_shadow;
       for (auto const& r : trainer.history(exec)) {
         meter.add(r);
-        if (csv)
+        ++logged;
+        if (csv) {
           csv << epoch << ',' << meter.steps << ',' << r.loss << ',' << r.loss_scale << ',' << r.skipped << ','
               << r.gradient_norm << ',' << (r.samples ? static_cast<double>(r.correct) / r.samples : 0.0) << ','
-              << now << '\n';
+              << now;
+          if (options.shadow_every) {
+            bool const shadowed = next_shadow < epoch_shadows.size() && epoch_shadows[next_shadow].step == logged;
+            if (shadowed) {
+              for (auto const& e : epoch_shadows[next_shadow].layers)
+                for (auto const& v : {e.output, e.input_gradient, e.weight_gradient}) {
+                  csv << ',';
+                  if (v) csv << *v;
+                }
+              ++next_shadow;
+            } else {
+              csv << std::string(3 * shadow_layers.size(), ',');
+            }
+          }
+          csv << '\n';
+        }
       }
     };
     train.start_epoch(epoch - 1);
@@ -280,8 +318,14 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
       std::fflush(stdout);
     }
     if (csv) csv.flush();
+    shadows.insert(shadows.end(), epoch_shadows.begin(), epoch_shadows.end());
+    summary.shadow = std::move(epoch_shadows);
     history.push_back(summary);
-    if (options.on_epoch_end) options.on_epoch_end(summary);
+    if (options.on_epoch_end) options.on_epoch_end(history.back());
+  }
+  if (options.shadow_every && !quiet) {
+    std::printf("\n%s", shadow_table(shadows).c_str());
+    std::fflush(stdout);
   }
   return history;
 }

@@ -230,12 +230,16 @@ class sequential_model {
     std::int64_t batch = 0;
     void const* input = nullptr;
     std::size_t backward_top = static_cast<std::size_t>(-1);
+    void const* top_gradient = nullptr;
   };
-  [[nodiscard]] in_flight in_flight_state() const noexcept { return {batch_in_flight_, first_input_, backward_top_}; }
+  [[nodiscard]] in_flight in_flight_state() const noexcept {
+    return {batch_in_flight_, first_input_, backward_top_, top_gradient_};
+  }
   void restore_in_flight_state(in_flight const& s) noexcept {
     batch_in_flight_ = s.batch;
     first_input_ = s.input;
     backward_top_ = s.backward_top;
+    top_gradient_ = s.top_gradient;
   }
 
   //! The largest batch the buffers hold now (0 before the first reserve or forward).
@@ -449,8 +453,43 @@ class sequential_model {
     if (batch_in_flight_ == 0)
       detail::fail<invalid_argument>("sequential::trace", "no forward has run yet");
     std::vector<layer_trace<Space>> out;
-    trace_from<0, Space>(out);
+    visit_in_flight<Space>([&](std::string const& name, auto& layer, auto x, auto y, auto dy, auto dx, bool ran_backward,
+                               bool began_here) {
+      using L = std::remove_cvref_t<decltype(layer)>;
+      layer_trace<Space> t;
+      t.name = name;
+      t.kind = std::string(L::kind);
+      t.policy = std::string(L::policy::name);
+      using In = typename L::input_type;
+      using Out = typename L::output_type;
+      if constexpr (dtype<In>) {  // (token ids, an embedding's input, are not a float tensor: not traced)
+        t.input = tensor_view<In, Space>(const_cast<In*>(x.data()), x.shape());  // read only
+        if (dx.data()) t.input_gradient = tensor_view<In, Space>(const_cast<In*>(dx.data()), dx.shape());
+      }
+      t.output = tensor_view<Out, Space>(const_cast<Out*>(y.data()), y.shape());
+      if (dy.data() && !began_here) t.output_gradient = tensor_view<Out, Space>(const_cast<Out*>(dy.data()), dy.shape());
+      t.in_backward = ran_backward;
+      // A residual block's parameters are its branch's layers', listed with them.
+      if constexpr (!requires { layer.branch(); }) layer.template append_parameters<Space>(t.parameters);
+      out.push_back(std::move(t));
+    });
     return out;
+  }
+
+  //! Calls f(name, layer, x, y, dy, dx, in_backward, backward_began_here) for every
+  //! layer of the latest forward, in order, with typed views: x what the layer read and
+  //! y what it wrote; dy the gradient of y it read and dx the gradient of x it wrote in
+  //! the latest backward (empty where it did not: the first layer writes no dx). Where
+  //! the backward began, dy is the caller's gradient (or the model's cast of it): valid
+  //! only while the caller's buffer is. A residual block's branch layers come before the
+  //! block, named "<block>/<layer>". Otherwise the views are valid as trace()'s are.
+  //! model_shadow uses it.
+  template <memory_space Space, class F>
+  void visit_in_flight(F&& f, std::string const& prefix = {}) {
+    require_built("visit_in_flight");
+    if (batch_in_flight_ == 0)
+      detail::fail<invalid_argument>("sequential::visit_in_flight", "no forward has run yet");
+    visit_from<0, Space>(f, prefix);
   }
 
   //! Visits every layer in order (for save/load, diagnostics, a user's own walk).
@@ -588,6 +627,7 @@ class sequential_model {
       cast(exec, dy.reshape(out_shape), buf);
       dy_typed = buf;
     }
+    if (I == backward_top_) top_gradient_ = dy_typed.data();
     auto const x = input_of<I, Space>(batch);
     auto const y = tensor_view<Out const, Space>(node.output.template view<Space>(out_shape));
     tensor_view<In, Space> dx;
@@ -599,8 +639,8 @@ class sequential_model {
     if constexpr (I > 0) backward_into<I - 1>(exec, tensor_view<In const, Space>(dx));
   }
 
-  template <std::size_t I, class Space>
-  void trace_from(std::vector<layer_trace<Space>>& out) {
+  template <std::size_t I, class Space, class F>
+  void visit_from(F& f, std::string const& prefix) {
     auto& node = boost::hana::at_c<I>(nodes_);
     using L = layer_at<I>;
     using In = typename L::input_type;
@@ -608,40 +648,29 @@ class sequential_model {
     std::int64_t const batch = batch_in_flight_;
     shape const in_shape = detail::with_batch(batch, node.layer.input_shape());
     shape const out_shape = detail::with_batch(batch, node.layer.output_shape());
-    layer_trace<Space> t;
-    t.name = node.layer.name();
-    t.kind = std::string(L::kind);
-    t.policy = std::string(L::policy::name);
-    if constexpr (dtype<In>) {  // (token ids, an embedding's input, are not a float tensor: not traced)
-      auto const in = input_of<I, Space>(batch);
-      t.input = tensor_view<In, Space>(const_cast<In*>(in.data()), in.shape());  // read only
-    }
-    t.output = node.output.template view<Space>(out_shape);
+    std::string const name = prefix + node.layer.name();
+    tensor_view<Out const, Space> dy;
+    tensor_view<In const, Space> dx;
     bool ran_backward = backward_top_ != no_backward;  // (a backward reaches layer 0 always)
     if constexpr (I > 0) ran_backward = ran_backward && I <= backward_top_;
-    if (ran_backward && I < backward_top_) {  // dy is layer I+1's dx, or its cast into output_grad
+    bool const began_here = ran_backward && I == backward_top_;
+    if (began_here) {  // the caller's gradient, or its cast into output_grad
+      dy = tensor_view<Out const, Space>(static_cast<Out const*>(top_gradient_), out_shape);
+    } else if (ran_backward && I < backward_top_) {  // dy is layer I+1's dx, or its cast into output_grad
       if constexpr (I + 1 < count) {
         using NextIn = typename layer_at<I + 1>::input_type;
         if constexpr (std::is_same_v<NextIn, Out>)
-          t.output_gradient = boost::hana::at_c<I + 1>(nodes_).input_grad.template view<Space>(out_shape);
-        else t.output_gradient = node.output_grad.template view<Space>(out_shape);
+          dy = boost::hana::at_c<I + 1>(nodes_).input_grad.template view<Space>(out_shape);
+        else dy = node.output_grad.template view<Space>(out_shape);
       }
     }
-    if constexpr (dtype<In>)
-      if (ran_backward && I > 0) t.input_gradient = node.input_grad.template view<Space>(in_shape);
-    t.in_backward = ran_backward;
-    if constexpr (requires { node.layer.branch().template trace<Space>(); }) {
-      // A residual block: its branch's layers first (they ran inside it, before the sum),
-      // named "<block>/<layer>"; their parameters are theirs, not the block's.
-      for (auto& inner : node.layer.branch().template trace<Space>()) {
-        inner.name = t.name + "/" + inner.name;
-        out.push_back(std::move(inner));
-      }
-    } else {
-      node.layer.template append_parameters<Space>(t.parameters);
-    }
-    out.push_back(std::move(t));
-    if constexpr (I + 1 < count) trace_from<I + 1, Space>(out);
+    if (ran_backward && I > 0) dx = node.input_grad.template view<Space>(in_shape);
+    // A residual block: its branch's layers first (they ran inside it, before the sum).
+    if constexpr (requires { node.layer.branch().template visit_in_flight<Space>(f, name); })
+      node.layer.branch().template visit_in_flight<Space>(f, name + "/");
+    f(name, node.layer, input_of<I, Space>(batch),
+      tensor_view<Out const, Space>(node.output.template view<Space>(out_shape)), dy, dx, ran_backward, began_here);
+    if constexpr (I + 1 < count) visit_from<I + 1, Space>(f, prefix);
   }
 
   static constexpr std::size_t no_backward = static_cast<std::size_t>(-1);
@@ -653,6 +682,7 @@ class sequential_model {
   std::uint64_t buffer_generation_ = 0;
   void const* first_input_ = nullptr;
   std::size_t backward_top_ = no_backward;  // the layer the latest backward began at
+  void const* top_gradient_ = nullptr;      // the dy it began with (the caller's, or its cast)
   std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
   void* input_gradient_ = nullptr;                     // where backward_to_input wants dL/d(input)
   std::vector<std::size_t> layer_first_parameter_;

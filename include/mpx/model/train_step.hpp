@@ -23,6 +23,7 @@
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/model/sequential.hpp>
+#include <mpx/model/shadow.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
 
 #include <algorithm>
@@ -93,16 +94,18 @@ class classifier_trainer {
       detail::fail<invalid_argument>("mpx::classifier_trainer::step",
                                      "the step log is full (" + std::to_string(capacity_) +
                                          " steps): read history() at least that often");
+    ++steps_;
+    bool const shadow = shadow_every_ && steps_ % shadow_every_ == 0;
     if constexpr (!is_host_executor_v<Exec>) {
 #if MPX_HAS_CUDA
-      if (use_graph_) {
+      if (use_graph_ && !shadow) {  // a shadow step runs eagerly: it reads the model between backward and step
         graph_mode_step(exec, images, labels);
         if (replicas_.after_step) replicas_.after_step(step_executor(exec));
         return;
       }
 #endif
     }
-    step_body(exec, images, labels, record(pending_));
+    step_body(exec, images, labels, record(pending_), shadow);
     ++pending_;
     if (replicas_.after_step) replicas_.after_step(step_executor(exec));
   }
@@ -123,6 +126,16 @@ class classifier_trainer {
   //! Dropout layers keep their step count on the GPU, so each replay draws fresh masks.
   //! Ignored on the host executor.
   void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
+
+  //! Every n-th step (0: never), measures each layer against its float32 twin between the
+  //! backward pass and the optimizer step (mpx::model_shadow), which does not change the
+  //! training. Such a step synchronises and, in graph mode, runs eagerly. Read the
+  //! reports with take_shadow_reports().
+  void shadow_every(std::size_t n) noexcept { shadow_every_ = n; }
+  //! The shadow reports since the last call, oldest first.
+  std::vector<shadow_report> take_shadow_reports() { return std::exchange(shadow_reports_, {}); }
+  //! Steps taken since the trainer was made (a shadow report's step counts the same way).
+  [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
 
   //! Runs each step as one replica of a data-parallel job (mpx::data_parallel::hooks):
   //! the gradients are averaged over the replicas between the backward pass and the
@@ -145,6 +158,7 @@ class classifier_trainer {
     std::function<void(std::size_t)> final_from;
     if (same && replicas_.gradients_final)
       final_from = [at, f = replicas_.gradients_final](std::size_t first) { f(*at, first); };
+    gradients_reduced_in_backward_ = static_cast<bool>(final_from);
     model_.template on_gradients_final<Space>(std::move(final_from));
     // The hook may not outlive this trainer (nor the job it calls into).
     Model* const model = &model_;
@@ -202,7 +216,7 @@ class classifier_trainer {
 
   template <class T>
   void step_body(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
-                 step_record* rec) {
+                 step_record* rec, bool shadow = false) {
     *step_at_ = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
     model_.forward(exec, images, true);
     auto const logits = model_.template logits<Space>();
@@ -216,6 +230,8 @@ class classifier_trainer {
          tensor_view<float, Space>(&rec->loss_scale, shape{1}));  // the scale this step used
     sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits, loss_, scale);
     model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits));
+    // The weight gradients a replica averaged during the backward are no longer its own.
+    if (shadow) shadow_reports_.push_back(shadow_.measure(exec, model_, steps_, !gradients_reduced_in_backward_));
     if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
@@ -358,6 +374,11 @@ class classifier_trainer {
   std::uint64_t replica_generation_ = 0;  // run_as_replica calls, for graph_state
   std::shared_ptr<step_executor> step_at_ = std::make_shared<step_executor>();  // the running step's executor
   std::shared_ptr<void> unhook_model_;  // removes the model's gradients_final hook when the trainer goes
+  bool gradients_reduced_in_backward_ = false;  // a replica's early reductions average them in place
+  std::size_t steps_ = 0;
+  std::size_t shadow_every_ = 0;
+  model_shadow<Space> shadow_;
+  std::vector<shadow_report> shadow_reports_;
 };
 
 template <class Exec, class Model, class Opt>

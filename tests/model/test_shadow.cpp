@@ -1,0 +1,317 @@
+// mpx::model_shadow: each layer's error against its float32 twin. What must hold: the
+// errors it reports are the ones a float64 computation of the same layer on the same
+// inputs gives, to the digits it prints; a float32 model costs nothing (exactly zero);
+// an overflow shows as inf, not as a small number; and shadowing does not change the
+// training at all (the parameters bit for bit, the losses, the scale).
+#include "../support/testing.hpp"
+
+#include <mpx/data/tensor_batches.hpp>
+#include <mpx/layers/batch_norm.hpp>
+#include <mpx/layers/conv2d.hpp>
+#include <mpx/layers/dense.hpp>
+#include <mpx/layers/dropout.hpp>
+#include <mpx/layers/flatten.hpp>
+#include <mpx/layers/max_pool2d.hpp>
+#include <mpx/layers/softmax_layer.hpp>
+#include <mpx/model/fit.hpp>
+#include <mpx/model/sequential.hpp>
+#include <mpx/model/shadow.hpp>
+#include <mpx/optim/adam.hpp>
+#include <mpx/optim/loss_scale_optimizer.hpp>
+#include <mpx/scaling/loss_scaler.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace shadow_tests {
+
+using Catch::Matchers::Contains;
+
+// The float64 truth of one relative error: sqrt(sum (a - r)^2 / sum r^2).
+struct truth_sums {
+  double difference = 0, reference = 0;
+  void add(double a, double r) {
+    difference += (a - r) * (a - r);
+    reference += r * r;
+  }
+  [[nodiscard]] double error() const { return std::sqrt(difference / reference); }
+};
+
+// A tensor_ref read back in float64.
+template <class Exec, class Ref>
+std::vector<double> values_of(Exec const& exec, Ref const& ref) {
+  std::vector<double> out;
+  mpx::visit_dtype(ref.dtype(), [&](auto t) {
+    using T = decltype(t);
+    out = mpx_test::widen(mpx_test::download(exec, ref.template as<T>()));
+  });
+  return out;
+}
+
+// The shadow's figure and the truth agree to the table's digits and to 1e-3 of the value.
+void check_agrees(std::optional<double> shadow, double truth) {
+  REQUIRE(shadow.has_value());
+  INFO("shadow " << *shadow << ", float64 " << truth);
+  REQUIRE(std::isfinite(truth));
+  CHECK(truth > 0);
+  CHECK(std::abs(*shadow - truth) <= 1e-3 * truth);
+  CHECK(mpx::detail::error_text(shadow) == mpx::detail::error_text(truth));
+}
+
+TEMPLATE_LIST_TEST_CASE("the shadow's errors are a float64 computation's, to the reported digits", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  constexpr std::int64_t batch = 9, features = 19, hidden = 13, classes = 5;
+  auto model = mpx::sequential<mpx::mixed_bfloat16>(mpx::dense<>(hidden, mpx::activation::relu), mpx::dense<>(classes),
+                                                     mpx::softmax_layer<mpx::float32>());
+  model.build(exec, {features}, 4);
+  auto const x = mpx_test::upload(exec, mpx_test::random_values<float>(batch * features, -2.0, 2.0, 31),
+                                  mpx::shape{batch, features});
+  model.forward(exec, x.view(), true);
+  auto const d_logits = model.logits_gradient(exec);
+  auto const g = mpx_test::random_values<float>(batch * classes, -1.0, 1.0, 32);
+  mpx::copy(exec, mpx::tensor_view<float const, mpx::host_space>(g.data(), d_logits.shape()), d_logits);
+  model.backward_from_logits(exec, d_logits);
+
+  mpx::model_shadow<Space> shadow;
+  auto const report = shadow.measure(exec, model, 1);
+  REQUIRE(report.layers.size() == 3);
+  CHECK(report.layers[0].layer == "dense");
+  CHECK(report.layers[1].layer == "dense_1");
+  CHECK(report.layers[2].layer == "softmax");
+  CHECK(report.layers[0].policy == "mixed_bfloat16");
+
+  // The truth, from what each dense layer read and wrote, in float64.
+  auto const trace = model.trace<Space>();
+  for (std::size_t l = 0; l < 2; ++l) {
+    INFO("layer " << trace[l].name);
+    auto const& t = trace[l];
+    auto const in = values_of(exec, t.input), out = values_of(exec, t.output);
+    // dense_1's dy is the caller's logits gradient, which the model cast to bfloat16 (a
+    // trace leaves it out: the caller owns it).
+    std::vector<double> dy = l == 0 ? values_of(exec, t.output_gradient) : std::vector<double>{};
+    if (l == 1)
+      for (float v : g) dy.push_back(mpx::detail::to_double(mpx::cast<mpx::bfloat16>(v)));
+    auto const kernel = values_of(exec, t.parameters[0].value), bias = values_of(exec, t.parameters[1].value);
+    auto const d_kernel = values_of(exec, t.parameters[0].gradient), d_bias = values_of(exec, t.parameters[1].gradient);
+    std::int64_t const k = t.input.shape()[1], n = t.output.shape()[1];
+    bool const relu = l == 0;
+    truth_sums output, input_gradient, weights;
+    std::vector<double> dz(static_cast<std::size_t>(batch * n));
+    for (std::int64_t r = 0; r < batch; ++r)
+      for (std::int64_t c = 0; c < n; ++c) {
+        double z = bias[c];
+        for (std::int64_t i = 0; i < k; ++i) z += in[r * k + i] * kernel[i * n + c];
+        double const y = relu ? std::max(z, 0.0) : z;
+        output.add(out[r * n + c], y);
+        dz[r * n + c] = relu && z <= 0 ? 0.0 : dy[r * n + c];
+      }
+    for (std::int64_t i = 0; i < k; ++i)
+      for (std::int64_t c = 0; c < n; ++c) {
+        double w = 0;
+        for (std::int64_t r = 0; r < batch; ++r) w += in[r * k + i] * dz[r * n + c];
+        weights.add(d_kernel[i * n + c], w);
+      }
+    for (std::int64_t c = 0; c < n; ++c) {
+      double b = 0;
+      for (std::int64_t r = 0; r < batch; ++r) b += dz[r * n + c];
+      weights.add(d_bias[c], b);
+    }
+    check_agrees(report.layers[l].output, output.error());
+    check_agrees(report.layers[l].weight_gradient, weights.error());
+    if (l == 0) {
+      CHECK_FALSE(report.layers[l].input_gradient.has_value());  // the first layer writes no dx
+    } else {
+      auto const dx = values_of(exec, t.input_gradient);
+      for (std::int64_t r = 0; r < batch; ++r)
+        for (std::int64_t i = 0; i < k; ++i) {
+          double v = 0;
+          for (std::int64_t c = 0; c < n; ++c) v += dz[r * n + c] * kernel[i * n + c];
+          input_gradient.add(dx[r * k + i], v);
+        }
+      check_agrees(report.layers[l].input_gradient, input_gradient.error());
+    }
+  }
+  // The float32 softmax is its own twin; the backward began below it (at the logits).
+  REQUIRE(report.layers[2].output.has_value());
+  CHECK(*report.layers[2].output == 0.0);
+  CHECK_FALSE(report.layers[2].input_gradient.has_value());
+  CHECK_FALSE(report.layers[2].weight_gradient.has_value());
+
+  // The table prints those digits, and names the costliest layer.
+  auto const table = mpx::shadow_table({report});
+  CHECK_THAT(table, Contains(mpx::detail::error_text(report.layers[0].output)));
+  CHECK_THAT(table, Contains("Costliest: dense"));
+  // A shadow belongs to one model.
+  auto other = mpx::sequential<mpx::float32>(mpx::dense<>(3));
+  other.build(exec, {2}, 1);
+  auto const x2 = mpx_test::upload(exec, std::vector<float>(4, 1.0f), mpx::shape{2, 2});
+  other.forward(exec, x2.view(), true);
+  CHECK_THROWS_TYPE_WITH(shadow.measure(exec, other, 2), mpx::invalid_argument, Contains("one model_shadow per model"));
+}
+
+template <class P>
+auto image_model() {
+  return mpx::sequential<P>(mpx::conv2d<>(4, 3, mpx::activation::relu), mpx::batch_norm<>(), mpx::max_pool2d<>(2),
+                            mpx::flatten<>(), mpx::dropout<>(0.25f), mpx::dense<>(3),
+                            mpx::softmax_layer<mpx::float32>());
+}
+
+template <class Exec>
+auto image_data(Exec const& exec, std::int64_t n) {
+  using Space = mpx::memory_space_t<Exec>;
+  auto const pixels = mpx_test::random_values<float>(static_cast<std::size_t>(n * 8 * 8), 0.0, 1.0, 41);
+  std::vector<std::int32_t> labels(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < labels.size(); ++i) {  // the class: which third of the image is brightest
+    float sums[3] = {0, 0, 0};
+    for (int p = 0; p < 64; ++p) sums[(p % 8) * 3 / 8] += pixels[i * 64 + p];
+    labels[i] = sums[0] > sums[1] ? (sums[0] > sums[2] ? 0 : 2) : (sums[1] > sums[2] ? 1 : 2);
+  }
+  struct data {
+    mpx::tensor<float, Space> images;
+    mpx::tensor<std::int32_t, Space> labels;
+  };
+  return data{mpx_test::upload(exec, pixels, mpx::shape{n, 8, 8, 1}), mpx_test::upload(exec, labels, mpx::shape{n})};
+}
+
+TEMPLATE_LIST_TEST_CASE("a float32 model costs no precision: every error is exactly 0", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  auto const data = image_data(exec, 6);
+  auto model = mpx::sequential<mpx::float32>(mpx::conv2d<>(4, 3, mpx::activation::relu), mpx::batch_norm<>(),
+                                             mpx::flatten<>(), mpx::dense<>(3));
+  model.build(exec, {8, 8, 1}, 2);
+  model.forward(exec, data.images.view(), true);
+  auto const d = model.logits_gradient(exec);
+  mpx::fill(exec, d, 0.25f);
+  model.backward_from_logits(exec, d);
+  mpx::model_shadow<Space> shadow;
+  auto const report = shadow.measure(exec, model, 1);
+  REQUIRE(report.layers.size() == 4);
+  for (auto const& e : report.layers) {
+    INFO(e.layer);
+    CHECK(e.skipped.empty());
+    REQUIRE(e.output.has_value());
+    CHECK(*e.output == 0.0);
+    if (e.layer != "conv2d") {
+      REQUIRE(e.input_gradient.has_value());
+      CHECK(*e.input_gradient == 0.0);
+    }
+    if (e.layer != "flatten") {
+      REQUIRE(e.weight_gradient.has_value());
+      CHECK(*e.weight_gradient == 0.0);
+    }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("an overflow shows as an infinite error, and leads the table", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::mixed_float16>(mpx::dense<>(6), mpx::dense<>(4));
+  model.build(exec, {5}, 3);
+  // The first layer's weights blown up: its float16 output passes 65504, its twin's does not.
+  auto params = model.parameters(exec);
+  mpx::visit_dtype(params[0].value.dtype(), [&](auto t) {
+    using T = decltype(t);
+    mpx::fill(exec, params[0].value.template as<T>(), mpx::cast<T>(3000.0f));
+  });
+  auto const x = mpx_test::upload(exec, std::vector<float>(15, 10.0f), mpx::shape{3, 5});
+  model.forward(exec, x.view(), true);
+  auto const d = model.logits_gradient(exec);
+  mpx::fill(exec, d, 1.0f);
+  model.backward_from_logits(exec, d);
+  mpx::model_shadow<Space> shadow;
+  auto const report = shadow.measure(exec, model, 7);
+  CHECK(report.step == 7);
+  REQUIRE(report.layers[0].output.has_value());
+  CHECK(std::isinf(*report.layers[0].output));
+  auto const table = mpx::shadow_table({report});
+  // dense_1 read the infinities: its twin's results are not finite either, and it is not blamed.
+  CHECK(report.layers[1].read_nonfinite);
+  CHECK_FALSE(report.layers[0].read_nonfinite);
+  CHECK_THAT(table, Contains("Costliest: dense (output inf)\n"));
+  CHECK_THAT(table, Contains("(it read non-finite values)"));
+}
+
+TEMPLATE_LIST_TEST_CASE("shadowing does not change the training, bit for bit; fit logs and prints it",
+                        "[model][shadow]", mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  auto const data = image_data(exec, 40);
+  auto train = [&](std::size_t shadow_every, std::filesystem::path const& csv) {
+    auto model = image_model<mpx::mixed_float16>();
+    model.build(exec, {8, 8, 1}, 5);
+    auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
+                                               mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    mpx::tensor_batches<float, Space> batches{data.images, data.labels, 8};
+    mpx::fit_options options;
+    options.epochs = 2;
+    options.quiet = true;
+    options.shadow_every = shadow_every;
+    options.csv_log = csv;
+    auto history = mpx::fit(exec, model, optimizer, batches, options);
+    std::vector<std::vector<double>> values;
+    for (auto const& p : model.parameters(exec)) values.push_back(values_of(exec, p.value));
+    return std::make_pair(std::move(history), std::move(values));
+  };
+  mpx_test::scratch_dir dir("shadow_fit");
+  auto const [plain, plain_values] = train(0, dir.path / "plain.csv");
+  auto const [shadowed, shadowed_values] = train(3, dir.path / "shadowed.csv");
+  REQUIRE(plain_values.size() == shadowed_values.size());
+  for (std::size_t i = 0; i < plain_values.size(); ++i)
+    CHECK(mpx_test::first_mismatch(shadowed_values[i], plain_values[i]).empty());
+  REQUIRE(shadowed.size() == 2);
+  for (std::size_t e = 0; e < 2; ++e) {
+    CHECK(shadowed[e].loss == plain[e].loss);
+    CHECK(shadowed[e].loss_scale == plain[e].loss_scale);
+    CHECK(plain[e].shadow.empty());
+  }
+  // 5 steps an epoch: steps 3, 6 and 9 were shadowed (step 6 in the second epoch).
+  REQUIRE(shadowed[0].shadow.size() == 1);
+  REQUIRE(shadowed[1].shadow.size() == 2);
+  CHECK(shadowed[1].shadow[0].step == 6);
+  auto const& layers = shadowed[0].shadow[0].layers;
+  REQUIRE(layers.size() == 7);
+  CHECK(layers[4].layer == "dropout");
+  CHECK_THAT(layers[4].skipped, Contains("random"));
+  CHECK_FALSE(layers[4].output.has_value());
+  for (std::size_t i : {0, 1, 5}) {  // conv2d, batch norm and dense cost something in float16
+    INFO(layers[i].layer);
+    REQUIRE(layers[i].output.has_value());
+    CHECK(*layers[i].output > 0.0);
+    CHECK(*layers[i].output < 1e-2);
+    REQUIRE(layers[i].weight_gradient.has_value());
+    CHECK(*layers[i].weight_gradient >= 0.0);  // batch norm's: float arithmetic on the same values, so 0
+    CHECK(*layers[i].weight_gradient < 5e-2);
+    if (i != 1) CHECK(*layers[i].weight_gradient > 0.0);
+  }
+  // The CSV: three columns per layer, filled on the shadowed steps only.
+  std::ifstream csv(dir.path / "shadowed.csv");
+  std::string header, line;
+  std::getline(csv, header);
+  CHECK_THAT(header, Contains(",error/conv2d/output,error/conv2d/input_gradient,error/conv2d/weight_gradient"));
+  CHECK_THAT(header, Contains("error/softmax/weight_gradient"));
+  std::vector<std::string> rows;
+  while (std::getline(csv, line)) rows.push_back(line);
+  REQUIRE(rows.size() == 10);
+  auto const commas = [](std::string const& s) { return std::count(s.begin(), s.end(), ','); };
+  for (auto const& r : rows) CHECK(commas(r) == commas(header));
+  CHECK_THAT(rows[1], Contains(",,,,"));  // step 2: the shadow's cells are empty
+  CHECK_THAT(rows[2], !Contains(",,,,,,"));  // step 3: measured (dropout's cells alone are empty)
+  auto const table = mpx::shadow_table(shadowed[1].shadow);
+  CHECK_THAT(table, Contains("mean of 2 shadow steps"));
+  CHECK_THAT(table, Contains("dropout (Dropout)"));
+  CHECK_THAT(table, Contains("not measured: draws random numbers"));
+}
+
+}  // namespace shadow_tests
