@@ -17,7 +17,10 @@
 //            mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4] [--steps N] [--batch N]
 //           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
 //           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
-//           [--demo-overflow]
+//           [--shadow N] [--demo-overflow]
+//
+// --shadow N measures every layer against its float32 twin every N steps (mpx::model_shadow)
+// and prints, after training, which layers cost the model its precision.
 //
 // --demo-overflow shows, instead of training, the transformer failure docs/transformers.md
 // explains: attention logits that overflow float16. Large models see their attention
@@ -61,6 +64,7 @@ struct settings {
   std::size_t eval_batches = 40;  // validation batches (of --batch windows) scored at the end
   bool scale_logits = true;
   bool demo_overflow = false;
+  std::size_t shadow = 0;  // measure each layer against its float32 twin every N steps
 };
 
 struct outcome {
@@ -71,6 +75,7 @@ struct outcome {
   float final_scale = 0;
   double peak_mib = 0;
   std::string sample;
+  std::string shadow_table;  // --shadow: the layers' errors against their float32 twins
 };
 
 constexpr std::size_t blocks = 4;
@@ -192,6 +197,8 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
   o.policy = std::string(P::name);
   auto run = [&](auto& optimizer) {
     mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.shadow_every(s.shadow);
+    std::vector<mpx::shadow_report> shadows;
     auto const start = std::chrono::steady_clock::now();
     std::size_t step = 0, epoch = 0, tokens = 0;
     while (step < s.steps) {
@@ -203,6 +210,7 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
         tokens += b->targets.size();
         if (++step % s.log_every == 0 || step == s.steps) {
           auto const records = trainer.history(exec);
+          for (auto& r : trainer.take_shadow_reports()) shadows.push_back(std::move(r));
           for (auto const& r : records) o.skipped += r.skipped;
           std::printf("step %5zu/%zu  loss %.4f  loss scale %g  skipped %zu\n", step, s.steps,
                       static_cast<double>(records.back().loss), static_cast<double>(records.back().loss_scale),
@@ -217,6 +225,7 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
     first_batches<mpx::text_batches<Exec>> sample{validation, s.eval_batches};
     o.validation_loss = mpx::evaluate(exec, model, sample).loss;
     o.final_scale = optimizer.scaler().scale(exec);
+    if (s.shadow) o.shadow_table = mpx::shadow_table(shadows);
   };
   if constexpr (float16) {
     mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
@@ -261,7 +270,7 @@ constexpr char const* usage_text =
     "          [--steps N] [--batch N]\n"
     "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
     "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
-    "          [--demo-overflow]";
+    "          [--shadow N] [--demo-overflow]";
 
 settings parse(int argc, char** argv) {
   settings s;
@@ -285,6 +294,7 @@ settings parse(int argc, char** argv) {
     else if (args.is("--eval-batches")) s.eval_batches = args.whole<std::size_t>(1, 100'000);
     else if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});
     else if (args.is("--demo-overflow")) s.demo_overflow = true;
+    else if (args.is("--shadow")) s.shadow = args.whole<std::size_t>(1, 1'000'000);
     else args.unknown();
   }
   if (s.width % s.heads != 0)
@@ -355,6 +365,8 @@ int main(int argc, char** argv) try {
                 r.tokens_per_second, r.skipped, static_cast<double>(r.final_scale), r.peak_mib);
   std::printf("%-16s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
   for (auto const& r : results) std::printf("\n-- sampled from %s:\n%s\n", r.policy.c_str(), r.sample.c_str());
+  for (auto const& r : results)
+    if (!r.shadow_table.empty()) std::printf("\n-- %s: %s", r.policy.c_str(), r.shadow_table.c_str());
   return 0;
 } catch (...) {
   return mpx_programs::report_failure("char_lm");

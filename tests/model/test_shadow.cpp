@@ -9,11 +9,15 @@
 #include <mpx/layers/batch_norm.hpp>
 #include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
+#include <mpx/layers/attention.hpp>
 #include <mpx/layers/dropout.hpp>
+#include <mpx/layers/embedding.hpp>
+#include <mpx/layers/layer_norm.hpp>
 #include <mpx/layers/flatten.hpp>
 #include <mpx/layers/max_pool2d.hpp>
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/model/fit.hpp>
+#include <mpx/model/residual.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/shadow.hpp>
 #include <mpx/optim/adam.hpp>
@@ -147,7 +151,7 @@ TEMPLATE_LIST_TEST_CASE("the shadow's errors are a float64 computation's, to the
   CHECK_FALSE(report.layers[2].weight_gradient.has_value());
 
   // The table prints those digits, and names the costliest layer.
-  auto const table = mpx::shadow_table({report});
+  auto const table = mpx::shadow_table(std::vector<mpx::shadow_report>{report});
   CHECK_THAT(table, Contains(mpx::detail::error_text(report.layers[0].output)));
   CHECK_THAT(table, Contains("Costliest: dense"));
   // A shadow belongs to one model.
@@ -156,6 +160,48 @@ TEMPLATE_LIST_TEST_CASE("the shadow's errors are a float64 computation's, to the
   auto const x2 = mpx_test::upload(exec, std::vector<float>(4, 1.0f), mpx::shape{2, 2});
   other.forward(exec, x2.view(), true);
   CHECK_THROWS_TYPE_WITH(shadow.measure(exec, other, 2), mpx::invalid_argument, Contains("one model_shadow per model"));
+}
+
+TEMPLATE_LIST_TEST_CASE("a transformer's layers are shadowed inside their residual blocks", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  constexpr std::int64_t batch = 3, tokens = 7, width = 16;
+  auto model = mpx::sequential<mpx::mixed_bfloat16>(
+      mpx::embedding<>(50, width, tokens), mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<>(2)),
+      mpx::residual(mpx::layer_norm<>(), mpx::dense<>(2 * width, mpx::activation::gelu), mpx::dense<>(width)),
+      mpx::dense<>(50));
+  model.build(exec, {tokens}, 6);
+  std::vector<std::int32_t> ids(batch * tokens);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 17 + 3) % 50);
+  auto const x = mpx_test::upload(exec, ids, mpx::shape{batch, tokens});
+  model.forward(exec, x.view(), true);
+  auto const d = model.logits_gradient(exec);
+  auto const g = mpx_test::random_values<float>(d.size(), -1.0, 1.0, 51);
+  mpx::copy(exec, mpx::tensor_view<float const, mpx::host_space>(g.data(), d.shape()), d);
+  model.backward_from_logits(exec, d);
+  mpx::model_shadow<Space> shadow;
+  auto const report = shadow.measure(exec, model, 1);
+  std::vector<std::string> names;
+  for (auto const& e : report.layers) names.push_back(e.layer);
+  CHECK(names == std::vector<std::string>{"embedding", "residual/layer_normalization",
+                                          "residual/multi_head_attention", "residual_1/layer_normalization",
+                                          "residual_1/dense", "residual_1/dense_1", "dense"});
+  for (auto const& e : report.layers) {
+    INFO(e.layer);
+    CHECK(e.skipped.empty());
+    CHECK_FALSE(e.read_nonfinite);
+    REQUIRE(e.output.has_value());
+    CHECK(*e.output > 0.0);  // bfloat16 outputs: about 2^-9 relative
+    CHECK(*e.output < 1e-2);
+    REQUIRE(e.weight_gradient.has_value());
+    CHECK(*e.weight_gradient < 2e-2);
+    // A branch's first layer writes its input gradient into the block's buffer, which the
+    // block then adds the skip connection to: not the layer's own, not measured.
+    bool const first_in_branch = e.layer.find("/layer_normalization") != std::string::npos;
+    CHECK(e.input_gradient.has_value() == (e.layer != "embedding" && !first_in_branch));
+    if (e.input_gradient) CHECK(*e.input_gradient < 2e-2);
+  }
 }
 
 template <class P>
@@ -235,7 +281,7 @@ TEMPLATE_LIST_TEST_CASE("an overflow shows as an infinite error, and leads the t
   CHECK(report.step == 7);
   REQUIRE(report.layers[0].output.has_value());
   CHECK(std::isinf(*report.layers[0].output));
-  auto const table = mpx::shadow_table({report});
+  auto const table = mpx::shadow_table(std::vector<mpx::shadow_report>{report});
   // dense_1 read the infinities: its twin's results are not finite either, and it is not blamed.
   CHECK(report.layers[1].read_nonfinite);
   CHECK_FALSE(report.layers[0].read_nonfinite);

@@ -479,7 +479,9 @@ class sequential_model {
   //! Calls f(name, layer, x, y, dy, dx, in_backward, backward_began_here) for every
   //! layer of the latest forward, in order, with typed views: x what the layer read and
   //! y what it wrote; dy the gradient of y it read and dx the gradient of x it wrote in
-  //! the latest backward (empty where it did not: the first layer writes no dx). Where
+  //! the latest backward (empty where it did not: the first layer writes no dx of its own;
+  //! a residual block's branch writes it into the block's buffer, which then adds the
+  //! skip connection's). Where
   //! the backward began, dy is the caller's gradient (or the model's cast of it): valid
   //! only while the caller's buffer is. A residual block's branch layers come before the
   //! block, named "<block>/<layer>". Otherwise the views are valid as trace()'s are.
