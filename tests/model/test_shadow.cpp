@@ -243,6 +243,15 @@ TEMPLATE_LIST_TEST_CASE("a float32 model costs no precision: every error is exac
   mpx::model_shadow<Space> shadow;
   auto const report = shadow.measure(exec, model, 1);
   REQUIRE(report.layers.size() == 4);
+  // After an inference forward the twins run in inference too (batch norm on its moving
+  // statistics): still exactly 0.
+  model.forward(exec, data.images.view(), false);
+  for (auto const& e : shadow.measure(exec, model, 2).layers) {
+    INFO(e.layer << " after an inference forward");
+    REQUIRE(e.output.has_value());
+    CHECK(*e.output == 0.0);
+    CHECK_FALSE(e.weight_gradient.has_value());  // no backward since that forward
+  }
   for (auto const& e : report.layers) {
     INFO(e.layer);
     CHECK(e.skipped.empty());
@@ -289,12 +298,84 @@ TEMPLATE_LIST_TEST_CASE("an overflow shows as an infinite error, and leads the t
   CHECK_THAT(table, Contains("(it read non-finite values)"));
 }
 
+TEMPLATE_LIST_TEST_CASE("a model built again for another input shape gets new twins", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::float32>(mpx::dense<>(5), mpx::dense<>(3));
+  mpx::model_shadow<Space> shadow;
+  for (std::int64_t features : {4, 6}) {
+    INFO(features << " features");
+    model.build(exec, {features}, 2);
+    auto const x = mpx_test::upload(exec, std::vector<float>(static_cast<std::size_t>(2 * features), 0.5f),
+                                    mpx::shape{2, features});
+    model.forward(exec, x.view(), true);
+    auto const report = shadow.measure(exec, model, 1);
+    REQUIRE(report.layers[0].output.has_value());
+    CHECK(*report.layers[0].output == 0.0);
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("the trainer marks the shadow reports of steps it skipped", "[model][shadow]",
+                        mpx_test::executors) {
+  TestType exec;
+  using Space = mpx::memory_space_t<TestType>;
+  auto const data = image_data(exec, 24);
+  auto model = mpx::sequential<mpx::mixed_float16>(mpx::flatten<>(), mpx::dense<>(8, mpx::activation::relu),
+                                                   mpx::dense<>(3));
+  model.build(exec, {8, 8, 1}, 3);
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = 0x1p60f;  // the first steps' float16 gradients overflow; each halves the scale
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::dynamic_loss_scaler(exec, rule));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.shadow_every(1);
+  mpx::tensor_batches<float, Space> batches{data.images, data.labels, 8};
+  batches.start_epoch(0);
+  while (auto b = batches.next()) trainer.step(exec, b->images, b->labels);
+  auto const records = trainer.history(exec);
+  auto const reports = trainer.take_shadow_reports();
+  REQUIRE(records.size() == 3);
+  REQUIRE(reports.size() == 3);
+  CHECK(records[0].skipped == 1);
+  for (std::size_t i = 0; i < 3; ++i) {
+    INFO("step " << i + 1);
+    CHECK(reports[i].step == i + 1);
+    CHECK(reports[i].skipped == (records[i].skipped != 0));
+  }
+  CHECK_THAT(mpx::shadow_table(reports), Contains("overflowed and were skipped"));
+}
+
+TEST_CASE("steps that overflowed are left out of the means, and said so", "[model][shadow]") {
+  auto report = [](std::size_t step, double output, bool skipped) {
+    mpx::shadow_report r;
+    r.step = step;
+    r.skipped = skipped;
+    mpx::layer_error e;
+    e.layer = "dense";
+    e.kind = "Dense";
+    e.policy = "mixed_float16";
+    e.output = output;
+    r.layers.push_back(e);
+    return r;
+  };
+  std::vector<mpx::shadow_report> const reports{report(10, 1e-3, false), report(20, INFINITY, true),
+                                                 report(30, 3e-3, false)};
+  auto const mean = mpx::mean_layer_errors(reports);
+  REQUIRE(mean[0].output.has_value());
+  CHECK(*mean[0].output == Approx(2e-3));
+  auto const table = mpx::shadow_table(reports);
+  CHECK_THAT(table, Contains("mean of 2 shadow steps"));
+  CHECK_THAT(table, Contains("1 more shadow step overflowed"));
+  CHECK_THAT(table, Contains("Costliest: dense (output 2.0e-03)"));
+}
+
 TEMPLATE_LIST_TEST_CASE("shadowing does not change the training, bit for bit; fit logs and prints it",
                         "[model][shadow]", mpx_test::executors) {
   TestType exec;
   using Space = mpx::memory_space_t<TestType>;
   auto const data = image_data(exec, 40);
-  auto train = [&](std::size_t shadow_every, std::filesystem::path const& csv) {
+  auto train = [&](std::size_t shadow_every, std::filesystem::path const& csv, bool cuda_graph = false) {
     auto model = image_model<mpx::mixed_float16>();
     model.build(exec, {8, 8, 1}, 5);
     auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
@@ -305,6 +386,7 @@ TEMPLATE_LIST_TEST_CASE("shadowing does not change the training, bit for bit; fi
     options.quiet = true;
     options.shadow_every = shadow_every;
     options.csv_log = csv;
+    options.cuda_graph = cuda_graph;  // (the host executor ignores it)
     auto history = mpx::fit(exec, model, optimizer, batches, options);
     std::vector<std::vector<double>> values;
     for (auto const& p : model.parameters(exec)) values.push_back(values_of(exec, p.value));
@@ -316,6 +398,15 @@ TEMPLATE_LIST_TEST_CASE("shadowing does not change the training, bit for bit; fi
   REQUIRE(plain_values.size() == shadowed_values.size());
   for (std::size_t i = 0; i < plain_values.size(); ++i)
     CHECK(mpx_test::first_mismatch(shadowed_values[i], plain_values[i]).empty());
+  {  // Steps replayed from a CUDA graph, a shadow step every other step: eager, on the replay's buffers.
+    auto const [graph_plain, graph_plain_values] = train(0, dir.path / "graph_plain.csv", true);
+    auto const [graph_shadowed, graph_shadowed_values] = train(2, dir.path / "graph_shadowed.csv", true);
+    REQUIRE(graph_plain_values.size() == graph_shadowed_values.size());
+    for (std::size_t i = 0; i < graph_plain_values.size(); ++i)
+      CHECK(mpx_test::first_mismatch(graph_shadowed_values[i], graph_plain_values[i]).empty());
+    CHECK(graph_shadowed[1].loss == graph_plain[1].loss);
+    CHECK(graph_shadowed[0].shadow.size() + graph_shadowed[1].shadow.size() == 5);
+  }
   REQUIRE(shadowed.size() == 2);
   for (std::size_t e = 0; e < 2; ++e) {
     CHECK(shadowed[e].loss == plain[e].loss);

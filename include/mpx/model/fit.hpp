@@ -232,10 +232,10 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     std::vector<shadow_report> epoch_shadows;
     auto drain = [&] {
       double const now = std::chrono::duration<double>(clock::now() - start).count();
-      std::size_t const first_new_shadow = epoch_shadows.size();
+      auto const records = trainer.history(exec);  // first: it marks the reports of skipped steps
+      std::size_t next_shadow = epoch_shadows.size();
       for (auto& r : trainer.take_shadow_reports()) epoch_shadows.push_back(std::move(r));
-      std::size_t next_shadow = first_new_shadow;
-      for (auto const& r : trainer.history(exec)) {
+      for (auto const& r : records) {
         meter.add(r);
         ++logged;
         if (csv) {
@@ -320,7 +320,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     if (csv) csv.flush();
     shadows.insert(shadows.end(), epoch_shadows.begin(), epoch_shadows.end());
     summary.shadow = std::move(epoch_shadows);
-    history.push_back(summary);
+    history.push_back(std::move(summary));
     if (options.on_epoch_end) options.on_epoch_end(history.back());
   }
   if (options.shadow_every && !quiet) {

@@ -231,15 +231,17 @@ class sequential_model {
     void const* input = nullptr;
     std::size_t backward_top = static_cast<std::size_t>(-1);
     void const* top_gradient = nullptr;
+    bool training = false;  //!< the latest forward's mode (dropout and batch norm)
   };
   [[nodiscard]] in_flight in_flight_state() const noexcept {
-    return {batch_in_flight_, first_input_, backward_top_, top_gradient_};
+    return {batch_in_flight_, first_input_, backward_top_, top_gradient_, training_in_flight_};
   }
   void restore_in_flight_state(in_flight const& s) noexcept {
     batch_in_flight_ = s.batch;
     first_input_ = s.input;
     backward_top_ = s.backward_top;
     top_gradient_ = s.top_gradient;
+    training_in_flight_ = s.training;
   }
 
   //! The largest batch the buffers hold now (0 before the first reserve or forward).
@@ -259,6 +261,7 @@ class sequential_model {
     std::int64_t const batch = x.shape()[0];
     if (batch > batch_) reserve(exec, batch);
     backward_top_ = no_backward;  // the gradients no longer belong to these activations
+    training_in_flight_ = training;
     forward_from<0>(exec, x, batch, training);
     auto& last = boost::hana::at_c<count - 1>(nodes_);
     return last.output.template view<Space>(detail::with_batch(batch, last.layer.output_shape()));
@@ -685,6 +688,7 @@ class sequential_model {
   void const* first_input_ = nullptr;
   std::size_t backward_top_ = no_backward;  // the layer the latest backward began at
   void const* top_gradient_ = nullptr;      // the dy it began with (the caller's, or its cast)
+  bool training_in_flight_ = false;         // the latest forward's mode
   std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
   void* input_gradient_ = nullptr;                     // where backward_to_input wants dL/d(input)
   std::vector<std::size_t> layer_first_parameter_;

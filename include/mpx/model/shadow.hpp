@@ -1,7 +1,7 @@
 // mpx::model_shadow: which layer costs your model its precision. After a backward pass,
 // each layer is run again, forward and backward, by a float32 twin: the same layer type
-// with mpx::float32 as its policy, given the same input, the same weights (the master
-// weights, cast) and the same upstream gradient. The relative L2 error of the layer's
+// with mpx::float32 as its policy, given the same input, the same weights (the layer's
+// own, cast) and the same upstream gradient, in the same mode (training or not). The relative L2 error of the layer's
 // output, input gradient and weight gradients against its twin's is that layer's error
 // budget for the step:
 //
@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -82,6 +83,9 @@ struct layer_error {
 
 struct shadow_report {
   std::size_t step = 0;  //!< the training step it was taken at (from 1)
+  //! The step's gradients overflowed and it was skipped (set by classifier_trainer::
+  //! history() and by fit): its errors are the overflow's, left out of the means.
+  bool skipped = false;
   std::vector<layer_error> layers;
 };
 
@@ -116,6 +120,7 @@ struct store_error_sums {
 
 //! ||a - r|| / ||r|| from the sums: 0 when both are zero, inf when only r is.
 inline double relative_error(error_sums s) {
+  if (std::isnan(s.squared_difference)) return NAN;
   if (s.squared_reference == 0.0) return s.squared_difference == 0.0 ? 0.0 : INFINITY;
   return std::sqrt(s.squared_difference / s.squared_reference);
 }
@@ -132,15 +137,28 @@ struct with_policy_of<L<Q>, P> {
   using type = L<P>;
 };
 
+//! Whether L can have a float32 twin: a layer template of one policy (every built-in
+//! layer), made from its config(), and a layer in float32.
+template <class L>
+using float32_twin_t = typename with_policy_of<L, float32>::type;
+template <class L>
+concept has_shadow_twin = !std::is_void_v<float32_twin_t<L>> && requires(L const& l) {
+  float32_twin_t<L>(l.config());
+} && mpx::layer<float32_twin_t<L>> && requires(float32_twin_t<L>& t) {
+  { t.built() } -> std::convertible_to<bool>;
+  { t.input_shape() } -> std::convertible_to<shape>;
+};
+
 //! Why a layer has no float32 twin; empty when it has one.
 template <class L>
 std::string shadow_refusal(L const& layer) {
-  using Twin = typename with_policy_of<L, float32>::type;
-  if constexpr (std::is_void_v<Twin>) {
+  if constexpr (std::is_void_v<typename with_policy_of<L, float32>::type>) {
     return "no float32 twin: not a layer template of one policy";
-  } else if constexpr (!requires { Twin(layer.config()); }) {
-    return "no float32 twin: it cannot be made from its config()";
+  } else if constexpr (!has_shadow_twin<L>) {
+    return "no float32 twin: it cannot be made from its config(), or is not a layer in float32";
   } else {
+    // A layer that draws random numbers in training (its own opt-out, for custom layers
+    // too) would draw another mask in its twin.
     if constexpr (requires { layer.draws_random_numbers_in_training(); })
       if (layer.draws_random_numbers_in_training()) return "draws random numbers in training (dropout)";
     return {};
@@ -191,6 +209,7 @@ class model_shadow {
       detail::fail<invalid_argument>("mpx::model_shadow::measure", "this shadow's twins belong to another model: "
                                                                    "make one model_shadow per model");
     model_ = &model;
+    bool const training = model.in_flight_state().training;  // dropout's and batch norm's mode
     shadow_report report;
     report.step = step;
     std::vector<slot> slots;
@@ -207,10 +226,10 @@ class model_shadow {
             e.kind = std::string(L::kind);
             e.policy = std::string(L::policy::name);
             e.skipped = detail::shadow_refusal(layer);
-            if constexpr (!std::is_void_v<typename detail::with_policy_of<L, float32>::type>) {
+            if constexpr (detail::has_shadow_twin<L>) {
               if (e.skipped.empty())
-                measure_layer(exec, twin_at<L>(index, layer), layer, x, y, dy, dx, report.layers.size(), slots,
-                              compare_weight_gradients);
+                measure_layer(exec, twin_at<L>(index, layer), layer, x, y, dy, dx, training, report.layers.size(),
+                              slots, compare_weight_gradients);
             }
             report.layers.push_back(std::move(e));
             ++index;
@@ -292,13 +311,17 @@ class model_shadow {
   }
 
   template <class Exec, class L, class X, class Y, class DY, class DX>
-  void measure_layer(Exec const& exec, detail::shadow_twin<L>& t, L& layer, X x, Y y, DY dy, DX dx,
+  void measure_layer(Exec const& exec, detail::shadow_twin<L>& t, L& layer, X x, Y y, DY dy, DX dx, bool training,
                      std::size_t layer_index, std::vector<slot>& slots, bool compare_weight_gradients) {
     using Twin = typename detail::shadow_twin<L>::twin_type;
     using TwinIn = typename Twin::input_type;
     using TwinOut = typename Twin::output_type;
     static_assert(std::is_same_v<TwinOut, float>, "mpx::model_shadow: a float32 twin writes float");
     std::int64_t const batch = y.shape()[0];
+    if (t.twin.built() && !(t.twin.input_shape() == layer.input_shape())) {  // the model was built again
+      t.twin = Twin(layer.config());
+      t.reserved = 0;
+    }
     if (!t.twin.built()) {
       t.twin.set_name(layer.name());
       t.twin.build(exec, layer.input_shape(), 0);  // its weights are the layer's, copied below
@@ -325,7 +348,7 @@ class model_shadow {
     auto const xt = as_twin_reads<TwinIn>(exec, x, t.input);
     t.output.ensure(exec, y.shape());
     auto const yt = t.output.template view<Space>(y.shape());
-    t.twin.forward(exec, xt, yt, true);
+    t.twin.forward(exec, xt, yt, training);
     compare(exec, y, tensor_view<float const, Space>(yt), layer_index, measured::output, slots);
     if (!dy.data()) return;  // the backward did not read this layer's output gradient
     auto const dyt = as_twin_reads<TwinOut>(exec, dy, t.output_gradient);
@@ -366,8 +389,8 @@ inline std::string error_text(std::optional<double> e) {
 }
 }  // namespace detail
 
-//! Every layer's mean error over the reports (a NaN in any step makes its mean NaN), in
-//! the order of the model.
+//! Every layer's mean error over the reports of steps that were not skipped (a NaN in
+//! any of them makes its mean NaN), in the order of the model.
 inline std::vector<layer_error> mean_layer_errors(std::vector<shadow_report> const& reports) {
   std::vector<layer_error> out;
   if (reports.empty()) return out;
@@ -382,13 +405,15 @@ inline std::vector<layer_error> mean_layer_errors(std::vector<shadow_report> con
     total = total.value_or(0.0) + *e;
     ++n;
   };
-  for (auto const& r : reports)
+  for (auto const& r : reports) {
+    if (r.skipped) continue;
     for (std::size_t i = 0; i < out.size() && i < r.layers.size(); ++i) {
       out[i].read_nonfinite = out[i].read_nonfinite || r.layers[i].read_nonfinite;
       add(out[i].output, counts[i][0], r.layers[i].output);
       add(out[i].input_gradient, counts[i][1], r.layers[i].input_gradient);
       add(out[i].weight_gradient, counts[i][2], r.layers[i].weight_gradient);
     }
+  }
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (out[i].output) *out[i].output /= static_cast<double>(counts[i][0]);
     if (out[i].input_gradient) *out[i].input_gradient /= static_cast<double>(counts[i][1]);
@@ -402,13 +427,19 @@ inline std::vector<layer_error> mean_layer_errors(std::vector<shadow_report> con
 inline std::string shadow_table(std::vector<shadow_report> const& reports) {
   if (reports.empty()) return "Precision budget: no shadow step ran\n";
   auto const mean = mean_layer_errors(reports);
+  std::size_t skipped = 0;
+  for (auto const& r : reports) skipped += r.skipped;
   std::size_t name_width = 5, policy_width = 6;
   for (auto const& e : mean) {
     name_width = std::max(name_width, e.layer.size() + e.kind.size() + 3);
     policy_width = std::max(policy_width, e.policy.size());
   }
+  std::size_t const counted = reports.size() - skipped;
   std::string out = "Precision budget: each layer against its float32 twin, relative L2 error, mean of " +
-                    std::to_string(reports.size()) + " shadow step" + (reports.size() == 1 ? "" : "s") + "\n";
+                    std::to_string(counted) + " shadow step" + (counted == 1 ? "" : "s") + "\n";
+  if (skipped)
+    out += "(" + std::to_string(skipped) + " more shadow step" + (skipped == 1 ? "" : "s") +
+           " overflowed and were skipped: left out; find_nonfinite names where an overflow begins)\n";
   char line[512];
   std::snprintf(line, sizeof line, "%-*s %-*s %10s %11s %12s\n", static_cast<int>(name_width), "Layer (type)",
                 static_cast<int>(policy_width), "Policy", "output", "input grad", "weight grad");

@@ -94,12 +94,12 @@ class classifier_trainer {
       detail::fail<invalid_argument>("mpx::classifier_trainer::step",
                                      "the step log is full (" + std::to_string(capacity_) +
                                          " steps): read history() at least that often");
+    bool const shadow = shadow_every_ && (steps_ + 1) % shadow_every_ == 0;
     ++steps_;
-    bool const shadow = shadow_every_ && steps_ % shadow_every_ == 0;
     if constexpr (!is_host_executor_v<Exec>) {
 #if MPX_HAS_CUDA
-      if (use_graph_ && !shadow) {  // a shadow step runs eagerly: it reads the model between backward and step
-        graph_mode_step(exec, images, labels);
+      if (use_graph_) {
+        graph_mode_step(exec, images, labels, shadow);
         if (replicas_.after_step) replicas_.after_step(step_executor(exec));
         return;
       }
@@ -129,10 +129,12 @@ class classifier_trainer {
 
   //! Every n-th step (0: never), measures each layer against its float32 twin between the
   //! backward pass and the optimizer step (mpx::model_shadow), which does not change the
-  //! training. Such a step synchronises and, in graph mode, runs eagerly. Read the
-  //! reports with take_shadow_reports().
+  //! training. Such a step synchronises and, in graph mode, runs eagerly on the buffers a
+  //! replay reads. Read the reports with take_shadow_reports().
   void shadow_every(std::size_t n) noexcept { shadow_every_ = n; }
-  //! The shadow reports since the last call, oldest first.
+  //! The shadow reports since the last call, oldest first. A report's `skipped` (the
+  //! step overflowed) is known once history() has read its step's record: call
+  //! history() first.
   std::vector<shadow_report> take_shadow_reports() { return std::exchange(shadow_reports_, {}); }
   //! Steps taken since the trainer was made (a shadow report's step counts the same way).
   [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
@@ -205,6 +207,11 @@ class classifier_trainer {
       auto host = to_host(exec, records_.view().flat(0, pending_ * sizeof(step_record)));
       std::memcpy(out.data(), host.data(), pending_ * sizeof(step_record));
     }
+    // The shadow reports of steps that overflowed: their errors are the overflow's.
+    std::size_t const first_step = steps_ - pending_ + 1;
+    for (auto& report : shadow_reports_)
+      if (report.step >= first_step && report.step < first_step + pending_)
+        report.skipped = out[report.step - first_step].skipped != 0;
     pending_ = 0;
     return out;
   }
@@ -243,7 +250,7 @@ class classifier_trainer {
   // buffers are made beforehand on the caller's stream, which outlives the trainer's.
   template <class T>
   void graph_mode_step(Exec const& exec, tensor_view<T const, Space> images,
-                       tensor_view<std::int32_t const, Space> labels) {
+                       tensor_view<std::int32_t const, Space> labels, bool shadow) {
     if (!graph_streams_) {
       // When the last trainer sharing it goes (after its graph), the stream's cuBLASLt
       // workspace goes too: every trainer makes a stream of its own.
@@ -272,10 +279,19 @@ class classifier_trainer {
     Exec const on = exec.on(graph_streams_->stream);
     graph_streams_->follow(exec.stream());
     try {
-      if (replay) {
+      if (replay && shadow) {
+        // Eagerly, on the buffers and the stream a replay uses, so the step computes
+        // what the replay would have (cuBLASLt chooses its algorithm by alignment too).
+        tensor_view<T, Space> const in(reinterpret_cast<T*>(graph_images_.data()), images.shape());
+        copy(on, images, in);
+        copy(on, labels, graph_labels_);
+        step_body(on, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
+                  record(pending_), true);
+        ++pending_;
+      } else if (replay) {
         graph_step(on, images, labels);
       } else {
-        step_body(on, images, labels, record(pending_));
+        step_body(on, images, labels, record(pending_), shadow);
         ++pending_;
         eager_shape_ = images.shape();
         eager_dtype_ = detail::batch_type_key<T>();
