@@ -463,9 +463,10 @@ inline std::string shadow_table(std::vector<shadow_report> const& reports) {
   std::vector<std::size_t> order;
   for (std::size_t i = 0; i < mean.size(); ++i)
     if (mean[i].worst() && *mean[i].worst() != 0.0 && !mean[i].read_nonfinite) order.push_back(i);
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {  // ties: the model's order
     double const x = *mean[a].worst(), y = *mean[b].worst();
     if (std::isnan(x) != std::isnan(y)) return std::isnan(x);
+    if (std::isnan(x) || x == y) return a < b;
     return x > y;
   });
   if (order.size() > 3) order.resize(3);
