@@ -13,6 +13,7 @@
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/sequential.hpp>
+#include <mpx/model/tiered.hpp>
 
 #include <array>
 #include <string>
@@ -110,6 +111,10 @@ class residual_block : public layer_base {
   void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
     append_prefixed(out, [&](auto& l) -> decltype(l.append_seeds(out)) { l.append_seeds(out); });
   }
+  //! The branch's tiered layers (mpx::tiered), named "<block>/<layer>".
+  void append_tiers(std::vector<layer_tiers_entry>& out) {
+    append_prefixed(out, [&](auto& l) -> decltype(l.append_tiers(out)) { l.append_tiers(out); });
+  }
 
   //! The branch's rows for the model's summary, indented under the block.
   [[nodiscard]] std::vector<std::array<std::string, 4>> branch_summary_rows() const {
@@ -134,6 +139,7 @@ class residual_block : public layer_base {
   static std::string& entry_name(fp8_scales_entry<Exec>& entry) noexcept {
     return entry.name;
   }
+  static std::string& entry_name(layer_tiers_entry& entry) noexcept { return entry.name; }
   template <class Entries, class Append>
   void append_prefixed(Entries& out, Append append) {
     branch_.for_each_layer([&](auto& l) {

@@ -53,6 +53,9 @@
 
 namespace mpx {
 
+template <template <class> class Layer, class... Policies>
+class tiered;  // model/tiered.hpp
+
 //! One layer's error budget at one shadow step: relative L2 errors against its float32
 //! twin. An empty value was not measured (the layer writes no such tensor, or the step's
 //! backward did not reach it); NaN or inf means the layer's own tensor was not finite.
@@ -134,6 +137,11 @@ struct with_policy_of {
 template <template <class> class L, class Q, class P>
   requires policy_type<Q>
 struct with_policy_of<L<Q>, P> {
+  using type = L<P>;
+};
+//! A tiered layer's twin is its layer under P (it is measured in whichever tier runs).
+template <template <class> class L, class... Qs, class P>
+struct with_policy_of<tiered<L, Qs...>, P> {
   using type = L<P>;
 };
 
@@ -224,7 +232,8 @@ class model_shadow {
             layer_error e;
             e.layer = name;
             e.kind = std::string(L::kind);
-            e.policy = std::string(L::policy::name);
+            if constexpr (requires { layer.active_policy(); }) e.policy = std::string(layer.active_policy());
+            else e.policy = std::string(L::policy::name);
             e.skipped = detail::shadow_refusal(layer);
             if constexpr (detail::has_shadow_twin<L>) {
               if (e.skipped.empty())

@@ -22,6 +22,7 @@
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
+#include <mpx/model/precision_guard.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/shadow.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
@@ -32,7 +33,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -101,6 +104,7 @@ class classifier_trainer {
       if (use_graph_) {
         graph_mode_step(exec, images, labels, shadow);
         if (replicas_.after_step) replicas_.after_step(step_executor(exec));
+        review_guard(exec);
         return;
       }
 #endif
@@ -108,6 +112,7 @@ class classifier_trainer {
     step_body(exec, images, labels, record(pending_), shadow);
     ++pending_;
     if (replicas_.after_step) replicas_.after_step(step_executor(exec));
+    review_guard(exec);
   }
   template <class T>
   void step(Exec const& exec, tensor_view<T, Space> images, tensor_view<std::int32_t, Space> labels) {
@@ -136,6 +141,14 @@ class classifier_trainer {
   //! step overflowed) is known once history() has read its step's record: call
   //! history() first.
   std::vector<shadow_report> take_shadow_reports() { return std::exchange(shadow_reports_, {}); }
+  //! Guards the model's tiered layers (mpx::tiered, mpx::precision_guard): after each
+  //! step the scaler skips, the layer that wrote the first NaN or inf is counted on the
+  //! executor; every options.review_every steps the counts (and any shadow step's errors)
+  //! are read and a failing layer moves one tier up from the next step on. As a replica,
+  //! the evidence is summed over the replicas, which move alike.
+  void guard(guard_options options) { guard_.emplace(options); }
+  //! The guard, or nullptr when there is none.
+  [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return guard_ ? &*guard_ : nullptr; }
   //! Steps taken since the trainer was made (a shadow report's step counts the same way).
   [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
 
@@ -187,6 +200,7 @@ class classifier_trainer {
     bool stochastic_rounding = false;     //!< the optimizer's rounding: a kernel argument, with
     std::uint64_t rounding_seed = 0;      //!< its seed (load() restores a saved one)
     std::uint64_t replica_generation = 0;  //!< run_as_replica's hooks: the collectives and amax reductions captured
+    std::size_t tier_moves = 0;            //!< the guard's moves: which tier of a layer runs
     friend bool operator==(graph_state const&, graph_state const&) = default;
   };
   [[nodiscard]] graph_state graph_state_now() const {
@@ -197,6 +211,7 @@ class classifier_trainer {
     s.stochastic_rounding = optimizer_.optimizer().master_options().stochastic_rounding;
     s.rounding_seed = optimizer_.optimizer().master_options().seed;
     s.replica_generation = replica_generation_;
+    s.tier_moves = guard_ ? guard_->moves().size() : 0;
     return s;
   }
 
@@ -238,10 +253,27 @@ class classifier_trainer {
     sparse_categorical_cross_entropy<float32>(exec, logits, labels, d_logits, loss_, scale);
     model_.backward_from_logits(exec, tensor_view<logits_type const, Space>(d_logits));
     // The weight gradients a replica averaged during the backward are no longer its own.
-    if (shadow) shadow_reports_.push_back(shadow_.measure(exec, model_, steps_, !gradients_reduced_in_backward_));
+    if (shadow) {
+      shadow_reports_.push_back(shadow_.measure(exec, model_, steps_, !gradients_reduced_in_backward_));
+      if (guard_) guard_->add_shadow(shadow_reports_.back());
+    }
     if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
+    if (guard_) guard_->watch(exec, model_, images, rec, scale_floor());
+  }
+
+  //! The loss scale at or below which a backward overflow is the model's, not the
+  //! scale's: the dynamic rule's min_scale; any scale for a fixed one.
+  [[nodiscard]] float scale_floor() const {
+    if constexpr (requires { optimizer_.scaler().rule().min_scale; }) return optimizer_.scaler().rule().min_scale;
+    else return std::numeric_limits<float>::infinity();
+  }
+
+  template <class E>
+  void review_guard(E const& exec) {
+    if (guard_ && steps_ % guard_->options().review_every == 0)
+      guard_->review(exec, model_, steps_, replicas_.sum_values, scale_floor());
   }
 
 #if MPX_HAS_CUDA
@@ -395,6 +427,7 @@ class classifier_trainer {
   std::size_t shadow_every_ = 0;
   model_shadow<Space> shadow_;
   std::vector<shadow_report> shadow_reports_;
+  std::optional<precision_guard<Space>> guard_;
 };
 
 template <class Exec, class Model, class Opt>

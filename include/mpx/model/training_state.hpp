@@ -19,7 +19,9 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/model_file.hpp>
+#include <mpx/model/tiered.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -177,6 +179,9 @@ void save_training_state(Exec const& exec, Model& model, Optimizer const& optimi
   auto const fp8_scales = detail::model_fp8_scales<Exec>(model);
   out.add_value("fp8 scales", static_cast<std::uint64_t>(fp8_scales.size()));
   for (auto const& entry : fp8_scales) entry.save(exec, out, "fp8/" + entry.name);
+  auto const tiers = detail::model_tiers(model);
+  out.add_value("tiers", static_cast<std::uint64_t>(tiers.size()));
+  for (auto const& t : tiers) out.add("tier/" + t.name, detail::text_bytes(t.policies[*t.active]));
   out.commit(directory / detail::training_state_file);
   detail::remove_other_saves(directory, model_name, optimizer_name);
 }
@@ -240,6 +245,23 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
     in.refuse("it holds " + std::to_string(saved_fp8) + " layers' fp8 scales, this model keeps " +
               std::to_string(fp8_scales.size()) + "; nothing was loaded");
 
+  // The tiered layers' tiers (mpx::tiered): each saved one by name, as a policy it has.
+  auto const tiers = detail::model_tiers(model);
+  std::uint64_t const saved_tiers = in.contains("tiers") ? in.value<std::uint64_t>("tiers") : 0;
+  if (saved_tiers != tiers.size())
+    in.refuse("it holds " + std::to_string(saved_tiers) + " tiered layers, this model keeps " +
+              std::to_string(tiers.size()) + "; nothing was loaded");
+  std::vector<std::size_t> tier_values;
+  for (auto const& t : tiers) {
+    if (!in.contains("tier/" + t.name)) in.refuse("it holds no tiered layer '" + t.name + "'; nothing was loaded");
+    std::string const policy = in.text("tier/" + t.name);
+    auto const at = std::find(t.policies.begin(), t.policies.end(), policy);
+    if (at == t.policies.end())
+      in.refuse("its tiered layer '" + t.name + "' runs under " + policy + ", which is not one of this layer's "
+                "tiers; nothing was loaded");
+    tier_values.push_back(static_cast<std::size_t>(at - t.policies.begin()));
+  }
+
   // Each fp8 state, then each file, checks itself before it writes; what was written
   // goes back if a later part is refused.
   std::vector<std::function<void()>> restore_fp8;
@@ -274,6 +296,7 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
     copy(exec, tensor_view<std::uint64_t const, host_space>(&values[i], shape{1}),
          tensor_view<std::uint64_t, Space>(counters[i].second.data(), shape{1}));
   for (std::size_t i = 0; i < seeds.size(); ++i) *seeds[i].second = seed_values[i];
+  for (std::size_t i = 0; i < tiers.size(); ++i) *tiers[i].active = tier_values[i];
   exec.synchronize();
   return position;
 }

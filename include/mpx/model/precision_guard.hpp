@@ -1,0 +1,460 @@
+// mpx::precision_guard: moves a tiered layer (mpx::tiered) one tier up, to a wider
+// policy, when the evidence says its current one fails it, and says why. It is what a
+// user otherwise does by hand after a diverged run: "attention overflows in float16;
+// give it bfloat16".
+//
+// The evidence, gathered where the executor computes, without a host synchronisation:
+//  - After every step the loss scaler skipped, the first tensor that holds NaN or inf,
+//    in the order find_nonfinite reads them (the model's input; each layer's output in
+//    forward order; then, backwards, each layer's weight gradients and input gradient),
+//    names the layer that made non-finite values from finite ones. One pass over the
+//    step's activations and gradients, which returns at once when the step was not
+//    skipped, then a one-thread tally.
+//      * A layer whose forward pass was first, `forward_overflows` times within `window`
+//        steps, moves: no loss scale changes a forward pass, so the scaler cannot help.
+//        (One transient overflow never moves anything.)
+//      * A layer whose gradients were first while the loss scale was at its floor
+//        (the scaler's min_scale; any scale for a static scaler), `stuck_overflows`
+//        times, moves: the scaler has nothing left to give. Backward overflows above
+//        the floor are the scaler's to handle and are only counted.
+//  - With a shadow (classifier_trainer::shadow_every), a layer whose error against its
+//    float32 twin passes `shadow_error` on `shadow_strikes` shadow steps moves.
+// The evidence is read every `review_every` steps (one synchronisation), summed over
+// data-parallel replicas (so every replica moves the same layers at the same step),
+// and each move is kept with its evidence in words. Layers that are not tiered are
+// counted and reported but never moved. Moves down are not made.
+#pragma once
+
+#include <mpx/core/cast.hpp>
+#include <mpx/core/config.hpp>
+#include <mpx/core/dtype.hpp>
+#include <mpx/core/error.hpp>
+#include <mpx/exec/copy.hpp>
+#include <mpx/exec/executor.hpp>
+#include <mpx/exec/for_each.hpp>
+#include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
+#include <mpx/kernels/step_record.hpp>
+#include <mpx/model/shadow.hpp>
+#include <mpx/model/tiered.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mpx {
+
+struct guard_options {
+  //! Steps a layer's forward pass was the first to write NaN or inf (in steps the
+  //! scaler skipped) within `window` steps that move it.
+  std::size_t forward_overflows = 3;
+  //! Steps its gradients were the first non-finite values with the loss scale at its
+  //! floor, within `window` steps, that move it.
+  std::size_t stuck_overflows = 3;
+  std::size_t window = 200;
+  //! > 0: a shadow error (the worst of output, input gradient, weight gradients) above
+  //! this, on `shadow_strikes` shadow steps since the layer's last move, moves it.
+  double shadow_error = 0;
+  std::size_t shadow_strikes = 2;
+  //! Steps between reviews of the evidence (each synchronises once).
+  std::size_t review_every = 25;
+};
+
+//! One move, with its evidence.
+struct guard_move {
+  std::size_t step = 0;  //!< the review that made it (steps counted from 1); the next step runs in `to`
+  std::string layer, from, to;
+  std::string evidence;  //!< "3 of its forward passes under mixed_float16 were ..."
+  [[nodiscard]] std::string text() const { return layer + ": " + evidence + "; now " + to; }
+};
+
+namespace detail {
+
+//! One tensor the scan reads, and whose it is.
+struct watched_tensor {
+  void const* data = nullptr;
+  std::uint64_t size = 0;
+  std::uint64_t first_chunk = 0;  //!< chunks of guard_chunk elements before this tensor's
+  std::uint32_t dtype = 0;
+  std::uint32_t owner = 0;        //!< the layer's index, or guard_no_owner (the input, a cast)
+  std::uint32_t backward = 0;     //!< 1: written by a backward pass
+  std::uint32_t unused = 0;
+};
+inline constexpr std::uint64_t guard_chunk = 4096;
+inline constexpr std::uint32_t guard_no_owner = 0xffffffffu;
+
+template <class T>
+inline constexpr bool guard_watchable = std::is_same_v<T, half> || std::is_same_v<T, bfloat16> || std::is_same_v<T, float>;
+
+MPX_HD inline bool finite_element(void const* data, std::uint32_t dtype, std::uint64_t i) noexcept {
+  switch (static_cast<dtype_id>(dtype)) {
+    case dtype_id::float16: return is_finite(static_cast<half const*>(data)[i]);
+    case dtype_id::bfloat16: return is_finite(static_cast<bfloat16 const*>(data)[i]);
+    case dtype_id::float32: return is_finite(static_cast<float const*>(data)[i]);
+    default: return true;
+  }
+}
+
+struct max_u32 {
+  using value_type = unsigned;
+  MPX_HD static unsigned identity() noexcept { return 0u; }
+  MPX_HD unsigned operator()(unsigned a, unsigned b) const noexcept { return a > b ? a : b; }
+};
+
+//! Chunk c of the watched tensors: count - (its tensor's index) when it holds NaN or inf,
+//! else 0 (so the maximum names the first such tensor). Nothing is read unless the step
+//! was skipped. Tensor 0 is the model's input, given by value (it moves every step).
+struct first_nonfinite_scan {
+  watched_tensor const* table;
+  watched_tensor input;
+  unsigned count;
+  step_record const* record;
+  MPX_HD unsigned operator()(std::size_t c) const {
+    if (record->skipped == 0) return 0u;
+    unsigned lo = 0, hi = count;  // the last tensor whose first chunk is <= c (empty ones are passed over)
+    while (hi - lo > 1) {
+      unsigned const mid = lo + (hi - lo) / 2;
+      if (table[mid].first_chunk <= c) lo = mid;
+      else hi = mid;
+    }
+    watched_tensor const t = lo == 0 ? input : table[lo];
+    std::uint64_t const begin = (static_cast<std::uint64_t>(c) - t.first_chunk) * guard_chunk;
+    std::uint64_t const end = begin + guard_chunk < t.size ? begin + guard_chunk : t.size;
+    for (std::uint64_t i = begin; i < end; ++i)
+      if (!finite_element(t.data, t.dtype, i)) return count - lo;
+    return 0u;
+  }
+};
+struct into_slot {
+  unsigned* slot;
+  MPX_HD void operator()(unsigned v) const noexcept { max_into(slot, v); }
+};
+
+//! After the scan: counts the first non-finite tensor against its layer, and clears the
+//! slot. counts holds [forward | backward at the scale's floor | backward] per layer.
+struct tally_first_nonfinite {
+  watched_tensor const* table;
+  unsigned count;
+  unsigned owners;
+  unsigned* slot;
+  unsigned* counts;
+  step_record const* record;
+  float floor;
+  MPX_HD void operator()() const {
+    unsigned const s = *slot;
+    *slot = 0u;
+    if (s == 0u || s > count) return;
+    watched_tensor const& t = table[count - s];
+    if (t.owner >= owners) return;
+    if (t.backward == 0u) {
+      ++counts[t.owner];
+    } else {
+      ++counts[2u * owners + t.owner];
+      if (record->loss_scale <= floor) ++counts[owners + t.owner];
+    }
+  }
+};
+
+}  // namespace detail
+
+template <memory_space Space>
+class precision_guard {
+ public:
+  explicit precision_guard(guard_options options = {}) : options_(checked(options)) {}
+
+  [[nodiscard]] guard_options const& options() const noexcept { return options_; }
+  //! Every move so far, oldest first.
+  [[nodiscard]] std::vector<guard_move> const& moves() const noexcept { return moves_; }
+
+  //! After a step's record is written (its `skipped` is the scan's gate): enqueues the
+  //! scan of what the model's latest forward and backward wrote, and the tally.
+  //! `input` is the batch as the caller gave it; `floor` the loss scale's floor.
+  template <executor Exec, class Model, class T>
+  void watch(Exec const& exec, Model& model, tensor_view<T const, Space> input, step_record const* record,
+             float floor) {
+    table const& t = table_for(exec, model);
+    detail::watched_tensor in;
+    if constexpr (detail::guard_watchable<T>) {
+      in.data = input.data();
+      in.size = std::min<std::uint64_t>(input.size(), t.input_size);  // table 0's chunks were counted for that
+      in.dtype = static_cast<std::uint32_t>(dtype_id_of<T>);
+    }
+    in.owner = detail::guard_no_owner;
+    for_each_index_into(exec, t.chunks, detail::max_u32{},
+                        detail::first_nonfinite_scan{t.device.data(), in, t.count, record},
+                        detail::into_slot{slot_.data()});
+    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, static_cast<unsigned>(names_.size()),
+                                                 slot_.data(), counts_.data(), record, floor});
+  }
+
+  //! A shadow step's report (mpx::model_shadow): a layer whose error passed the bound
+  //! gets a strike. Errors of values that were already non-finite do not count.
+  void add_shadow(shadow_report const& report) {
+    if (!(options_.shadow_error > 0)) return;
+    for (auto const& e : report.layers) {
+      double const worst = e.worst().value_or(0.0);
+      if (e.read_nonfinite || !std::isfinite(worst) || !(worst > options_.shadow_error)) continue;
+      std::size_t const o = owner_of(e.layer);
+      if (o == npos) continue;
+      strikes_pending_[o] += 1;
+      worst_shadow_[o] = std::max(worst_shadow_[o], worst);
+    }
+  }
+
+  //! Reads the evidence gathered since the last review (synchronises), sums it over the
+  //! replicas (`sum_values`, empty for one process), and moves the layers it condemns.
+  //! Every replica must call it at the same step. Returns this review's moves.
+  template <executor Exec, class Model>
+  std::vector<guard_move> review(Exec const& exec, Model& model, std::size_t step,
+                                 std::function<void(std::span<double>)> const& sum_values, float floor) {
+    std::size_t const owners = names_.size();
+    if (owners == 0) return {};
+    std::vector<double> v(4 * owners, 0.0);
+    {
+      auto const host = to_host(exec, counts_.view());
+      for (std::size_t i = 0; i < 3 * owners; ++i) v[i] = host.data()[i];
+    }
+    fill(exec, counts_.view(), 0u);
+    for (std::size_t o = 0; o < owners; ++o) v[3 * owners + o] = strikes_pending_[o];
+    if (sum_values) sum_values(std::span<double>(v));
+    std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
+    for (std::size_t o = 0; o < owners; ++o) {
+      evidence& e = evidence_[o];
+      if (v[o] > 0 || v[owners + o] > 0) e.recent.push_back({step, v[o], v[owners + o]});
+      e.backward_overflows += v[2 * owners + o];
+      e.shadow_strikes += v[3 * owners + o];
+      while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
+    }
+    std::vector<guard_move> made;
+    for (auto& tiers : detail::model_tiers(model)) {
+      std::size_t const o = owner_of(tiers.name);
+      if (o == npos || *tiers.active + 1 >= tiers.policies.size()) continue;
+      evidence& e = evidence_[o];
+      double forward = 0, stuck = 0;
+      for (auto const& r : e.recent) {
+        forward += r.forward;
+        stuck += r.stuck;
+      }
+      std::string const& from = tiers.policies[*tiers.active];
+      std::string why;
+      if (forward >= static_cast<double>(options_.forward_overflows)) {
+        why = std::to_string(static_cast<long long>(forward)) + " of its forward passes under " + from +
+              " wrote the first NaN or inf of their step in the last " + std::to_string(options_.window) +
+              " steps (no loss scale changes a forward pass)";
+      } else if (stuck >= static_cast<double>(options_.stuck_overflows)) {
+        why = "its gradients were the first NaN or inf of " + std::to_string(static_cast<long long>(stuck)) +
+              " steps with the loss scale at its floor (" + detail::to_text(floor) + ") in the last " +
+              std::to_string(options_.window) + " steps under " + from;
+      } else if (options_.shadow_error > 0 && e.shadow_strikes >= static_cast<double>(options_.shadow_strikes)) {
+        why = "its error against its float32 twin passed " + detail::to_text(static_cast<float>(options_.shadow_error)) +
+              " on " + std::to_string(static_cast<long long>(e.shadow_strikes)) + " shadow steps under " + from +
+              (worst_shadow_[o] > 0 ? " (worst " + detail::to_text(static_cast<float>(worst_shadow_[o])) + " here)" : "");
+      }
+      if (why.empty()) continue;
+      *tiers.active += 1;
+      made.push_back({step, tiers.name, from, tiers.policies[*tiers.active], why});
+      e = evidence{};
+      worst_shadow_[o] = 0;
+    }
+    moves_.insert(moves_.end(), made.begin(), made.end());
+    return made;
+  }
+
+  //! Each layer's overflow counts so far (for reports and tests): the forward passes and
+  //! the gradients at the scale's floor within the window, and all backward overflows.
+  struct layer_counts {
+    std::string layer;
+    double forward = 0, stuck = 0, backward = 0;
+  };
+  [[nodiscard]] std::vector<layer_counts> counts() const {
+    std::vector<layer_counts> out;
+    for (std::size_t o = 0; o < names_.size(); ++o) {
+      layer_counts c{names_[o], 0, 0, evidence_[o].backward_overflows};
+      for (auto const& r : evidence_[o].recent) {
+        c.forward += r.forward;
+        c.stuck += r.stuck;
+      }
+      if (c.forward > 0 || c.stuck > 0 || c.backward > 0) out.push_back(c);
+    }
+    return out;
+  }
+
+  //! The moves in words, one per line; "" when none.
+  [[nodiscard]] std::string summary() const {
+    std::string out;
+    for (auto const& m : moves_) out += "step " + std::to_string(m.step) + ": " + m.text() + "\n";
+    return out;
+  }
+
+ private:
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  struct table {
+    std::uint64_t generation = 0;
+    std::int64_t batch = 0;
+    std::vector<detail::watched_tensor> host;
+    tensor<detail::watched_tensor, Space> device;
+    unsigned count = 0;
+    std::uint64_t chunks = 0;
+    std::uint64_t input_size = 0;
+  };
+  struct interval {
+    std::size_t step;
+    double forward, stuck;
+  };
+  struct evidence {
+    std::vector<interval> recent;
+    double backward_overflows = 0;
+    double shadow_strikes = 0;
+  };
+
+  static guard_options checked(guard_options o) {
+    if (o.forward_overflows == 0 || o.stuck_overflows == 0 || o.window == 0 || o.review_every == 0 ||
+        o.shadow_strikes == 0 || !(o.shadow_error >= 0) || !std::isfinite(o.shadow_error))
+      detail::fail<invalid_argument>("mpx::precision_guard",
+                                     "forward_overflows, stuck_overflows, window, review_every and shadow_strikes "
+                                     "must be positive, and shadow_error finite and >= 0 (0: off)");
+    return o;
+  }
+
+  std::size_t owner_of(std::string const& name) const {
+    for (std::size_t o = 0; o < names_.size(); ++o)
+      if (names_[o] == name) return o;
+    return npos;
+  }
+
+  //! The watched tensors of the model's buffers for its latest step's batch: made once
+  //! per (buffers, batch) and kept (a captured CUDA graph reads the one it was made with).
+  template <class Exec, class Model>
+  table const& table_for(Exec const& exec, Model& model) {
+    std::uint64_t const generation = model.buffer_generation();
+    std::int64_t const batch = model.in_flight_state().batch;
+    for (auto const& t : tables_)
+      if (t.generation == generation && t.batch == batch) return t;
+    table t;
+    t.generation = generation;
+    t.batch = batch;
+    std::vector<std::string> names;
+    struct backward_part {
+      std::size_t owner;
+      bool block;
+      std::string name;
+      std::vector<detail::watched_tensor> tensors;
+    };
+    std::vector<backward_part> backward;
+    std::vector<void const*> seen;
+    auto watched = [](auto view, std::uint32_t owner, bool in_backward) {
+      detail::watched_tensor w;
+      w.data = view.data();
+      w.size = view.size();
+      w.dtype = static_cast<std::uint32_t>(dtype_id_of<std::remove_const_t<typename decltype(view)::value_type>>);
+      w.owner = owner;
+      w.backward = in_backward ? 1u : 0u;
+      return w;
+    };
+    t.host.push_back({});  // 0: the model's input, given to each scan
+    void const* previous_output = nullptr;
+    bool first = true;
+    model.template visit_in_flight<Space>([&](std::string const& name, auto& layer, auto x, auto y, auto dy, auto dx,
+                                              bool in_backward, bool /*began_here*/) {
+      using X = std::remove_const_t<typename decltype(x)::value_type>;
+      using Y = std::remove_const_t<typename decltype(y)::value_type>;
+      using DY = std::remove_const_t<typename decltype(dy)::value_type>;
+      using DX = std::remove_const_t<typename decltype(dx)::value_type>;
+      auto const owner = static_cast<std::uint32_t>(names.size());
+      names.push_back(name);
+      if (first) {
+        t.input_size = x.size();
+        first = false;
+      } else if constexpr (detail::guard_watchable<X>) {
+        // A cast the model inserted (or a residual block re-reading its input: already seen).
+        if (x.data() != previous_output) t.host.push_back(watched(x, detail::guard_no_owner, false));
+      }
+      if constexpr (detail::guard_watchable<Y>) t.host.push_back(watched(y, owner, false));
+      previous_output = y.data();
+      if (!in_backward) return;
+      backward_part part{owner, false, name, {}};
+      if constexpr (requires { layer.branch(); }) part.block = true;
+      if constexpr (detail::guard_watchable<DY>)
+        if (dy.size()) part.tensors.push_back(watched(dy, detail::guard_no_owner, true));
+      if constexpr (!requires { layer.branch(); }) {
+        std::vector<parameter<Space>> ps;
+        layer.template append_parameters<Space>(ps);
+        for (auto const& p : ps) {
+          detail::watched_tensor w;
+          w.data = p.gradient.data();
+          w.size = p.gradient.size();
+          w.dtype = static_cast<std::uint32_t>(p.gradient.dtype());
+          w.owner = owner;
+          w.backward = 1;
+          part.tensors.push_back(w);
+        }
+      }
+      if constexpr (detail::guard_watchable<DX>)
+        if (dx.size()) part.tensors.push_back(watched(dx, owner, true));
+      backward.push_back(std::move(part));
+    });
+    // Backwards: the layers in reverse, a residual block's own input gradient (the skip
+    // path's sum) after its branch's layers, which ran before it.
+    std::vector<backward_part const*> blocks;
+    auto flush = [&](std::string const* next) {
+      while (!blocks.empty() && (!next || !next->starts_with(blocks.back()->name + "/"))) {
+        for (auto const& w : blocks.back()->tensors) t.host.push_back(w);
+        blocks.pop_back();
+      }
+    };
+    for (std::size_t i = backward.size(); i-- > 0;) {
+      flush(&backward[i].name);
+      if (backward[i].block) blocks.push_back(&backward[i]);
+      else
+        for (auto const& w : backward[i].tensors) t.host.push_back(w);
+    }
+    flush(nullptr);
+    // Chunk offsets: tensor 0 (the input) counted at the size the table was made for.
+    t.host[0].size = t.input_size;
+    t.host[0].owner = detail::guard_no_owner;
+    std::uint64_t chunks = 0;
+    for (auto& w : t.host) {
+      w.first_chunk = chunks;
+      chunks += (w.size + detail::guard_chunk - 1) / detail::guard_chunk;
+    }
+    t.count = static_cast<unsigned>(t.host.size());
+    t.chunks = chunks;
+    t.device = tensor<detail::watched_tensor, Space>(exec, shape{static_cast<std::int64_t>(t.host.size())});
+    copy(exec, tensor_view<detail::watched_tensor const, host_space>(t.host.data(), t.device.shape()), t.device.view());
+    if (names_.empty()) {
+      names_ = names;
+      evidence_.assign(names.size(), {});
+      strikes_pending_.assign(names.size(), 0.0);
+      worst_shadow_.assign(names.size(), 0.0);
+      counts_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>(3 * names.size())});
+      fill(exec, counts_.view(), 0u);
+      slot_ = tensor<unsigned, Space>(exec, shape{1});
+      fill(exec, slot_.view(), 0u);
+    } else if (names != names_) {
+      detail::fail<invalid_argument>("mpx::precision_guard", "the model's layers changed: make one guard per model");
+    }
+    if (tables_.size() >= 4) tables_.erase(tables_.begin());  // kept few: a graph's is among the newest
+    tables_.push_back(std::move(t));
+    return tables_.back();
+  }
+
+  guard_options options_;
+  std::vector<std::string> names_;  // the layers, in visit_in_flight's order (blocks too)
+  std::vector<evidence> evidence_;
+  std::vector<double> strikes_pending_, worst_shadow_;
+  std::vector<guard_move> moves_;
+  std::vector<table> tables_;
+  tensor<unsigned, Space> counts_, slot_;
+};
+
+}  // namespace mpx

@@ -1,0 +1,263 @@
+// mpx::precision_guard through classifier_trainer::guard: the decisions on constructed
+// failures. What must hold: a layer whose forward pass overflows again and again moves
+// one tier up, and the model then trains; one transient overflow moves nothing, nor do
+// the loss scaler's own overflows above its floor; a scale stuck at its floor moves the
+// layer whose gradients were first non-finite; a shadow error above the bound moves the
+// layer; and a checkpoint keeps the tiers.
+#include "../support/testing.hpp"
+
+#include <mpx/data/tensor_batches.hpp>
+#include <mpx/layers/attention.hpp>
+#include <mpx/layers/dense.hpp>
+#include <mpx/layers/embedding.hpp>
+#include <mpx/layers/flatten.hpp>
+#include <mpx/layers/layer_norm.hpp>
+#include <mpx/model/residual.hpp>
+#include <mpx/model/sequential.hpp>
+#include <mpx/model/tiered.hpp>
+#include <mpx/model/train_step.hpp>
+#include <mpx/model/training_state.hpp>
+#include <mpx/optim/adam.hpp>
+#include <mpx/optim/loss_scale_optimizer.hpp>
+#include <mpx/scaling/loss_scaler.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace guard_tests {
+
+using Catch::Matchers::Contains;
+
+constexpr std::int64_t vocab = 24, tokens = 6, width = 16;
+
+// embedding -> residual(layer_norm, attention without its 1/sqrt(head width), tiered
+// float16 -> bfloat16) -> dense: the transformer failure in small.
+inline auto attention_model() {
+  return mpx::sequential<mpx::mixed_float16>(
+      mpx::embedding<>(vocab, width, tokens),
+      mpx::residual(mpx::layer_norm<>(),
+                    mpx::tiered<mpx::causal_self_attention, mpx::model_policy, mpx::mixed_bfloat16>(2, false)),
+      mpx::dense<>(vocab));
+}
+
+template <class Model>
+auto& attention_of(Model& model) {
+  return model.template layer<1>().branch().template layer<1>();
+}
+
+// Grows the attention's query/key/value weights (a power of two: exact in float16) until
+// its float16 logits overflow.
+template <class Exec, class Model>
+void grow_attention(Exec const& exec, Model& model, float factor) {
+  using space = mpx::memory_space_t<Exec>;
+  mpx::scale(exec, attention_of(model).template tier<0>().query_key_value().template kernel<space>(), factor);
+}
+
+// Token windows and their next tokens: a cyclic sequence, easy to learn.
+template <class Exec>
+auto token_data(Exec const& exec, std::int64_t n) {
+  std::vector<std::int32_t> x(static_cast<std::size_t>(n * tokens)), y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<std::int32_t>((i * 7 + i / tokens) % vocab);
+    y[i] = static_cast<std::int32_t>((x[i] + 1) % vocab);
+  }
+  struct data {
+    mpx::tensor<std::int32_t, mpx::memory_space_t<Exec>> inputs, targets;
+  };
+  return data{mpx_test::upload(exec, x, mpx::shape{n, tokens}), mpx_test::upload(exec, y, mpx::shape{n, tokens})};
+}
+
+template <class Exec, class Trainer, class Data>
+std::vector<mpx::step_record> train_steps(Exec const& exec, Trainer& trainer, Data const& data, std::size_t steps,
+                                          std::int64_t batch = 4) {
+  using space = mpx::memory_space_t<Exec>;
+  std::int64_t const n = data.inputs.shape()[0];
+  for (std::size_t s = 0; s < steps; ++s) {
+    std::int64_t const first = static_cast<std::int64_t>(s) * batch % n;
+    mpx::tensor_view<std::int32_t const, space> const x(data.inputs.data() + first * tokens, mpx::shape{batch, tokens});
+    mpx::tensor_view<std::int32_t const, space> const y(data.targets.data() + first * tokens, mpx::shape{batch, tokens});
+    trainer.step(exec, x, y);
+  }
+  return trainer.history(exec);
+}
+
+TEMPLATE_LIST_TEST_CASE("a layer whose forward pass keeps overflowing moves one tier up, and the model trains",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  auto model = attention_model();
+  model.build(exec, {tokens}, 5);
+  grow_attention(exec, model, 512.0f);
+  auto const data = token_data(exec, 16);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.forward_overflows = 3, .window = 50, .review_every = 5});
+  auto const before = train_steps(exec, trainer, data, 5);
+  for (auto const& r : before) CHECK(r.skipped == 1);  // every step's logits overflowed float16
+  auto const* guard = trainer.guard();
+  REQUIRE(guard != nullptr);
+  REQUIRE(guard->moves().size() == 1);
+  auto const& move = guard->moves()[0];
+  CHECK(move.step == 5);
+  CHECK(move.layer == "residual/multi_head_attention");
+  CHECK(move.from == "mixed_float16");
+  CHECK(move.to == "mixed_bfloat16");
+  CHECK_THAT(move.text(), Contains("5 of its forward passes under mixed_float16") && Contains("now mixed_bfloat16"));
+  CHECK(attention_of(model).active_tier() == 1);
+  CHECK_THAT(guard->summary(), Contains("step 5: residual/multi_head_attention"));
+
+  // In bfloat16 the logits fit: the steps are taken and the loss falls.
+  auto const after = train_steps(exec, trainer, data, 40);
+  std::size_t taken = 0;
+  for (auto const& r : after) taken += r.skipped == 0;
+  CHECK(taken >= 30);
+  REQUIRE(after.back().skipped == 0);
+  CHECK(std::isfinite(after.back().loss));
+  float first_loss = 0;
+  for (auto const& r : after)
+    if (!r.skipped) {
+      first_loss = r.loss;
+      break;
+    }
+  CHECK(after.back().loss < first_loss);
+  CHECK(guard->moves().size() == 1);  // the top tier: nowhere further to go
+}
+
+TEMPLATE_LIST_TEST_CASE("one transient overflow moves nothing, nor do the scaler's overflows above its floor",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  auto model = attention_model();
+  model.build(exec, {tokens}, 5);
+  auto const data = token_data(exec, 16);
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = 0x1p20f;  // the first steps' weight gradients overflow float16; each halves the scale
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::dynamic_loss_scaler(exec, rule));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.forward_overflows = 2, .stuck_overflows = 2, .window = 100, .review_every = 4});
+  auto const first = train_steps(exec, trainer, data, 8);
+  std::size_t skipped = 0;
+  for (auto const& r : first) skipped += r.skipped;
+  CHECK(skipped >= 2);  // backward overflows, the scaler's to handle
+  // One step with a grown attention: its forward overflows once.
+  grow_attention(exec, model, 512.0f);
+  train_steps(exec, trainer, data, 1);
+  grow_attention(exec, model, 1.0f / 512.0f);
+  train_steps(exec, trainer, data, 11);
+  auto const* guard = trainer.guard();
+  CHECK(guard->moves().empty());
+  CHECK(attention_of(model).active_tier() == 0);
+  bool saw_forward = false, saw_backward = false;
+  for (auto const& c : guard->counts()) {
+    INFO(c.layer << " forward " << c.forward << " stuck " << c.stuck << " backward " << c.backward);
+    if (c.layer == "residual/multi_head_attention") saw_forward = c.forward == 1;
+    saw_backward = saw_backward || c.backward > 0;
+    CHECK(c.stuck == 0);
+  }
+  CHECK(saw_forward);
+  CHECK(saw_backward);
+}
+
+TEMPLATE_LIST_TEST_CASE("a scale stuck at its floor moves the layer whose gradients overflowed first",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::flatten<>(), mpx::dense<>(8, mpx::activation::relu),
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(3));
+  model.build(exec, {4, 4}, 3);
+  std::vector<float> pixels(16 * 16);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = 8.0f + static_cast<float>(i % 5);
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
+  auto const images = mpx_test::upload(exec, pixels, mpx::shape{16, 4, 4});
+  auto const targets = mpx_test::upload(exec, labels, mpx::shape{16});
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = rule.min_scale = 0x1p16f;  // at the floor from the start
+  mpx::dynamic_loss_scaler scaler(exec, rule);
+  std::vector<std::string> stuck;
+  scaler.on_stuck([&](mpx::loss_scale_report const& r) { stuck.push_back(r.message); });
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), std::move(scaler));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.stuck_overflows = 3, .window = 50, .review_every = 4});
+  for (int s = 0; s < 4; ++s)
+    trainer.step(exec, mpx::tensor_view<float const, space>(images.view()), mpx::tensor_view<std::int32_t const, space>(targets.view()));
+  auto const records = trainer.history(exec);
+  for (auto const& r : records) CHECK(r.skipped == 1);
+  auto const* guard = trainer.guard();
+  REQUIRE(guard->moves().size() == 1);
+  CHECK(guard->moves()[0].layer == "dense_1");
+  CHECK_THAT(guard->moves()[0].evidence, Contains("gradients were the first NaN or inf of 4 steps with the loss "
+                                                  "scale at its floor (65536)"));
+}
+
+TEMPLATE_LIST_TEST_CASE("a shadow error above the guard's bound moves the layer", "[model][guard]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto model = attention_model();
+  model.build(exec, {tokens}, 5);
+  auto const data = token_data(exec, 16);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.shadow_every(2);
+  // float16's error is about 1e-3: a bound of 1e-5 condemns the attention (and would every
+  // float16 layer, were they tiered).
+  trainer.guard({.shadow_error = 1e-5, .shadow_strikes = 2, .review_every = 3});
+  train_steps(exec, trainer, data, 3);  // one shadow step (2): one strike
+  CHECK(trainer.guard()->moves().empty());
+  train_steps(exec, trainer, data, 3);  // the second (4): moved at the review of step 6
+  REQUIRE(trainer.guard()->moves().size() == 1);
+  CHECK(trainer.guard()->moves()[0].step == 6);
+  CHECK_THAT(trainer.guard()->moves()[0].evidence, Contains("float32 twin passed 1e-05 on 3 shadow steps"));
+  // Measured in its new tier from then on.
+  train_steps(exec, trainer, data, 2);
+  auto const reports = trainer.take_shadow_reports();
+  REQUIRE(reports.size() == 4);
+  for (auto const& e : reports.back().layers)
+    if (e.layer == "residual/multi_head_attention") CHECK(e.policy == "mixed_bfloat16");
+}
+
+TEMPLATE_LIST_TEST_CASE("a checkpoint keeps the tiers", "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  mpx_test::scratch_dir const scratch("guard_tiers");
+  auto const& dir = scratch.path;
+  auto model = attention_model();
+  model.build(exec, {tokens}, 5);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  attention_of(model).set_active_tier(1);
+  mpx::save_training_state(exec, model, optimizer, dir);
+
+  auto resumed = attention_model();
+  resumed.build(exec, {tokens}, 9);
+  auto resumed_optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, resumed.parameters(exec), 1e-3f),
+                                                     mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  CHECK(attention_of(resumed).active_tier() == 0);
+  mpx::load_training_state(exec, resumed, resumed_optimizer, dir);
+  CHECK(attention_of(resumed).active_tier() == 1);
+
+  // A model without that tiered layer refuses the save (here for the tier's own counters).
+  auto other = mpx::sequential<mpx::mixed_float16>(
+      mpx::embedding<>(vocab, width, tokens), mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<>(2, false)),
+      mpx::dense<>(vocab));
+  other.build(exec, {tokens}, 5);
+  auto other_optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, other.parameters(exec), 1e-3f),
+                                                   mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  CHECK_THROWS_TYPE_WITH(mpx::load_training_state(exec, other, other_optimizer, dir), mpx::checkpoint_error,
+                         Contains("nothing was loaded"));
+}
+
+TEST_CASE("the guard refuses options it cannot act on", "[model][guard]") {
+  CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.forward_overflows = 0}), mpx::invalid_argument);
+  CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.review_every = 0}), mpx::invalid_argument);
+  CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.shadow_error = -1}), mpx::invalid_argument);
+  CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.shadow_error = NAN}), mpx::invalid_argument);
+}
+
+}  // namespace guard_tests
