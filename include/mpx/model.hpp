@@ -6,8 +6,10 @@
 #include <mpx/model/diagnostics.hpp>
 #include <mpx/model/fit.hpp>
 #include <mpx/model/model_file.hpp>
+#include <mpx/model/precision_guard.hpp>
 #include <mpx/model/residual.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/shadow.hpp>
+#include <mpx/model/tiered.hpp>
 #include <mpx/model/train_step.hpp>
 #include <mpx/model/training_state.hpp>

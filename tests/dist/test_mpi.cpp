@@ -623,6 +623,46 @@ TEST_CASE("a shadowed data-parallel run trains bit for bit as one that is not", 
   }
 }
 
+TEST_CASE("the guard's evidence is summed over the replicas: every rank moves the same layer at the same step",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  constexpr std::int64_t vocab = 24, tokens = 6, width = 16, batch = 4;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::embedding<>(vocab, width, tokens),
+      mpx::residual(mpx::layer_norm<>(),
+                    mpx::tiered<mpx::causal_self_attention, mpx::model_policy, mpx::mixed_bfloat16>(2, false)),
+      mpx::dense<>(vocab));
+  model.build(exec, {tokens}, 5);
+  auto opt = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                       mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::data_parallel dp(exec, comm(), opt);
+  mpx::classifier_trainer trainer(exec, model, opt);
+  trainer.run_as_replica(dp.hooks(exec));
+  trainer.guard({.forward_overflows = 3, .window = 50, .review_every = 5});
+  auto& attention = model.template layer<1>().branch().template layer<1>();
+  // Only rank 0's attention overflows (its weights grew after the start): only rank 0 sees
+  // the forward overflows, every rank skips the steps (their averaged gradients are not finite).
+  if (comm().rank() == 0)
+    mpx::scale(exec, attention.template tier<0>().query_key_value().template kernel<mpx::host_space>(), 512.0f);
+  std::vector<std::int32_t> x(batch * tokens), y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<std::int32_t>((i * 5 + 3 * static_cast<std::size_t>(comm().rank())) % vocab);
+    y[i] = (x[i] + 1) % static_cast<std::int32_t>(vocab);
+  }
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const xv(x.data(), mpx::shape{batch, tokens});
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(y.data(), mpx::shape{batch, tokens});
+  for (int s = 0; s < 7; ++s) trainer.step(exec, xv, yv);
+  auto const records = trainer.history(exec);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(records[i].skipped == 1);
+  auto const& moves = trainer.guard()->moves();
+  REQUIRE(moves.size() == 1);
+  CHECK(moves[0].step == 5);
+  CHECK(moves[0].layer == "residual/multi_head_attention");
+  CHECK_THAT(moves[0].evidence, Catch::Contains("5 of its forward passes"));  // rank 0's five, summed
+  double const tier[1] = {static_cast<double>(attention.active_tier())};
+  for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
+}
+
 TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {
   mpx::host_executor exec;
   auto model = small_model<mpx::mixed_float16>(comm().rank() == 0 ? 16 : 17);

@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,12 @@ struct fit_options {
   //! layers that cost the most precision. The training is unchanged; each shadow step
   //! costs about one more step.
   std::size_t shadow_every = 0;
+  //! Guards the model's tiered layers (mpx::tiered): a layer whose policy fails it
+  //! (its forward pass overflows again and again, its gradients overflow with the loss
+  //! scale at its floor, or, with shadow_every, its shadow error passes a bound) moves one
+  //! tier up (mpx::precision_guard). Each move is printed with its evidence when it is
+  //! made, kept in the epoch's summary, and listed at the end of the run.
+  std::optional<guard_options> guard;
   //! Called after every epoch with its summary (e.g. to save a checkpoint).
   std::function<void(struct epoch_summary const&)> on_epoch_end;
   //! Set by a data-parallel job (mpx::data_parallel::hooks): each step averages the
@@ -82,6 +89,7 @@ struct epoch_summary {
   bool validated = false;
   evaluation validation;
   std::vector<shadow_report> shadow;  //!< the epoch's shadow steps (fit_options::shadow_every)
+  std::vector<guard_move> tier_moves;  //!< the precision guard's moves in the epoch (fit_options::guard)
 };
 
 namespace detail {
@@ -216,6 +224,8 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     csv << '\n';
   }
   trainer.shadow_every(options.shadow_every);
+  if (options.guard) trainer.guard(*options.guard);
+  std::size_t moves_shown = 0;  // the guard's moves printed so far
   std::vector<shadow_report> shadows;  // every shadow step of the run, for the final table
   std::size_t logged = 0;              // steps written to the log (a shadow report's step counts the same)
   auto const start = clock::now();
@@ -260,9 +270,17 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
       }
     };
     train.start_epoch(epoch - 1);
+    std::size_t const steps_before_epoch = trainer.steps_taken();
     while (auto batch = train.next()) {
       trainer.step(exec, detail::batch_inputs(*batch), detail::batch_targets(*batch));
       ++step;
+      if (auto const* guard = trainer.guard(); guard && guard->moves().size() > moves_shown) {
+        for (; moves_shown < guard->moves().size(); ++moves_shown)
+          if (!quiet)
+            std::printf("%sprecision guard, step %zu: %s\n", redraw ? "\r\033[K" : "", guard->moves()[moves_shown].step,
+                        guard->moves()[moves_shown].text().c_str());
+        std::fflush(stdout);
+      }
       auto const now = clock::now();
       bool const shared = distributed && step % shared_every == 0;
       bool const show_redraw = redraw && std::chrono::duration<double>(now - last_shown).count() >= options.progress_interval_s &&
@@ -320,11 +338,20 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     if (csv) csv.flush();
     shadows.insert(shadows.end(), epoch_shadows.begin(), epoch_shadows.end());
     summary.shadow = std::move(epoch_shadows);
+    if (auto const* guard = trainer.guard())
+      for (auto const& m : guard->moves())
+        if (m.step > steps_before_epoch)
+          summary.tier_moves.push_back(m);
     history.push_back(std::move(summary));
     if (options.on_epoch_end) options.on_epoch_end(history.back());
   }
   if (options.shadow_every && !quiet) {
     std::printf("\n%s", shadow_table(shadows).c_str());
+    std::fflush(stdout);
+  }
+  if (auto const* guard = trainer.guard(); guard && !quiet) {
+    std::printf("\nPrecision guard: %s", guard->moves().empty() ? "no layer was moved\n"
+                                                                 : ("\n" + guard->summary()).c_str());
     std::fflush(stdout);
   }
   return history;
