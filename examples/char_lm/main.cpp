@@ -22,13 +22,16 @@
 // --shadow N measures every layer against its float32 twin every N steps (mpx::model_shadow)
 // and prints, after training, which layers cost the model its precision.
 //
-// --demo-overflow shows, instead of training, the transformer failure docs/transformers.md
-// explains: attention logits that overflow float16. Large models see their attention
-// logits grow during training ("attention logit growth", Dehghani et al. 2023); the demo
-// stands for that by multiplying the first block's query/key/value weights by 100. Under
-// mixed_float16, without the attention's 1/sqrt(head width), the logits (stored in
-// float16, as under autocast) pass 65504: mpx::find_nonfinite names the layer and the
-// tensor and says why. Then the same weights with the scaling: finite.
+// --demo-overflow shows the transformer failure docs/transformers.md explains: attention
+// logits that overflow float16. Large models see their attention logits grow during
+// training ("attention logit growth", Dehghani et al. 2023); the demo stands for that by
+// multiplying the first block's query/key/value weights by 100. Under mixed_float16,
+// without the attention's 1/sqrt(head width), the logits (stored in float16, as under
+// autocast) pass 65504: mpx::find_nonfinite names the layer and the tensor and says why;
+// with the scaling they are finite. Then it trains that model for --steps twice: without
+// help (every step overflows, the loss scale collapses to its floor, nothing is learnt),
+// and with mpx::precision_guard over tiered attention layers (mpx::tiered, mixed_float16
+// then mixed_bfloat16), which moves the failing attention to bfloat16 and trains.
 #include <mpx/mpx.hpp>
 
 #include "../common/command_line.hpp"
@@ -83,17 +86,28 @@ constexpr std::size_t blocks = 4;
 // One pre-norm transformer block: attention, then the MLP, each in a residual branch.
 // Under mixed_fp8 the MLP's dense layers run in fp8 and attention stays in bfloat16
 // (mpx::without_fp8<P>, which is P under every other policy), as in Transformer Engine.
-template <class P>
+// Guarded (--demo-overflow's second run): each attention layer is tiered, P then
+// mixed_bfloat16, for mpx::precision_guard to move.
+template <class P, bool Guarded>
+auto attention_layer(settings const& s) {
+  if constexpr (Guarded)
+    return mpx::tiered<mpx::causal_self_attention, mpx::without_fp8<P>, mpx::mixed_bfloat16>(s.heads, s.scale_logits);
+  else
+    return mpx::causal_self_attention<mpx::without_fp8<P>>(s.heads, s.scale_logits);
+}
+
+template <class P, bool Guarded>
 auto transformer_block(settings const& s) {
   return std::make_tuple(
-      mpx::residual(mpx::layer_norm<>(), mpx::causal_self_attention<mpx::without_fp8<P>>(s.heads, s.scale_logits)),
+      mpx::residual(mpx::layer_norm<>(), attention_layer<P, Guarded>(s)),
       mpx::residual(mpx::layer_norm<>(), mpx::dense<>(4 * s.width, mpx::activation::gelu), mpx::dense<>(s.width)));
 }
 
-template <class P, std::size_t... I>
+template <class P, bool Guarded = false, std::size_t... I>
 auto make_gpt(settings const& s, std::index_sequence<I...>) {
   auto layers = std::tuple_cat(
-      std::make_tuple(mpx::embedding<>(256, s.width, s.context)), (static_cast<void>(I), transformer_block<P>(s))...,
+      std::make_tuple(mpx::embedding<>(256, s.width, s.context)),
+      (static_cast<void>(I), transformer_block<P, Guarded>(s))...,
       std::make_tuple(mpx::layer_norm<>(), mpx::dense<mpx::without_fp8<P>>(256), mpx::softmax_layer<mpx::float32>()));
   return std::apply([](auto&&... l) { return mpx::sequential<P>(std::move(l)...); }, std::move(layers));
 }
@@ -242,7 +256,7 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
 // --demo-overflow: the first training batch through a mixed_float16 model whose first
 // attention weights grew 100-fold, without and with the 1/sqrt(head width) scaling.
 template <class Exec>
-void demonstrate_overflow(Exec const& exec, settings s, mpx::text_split const& text) {
+void demonstrate_overflow_once(Exec const& exec, settings s, mpx::text_split const& text) {
   using space = mpx::memory_space_t<Exec>;
   mpx::text_batches<Exec> batches(exec, text.train,
                                   {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch, .seed = s.seed});
@@ -263,6 +277,89 @@ void demonstrate_overflow(Exec const& exec, settings s, mpx::text_split const& t
       std::printf("find_nonfinite: every activation is finite: the 1/sqrt(head width) scaling, applied inside the\n"
                   "product's float sums before the logits are rounded to float16, keeps them in range.\n");
   }
+}
+
+struct demo_run {
+  std::string name;
+  std::size_t skipped = 0;
+  float final_scale = 0;
+  double validation_loss = 0;
+  std::string moves;  // the precision guard's, in words
+};
+
+// --demo-overflow's training runs: the same grown, unscaled attention under
+// mixed_float16, trained without and with the precision guard (whose attention layers
+// are tiered, mixed_float16 then mixed_bfloat16).
+template <bool Guarded, class Exec>
+demo_run demo_training(Exec const& exec, settings s, mpx::text_split const& text) {
+  using space = mpx::memory_space_t<Exec>;
+  s.scale_logits = false;
+  auto model = make_gpt<mpx::mixed_float16, Guarded>(s, std::make_index_sequence<blocks>{});
+  model.build(exec, {s.context}, s.seed);
+  auto& attention = model.template layer<1>().branch().template layer<1>();
+  if constexpr (Guarded) mpx::scale(exec, attention.template tier<0>().query_key_value().template kernel<space>(), 100.0f);
+  else mpx::scale(exec, attention.query_key_value().template kernel<space>(), 100.0f);
+  demo_run out;
+  out.name = Guarded ? "with the guard" : "without the guard";
+  std::printf("\n== training %s: mixed_float16, the first attention's weights grown 100x, logits not scaled\n",
+              out.name.c_str());
+  mpx::text_batches<Exec> train_batches(exec, text.train,
+                                        {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch,
+                                         .stride = static_cast<std::size_t>(s.context) / 2, .seed = s.seed});
+  mpx::text_batches<Exec> validation(exec, text.validation,
+                                     {.context = static_cast<std::size_t>(s.context), .batch_size = s.batch,
+                                      .shuffle = false});
+  mpx::dynamic_loss_scaler scaler(exec, mpx::keras_loss_scale());
+  bool stuck = false;
+  scaler.on_stuck([&](mpx::loss_scale_report const& r) {  // said once; the run goes on to show the stall
+    if (!stuck) std::printf("loss scaler: %s\n", r.message.c_str());
+    stuck = true;
+  });
+  auto optimizer = mpx::loss_scale_optimizer(
+      mpx::adamw(exec, model.parameters(exec), s.lr, {}, mpx::master_weights_for<mpx::mixed_float16>(true, s.seed)),
+      std::move(scaler));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  if constexpr (Guarded) trainer.guard({.review_every = 5});  // 3 forward overflows in 200 steps move a layer
+  std::size_t step = 0, epoch = 0, moves_shown = 0;
+  while (step < s.steps) {
+    train_batches.start_epoch(epoch++);
+    while (step < s.steps) {
+      auto b = train_batches.next();
+      if (!b) break;
+      trainer.step(exec, b->inputs, b->targets);
+      if (auto const* guard = trainer.guard())
+        for (; moves_shown < guard->moves().size(); ++moves_shown)
+          std::printf("precision guard, step %zu: %s\n", guard->moves()[moves_shown].step,
+                      guard->moves()[moves_shown].text().c_str());
+      if (++step % s.log_every == 0 || step == s.steps) {
+        auto const records = trainer.history(exec);
+        for (auto const& r : records) out.skipped += r.skipped;
+        std::printf("step %5zu/%zu  loss %.4f  loss scale %g  skipped %zu\n", step, s.steps,
+                    static_cast<double>(records.back().loss), static_cast<double>(records.back().loss_scale),
+                    out.skipped);
+        std::fflush(stdout);
+      }
+    }
+  }
+  first_batches<mpx::text_batches<Exec>> sample{validation, s.eval_batches};
+  out.validation_loss = mpx::evaluate(exec, model, sample).loss;
+  out.final_scale = optimizer.scaler().scale(exec);
+  if (auto const* guard = trainer.guard()) out.moves = guard->summary();
+  return out;
+}
+
+template <class Exec>
+void demonstrate_overflow(Exec const& exec, settings const& s, mpx::text_split const& text, double unigram) {
+  demonstrate_overflow_once(exec, s, text);
+  demo_run const runs[] = {demo_training<false>(exec, s, text), demo_training<true>(exec, s, text)};
+  std::printf("\n%-20s %16s %10s %12s\n", "mixed_float16", "validation loss", "skipped", "final scale");
+  for (auto const& r : runs)
+    std::printf("%-20s %16.4f %10zu %12g\n", r.name.c_str(), r.validation_loss, r.skipped,
+                static_cast<double>(r.final_scale));
+  std::printf("%-20s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
+  std::printf("\nPrecision guard:\n%s", runs[1].moves.empty() ? "no layer was moved\n" : runs[1].moves.c_str());
+  if (runs[1].moves.empty())  // what the demonstration shows did not happen: say so, as a failure
+    throw mpx::error("--demo-overflow: the precision guard moved no layer; the demonstration failed");
 }
 
 constexpr char const* usage_text =
@@ -341,10 +438,10 @@ int main(int argc, char** argv) try {
   if (s.demo_overflow) {
     if (use_gpu) {
 #if MPX_HAS_CUDA
-      demonstrate_overflow(mpx::cuda_executor{}, s, text);
+      demonstrate_overflow(mpx::cuda_executor{}, s, text, unigram);
 #endif
     } else {
-      demonstrate_overflow(mpx::host_executor{}, s, text);
+      demonstrate_overflow(mpx::host_executor{}, s, text, unigram);
     }
     return 0;
   }
