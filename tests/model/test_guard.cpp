@@ -253,9 +253,46 @@ TEMPLATE_LIST_TEST_CASE("a checkpoint keeps the tiers", "[model][guard]", mpx_te
                          Contains("nothing was loaded"));
 }
 
+TEMPLATE_LIST_TEST_CASE("an fp8 layer fed growing outliers saturates and moves; steady inputs move nothing",
+                        "[model][guard][fp8]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  constexpr std::int64_t batch = 16, features = 32;
+  auto model = mpx::sequential<mpx::mixed_fp8>(
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(16, mpx::activation::relu), mpx::dense<>(16));
+  model.build(exec, {features}, 3);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::static_loss_scaler(exec, 1.0f));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.fp8_saturations = 3, .window = 50, .review_every = 4});
+  auto pixels = mpx_test::random_values<float>(batch * features, -2.0, 2.0, 8);
+  std::vector<std::int32_t> labels(batch);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 16);
+  auto const y = mpx_test::upload(exec, labels, mpx::shape{batch});
+  auto step = [&](float outlier) {
+    auto x = pixels;
+    if (outlier != 0) x[5] = outlier;
+    auto const xd = mpx_test::upload(exec, x, mpx::shape{batch, features});
+    trainer.step(exec, mpx::tensor_view<float const, space>(xd.view()), mpx::tensor_view<std::int32_t const, space>(y.view()));
+  };
+  for (int s = 0; s < 8; ++s) step(0);  // steady: the delayed scales settle, nothing saturates
+  auto const* guard = trainer.guard();
+  CHECK(guard->moves().empty());
+  for (auto const& c : guard->counts()) CHECK(c.saturated == 0);
+  // An outlier that grows 8-fold every step: the history never covers it.
+  for (int s = 0; s < 4; ++s) step(1000.0f * std::pow(8.0f, static_cast<float>(s)));
+  REQUIRE(guard->moves().size() == 1);
+  CHECK(guard->moves()[0].layer == "dense");
+  CHECK(guard->moves()[0].step == 12);
+  CHECK_THAT(guard->moves()[0].text(), Contains("fp8 casts saturated") && Contains("in 4 steps") &&
+                                           Contains("now mixed_bfloat16"));
+  trainer.history(exec);
+}
+
 TEST_CASE("the guard refuses options it cannot act on", "[model][guard]") {
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.forward_overflows = 0}), mpx::invalid_argument);
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.review_every = 0}), mpx::invalid_argument);
+  CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.fp8_saturations = 0}), mpx::invalid_argument);
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.shadow_error = -1}), mpx::invalid_argument);
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.shadow_error = NAN}), mpx::invalid_argument);
 }

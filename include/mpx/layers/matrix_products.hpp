@@ -9,6 +9,7 @@
 // the host runs the same calls and refuses what the GPU would.
 #pragma once
 
+#include <mpx/core/cast.hpp>
 #include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
@@ -64,6 +65,14 @@ inline constexpr auto fp8_recipe_for<mixed_nvfp4> = nvfp4_scaling{};
 //! A layer's fp8 scales as save_training_state sees them: saved and loaded under a
 //! prefix, and snapshot() returns what puts the current values back (a load that fails
 //! later must leave the model as it was).
+//! One delayed fp8 scale as the precision guard watches it: its state (where the
+//! executor computes) and its format's largest finite value. A step saturated it when the
+//! amax it recorded times the scale it was cast with passed that value.
+struct fp8_watched_scale {
+  fp8_scale_values const* state = nullptr;
+  float format_max = 0;
+};
+
 template <executor Exec>
 struct fp8_scales_entry {
   std::string name;
@@ -73,6 +82,8 @@ struct fp8_scales_entry {
   //! Installs (or, given an empty function, removes) the max-reduction of each amax over
   //! data-parallel replicas that end_step runs before the updates.
   std::function<void(std::function<void(float*)>)> set_amax_reduction;
+  //! The delayed scales (none under current scaling, which cannot saturate).
+  std::vector<fp8_watched_scale> watched{};
 };
 
 namespace detail {
@@ -403,6 +414,11 @@ class matrix_products {
     }
   }
 
+  template <class State>
+  static fp8_watched_scale watched_scale(State const& state) {
+    return {state.data(), cast<float>(dtype_traits<typename State::format_type>::max())};
+  }
+
   //! Adds this layer's scales, named `name`, to what save_training_state keeps (fp8
   //! policies only; nothing otherwise).
   template <executor Exec>
@@ -421,6 +437,10 @@ class matrix_products {
                        };
                      },
                      [this](std::function<void(float*)> reduce) { amax_reduction_ = std::move(reduce); }});
+      if constexpr (delayed)
+        out.back().watched = {watched_scale(activation_.template state<Exec>()),
+                              watched_scale(weight_.template state<Exec>()),
+                              watched_scale(gradient_.template state<Exec>())};
     }
   }
 

@@ -17,6 +17,12 @@
 //        (the scaler's min_scale; any scale for a static scaler), `stuck_overflows`
 //        times, moves: the scaler has nothing left to give. Backward overflows above
 //        the floor are the scaler's to handle and are only counted.
+//  - After every step, each delayed fp8 scale (mpx::mixed_fp8): whether the step's amax
+//    times the scale it was cast with passed the format's range, `fp8_saturation_factor`
+//    times over (the cast clipped values: an outlier, or amax growth faster than the
+//    history follows). A
+//    layer saturated in `fp8_saturations` steps within `window` moves. A one-thread pass
+//    over the layers' few scales.
 //  - With a shadow (classifier_trainer::shadow_every), a layer whose error against its
 //    float32 twin passes `shadow_error` on `shadow_strikes` shadow steps moves.
 // The evidence is read every `review_every` steps (one synchronisation), summed over
@@ -35,6 +41,7 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/step_record.hpp>
+#include <mpx/layers/matrix_products.hpp>
 #include <mpx/model/shadow.hpp>
 #include <mpx/model/tiered.hpp>
 
@@ -60,6 +67,13 @@ struct guard_options {
   //! Steps its gradients were the first non-finite values with the loss scale at its
   //! floor, within `window` steps, that move it.
   std::size_t stuck_overflows = 3;
+  //! Steps in which one of a layer's delayed fp8 scales saturated, within `window` steps,
+  //! that move it. A cast saturated when the amax the step recorded, times the scale it
+  //! was cast with, passed `fp8_saturation_factor` times the format's largest value. (An
+  //! amax a little above the history's is normal under delayed scaling, and clips little:
+  //! the default counts values clipped to half their size or less.)
+  std::size_t fp8_saturations = 3;
+  float fp8_saturation_factor = 2.0f;
   std::size_t window = 200;
   //! > 0: a shadow error (the worst of output, input gradient, weight gradients) above
   //! this, on `shadow_strikes` shadow steps since the layer's last move, moves it.
@@ -164,6 +178,37 @@ struct tally_first_nonfinite {
   }
 };
 
+//! A delayed fp8 scale as the guard reads it after each step.
+struct watched_fp8_scale {
+  fp8_scale_values const* state = nullptr;
+  float format_max = 0;
+  float previous_scale = 0;  //!< the scale the step was cast with (0: not known yet)
+  unsigned owner = 0;
+};
+
+//! After each step: counts, once per layer, the layers one of whose delayed fp8 casts
+//! saturated (counts' fourth section), then remembers each scale for the next step.
+struct tally_fp8_saturation {
+  watched_fp8_scale* scales;
+  unsigned count;
+  unsigned owners;
+  unsigned* counts;
+  float factor;
+  MPX_HD void operator()() const {
+    unsigned marked = guard_no_owner;  // the layer already counted this step (its scales are neighbours)
+    for (unsigned i = 0; i < count; ++i) {
+      watched_fp8_scale& w = scales[i];
+      float const amax = w.state->last_amax;
+      if (w.previous_scale > 0.0f && amax * w.previous_scale > w.format_max * factor && w.owner < owners &&
+          w.owner != marked) {
+        ++counts[3u * owners + w.owner];
+        marked = w.owner;
+      }
+      w.previous_scale = w.state->scale;
+    }
+  }
+};
+
 }  // namespace detail
 
 template <memory_space Space>
@@ -194,6 +239,10 @@ class precision_guard {
                         detail::into_slot{slot_.data()});
     run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, static_cast<unsigned>(names_.size()),
                                                  slot_.data(), counts_.data(), record, floor});
+    if (!fp8_made_) watch_fp8_scales(exec, model);
+    if (fp8_count_)
+      run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, static_cast<unsigned>(names_.size()),
+                                                  counts_.data(), options_.fp8_saturation_factor});
   }
 
   //! A shadow step's report (mpx::model_shadow): a layer whose error passed the bound
@@ -213,25 +262,30 @@ class precision_guard {
   //! Reads the evidence gathered since the last review (synchronises), sums it over the
   //! replicas (`sum_values`, empty for one process), and moves the layers it condemns.
   //! Every replica must call it at the same step. Returns this review's moves.
+  //! `replicas` is the number of processes sum_values sums over (the fp8 scales are the
+  //! same on every replica: their saturations are counted once).
   template <executor Exec, class Model>
   std::vector<guard_move> review(Exec const& exec, Model& model, std::size_t step,
-                                 std::function<void(std::span<double>)> const& sum_values, float floor) {
+                                 std::function<void(std::span<double>)> const& sum_values, std::size_t replicas,
+                                 float floor) {
     std::size_t const owners = names_.size();
     if (owners == 0) return {};
-    std::vector<double> v(4 * owners, 0.0);
+    std::vector<double> v(5 * owners, 0.0);
     {
       auto const host = to_host(exec, counts_.view());
-      for (std::size_t i = 0; i < 3 * owners; ++i) v[i] = host.data()[i];
+      for (std::size_t i = 0; i < 4 * owners; ++i) v[i] = host.data()[i];
     }
     fill(exec, counts_.view(), 0u);
-    for (std::size_t o = 0; o < owners; ++o) v[3 * owners + o] = strikes_pending_[o];
+    for (std::size_t o = 0; o < owners; ++o) v[4 * owners + o] = strikes_pending_[o];
     if (sum_values) sum_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
+    double const copies = static_cast<double>(std::max<std::size_t>(1, sum_values ? replicas : 1));
     for (std::size_t o = 0; o < owners; ++o) {
       evidence& e = evidence_[o];
-      if (v[o] > 0 || v[owners + o] > 0) e.recent.push_back({step, v[o], v[owners + o]});
+      double const saturated = std::round(v[3 * owners + o] / copies);
+      if (v[o] > 0 || v[owners + o] > 0 || saturated > 0) e.recent.push_back({step, v[o], v[owners + o], saturated});
       e.backward_overflows += v[2 * owners + o];
-      e.shadow_strikes += v[3 * owners + o];
+      e.shadow_strikes += v[4 * owners + o];
       while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
     }
     std::vector<guard_move> made;
@@ -239,10 +293,11 @@ class precision_guard {
       std::size_t const o = owner_of(tiers.name);
       if (o == npos || *tiers.active + 1 >= tiers.policies.size()) continue;
       evidence& e = evidence_[o];
-      double forward = 0, stuck = 0;
+      double forward = 0, stuck = 0, saturated = 0;
       for (auto const& r : e.recent) {
         forward += r.forward;
         stuck += r.stuck;
+        saturated += r.saturated;
       }
       std::string const& from = tiers.policies[*tiers.active];
       std::string why;
@@ -253,6 +308,10 @@ class precision_guard {
       } else if (stuck >= static_cast<double>(options_.stuck_overflows)) {
         why = "its gradients were the first NaN or inf of " + std::to_string(static_cast<long long>(stuck)) +
               " steps with the loss scale at its floor (" + detail::to_text(floor) + ") in the last " +
+              std::to_string(options_.window) + " steps under " + from;
+      } else if (saturated >= static_cast<double>(options_.fp8_saturations)) {
+        why = "its fp8 casts saturated (values beyond the delayed scale's range were clipped) in " +
+              std::to_string(static_cast<long long>(saturated)) + " steps in the last " +
               std::to_string(options_.window) + " steps under " + from;
       } else if (options_.shadow_error > 0 && e.shadow_strikes >= static_cast<double>(options_.shadow_strikes)) {
         why = "its error against its float32 twin passed " + detail::to_text(static_cast<float>(options_.shadow_error)) +
@@ -269,11 +328,12 @@ class precision_guard {
     return made;
   }
 
-  //! Each layer's overflow counts so far (for reports and tests): the forward passes and
-  //! the gradients at the scale's floor within the window, and all backward overflows.
+  //! Each layer's evidence so far (for reports and tests): within the window, its
+  //! forward overflows, gradient overflows at the scale's floor and fp8 saturations; and
+  //! all its backward overflows.
   struct layer_counts {
     std::string layer;
-    double forward = 0, stuck = 0, backward = 0;
+    double forward = 0, stuck = 0, backward = 0, saturated = 0;
   };
   [[nodiscard]] std::vector<layer_counts> counts() const {
     std::vector<layer_counts> out;
@@ -282,8 +342,9 @@ class precision_guard {
       for (auto const& r : evidence_[o].recent) {
         c.forward += r.forward;
         c.stuck += r.stuck;
+        c.saturated += r.saturated;
       }
-      if (c.forward > 0 || c.stuck > 0 || c.backward > 0) out.push_back(c);
+      if (c.forward > 0 || c.stuck > 0 || c.backward > 0 || c.saturated > 0) out.push_back(c);
     }
     return out;
   }
@@ -309,7 +370,7 @@ class precision_guard {
   };
   struct interval {
     std::size_t step;
-    double forward, stuck;
+    double forward, stuck, saturated;
   };
   struct evidence {
     std::vector<interval> recent;
@@ -318,11 +379,13 @@ class precision_guard {
   };
 
   static guard_options checked(guard_options o) {
-    if (o.forward_overflows == 0 || o.stuck_overflows == 0 || o.window == 0 || o.review_every == 0 ||
-        o.shadow_strikes == 0 || !(o.shadow_error >= 0) || !std::isfinite(o.shadow_error))
+    if (o.forward_overflows == 0 || o.stuck_overflows == 0 || o.fp8_saturations == 0 || o.window == 0 || o.review_every == 0 ||
+        o.shadow_strikes == 0 || !(o.shadow_error >= 0) || !std::isfinite(o.shadow_error) ||
+        !(o.fp8_saturation_factor >= 1.0f) || !std::isfinite(o.fp8_saturation_factor))
       detail::fail<invalid_argument>("mpx::precision_guard",
-                                     "forward_overflows, stuck_overflows, window, review_every and shadow_strikes "
-                                     "must be positive, and shadow_error finite and >= 0 (0: off)");
+                                     "forward_overflows, stuck_overflows, fp8_saturations, window, review_every and "
+                                     "shadow_strikes must be positive, shadow_error finite and >= 0 (0: off), and "
+                                     "fp8_saturation_factor finite and >= 1");
     return o;
   }
 
@@ -330,6 +393,34 @@ class precision_guard {
     for (std::size_t o = 0; o < names_.size(); ++o)
       if (names_[o] == name) return o;
     return npos;
+  }
+  //! The layer an fp8 scale entry belongs to: "<layer>", "<layer>@<policy>" (a tier's),
+  //! or "<layer>/<part>" (a layer's own sub-layer).
+  std::size_t owner_of_entry(std::string name) const {
+    if (auto const at = name.find('@'); at != std::string::npos) name.resize(at);
+    for (;;) {
+      if (std::size_t const o = owner_of(name); o != npos) return o;
+      auto const slash = name.rfind('/');
+      if (slash == std::string::npos) return npos;
+      name.resize(slash);
+    }
+  }
+
+  //! The delayed fp8 scales of the model's layers, once (they live as long as the layers).
+  template <class Exec, class Model>
+  void watch_fp8_scales(Exec const& exec, Model& model) {
+    fp8_made_ = true;
+    std::vector<detail::watched_fp8_scale> scales;
+    for (auto const& entry : detail::model_fp8_scales<Exec>(model)) {
+      std::size_t const o = owner_of_entry(entry.name);
+      for (auto const& w : entry.watched)
+        scales.push_back({w.state, w.format_max, 0.0f, o == npos ? detail::guard_no_owner : static_cast<unsigned>(o)});
+    }
+    fp8_count_ = static_cast<unsigned>(scales.size());
+    if (scales.empty()) return;
+    fp8_ = tensor<detail::watched_fp8_scale, Space>(exec, shape{static_cast<std::int64_t>(scales.size())});
+    copy(exec, tensor_view<detail::watched_fp8_scale const, host_space>(scales.data(), fp8_.shape()), fp8_.view());
+    exec.synchronize();  // `scales` goes out of scope
   }
 
   //! The watched tensors of the model's buffers for its latest step's batch: made once
@@ -436,7 +527,7 @@ class precision_guard {
       evidence_.assign(names.size(), {});
       strikes_pending_.assign(names.size(), 0.0);
       worst_shadow_.assign(names.size(), 0.0);
-      counts_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>(3 * names.size())});
+      counts_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>(4 * names.size())});
       fill(exec, counts_.view(), 0u);
       slot_ = tensor<unsigned, Space>(exec, shape{1});
       fill(exec, slot_.view(), 0u);
@@ -455,6 +546,9 @@ class precision_guard {
   std::vector<guard_move> moves_;
   std::vector<table> tables_;
   tensor<unsigned, Space> counts_, slot_;
+  tensor<detail::watched_fp8_scale, Space> fp8_;
+  unsigned fp8_count_ = 0;
+  bool fp8_made_ = false;
 };
 
 }  // namespace mpx

@@ -273,7 +273,7 @@ class classifier_trainer {
   template <class E>
   void review_guard(E const& exec) {
     if (guard_ && steps_ % guard_->options().review_every == 0)
-      guard_->review(exec, model_, steps_, replicas_.sum_values, scale_floor());
+      guard_->review(exec, model_, steps_, replicas_.sum_values, replicas_.count, scale_floor());
   }
 
 #if MPX_HAS_CUDA
