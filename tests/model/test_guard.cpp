@@ -289,6 +289,37 @@ TEMPLATE_LIST_TEST_CASE("an fp8 layer fed growing outliers saturates and moves; 
   trainer.history(exec);
 }
 
+TEMPLATE_LIST_TEST_CASE("a batch holding NaN is nobody's: no layer is counted or moved", "[model][guard]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::residual(mpx::dense<>(16, mpx::activation::relu)),  // re-reads the model's input for its sum
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(8, mpx::activation::relu), mpx::dense<>(3));
+  model.build(exec, {16}, 3);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.forward_overflows = 2, .window = 50, .review_every = 4});
+  std::vector<std::int32_t> labels(4, 1);
+  auto const y = mpx_test::upload(exec, labels, mpx::shape{4});
+  for (int s = 0; s < 8; ++s) {
+    auto x = mpx_test::random_values<float>(4 * 16, -1.0, 1.0, 20 + static_cast<std::uint64_t>(s));
+    if (s >= 2) x[static_cast<std::size_t>(s)] = NAN;  // a new buffer each step, as a loader's
+    auto const xd = mpx_test::upload(exec, x, mpx::shape{4, 16});
+    trainer.step(exec, mpx::tensor_view<float const, space>(xd.view()), mpx::tensor_view<std::int32_t const, space>(y.view()));
+  }
+  auto const records = trainer.history(exec);
+  CHECK(records[1].skipped == 0);
+  for (std::size_t i = 2; i < records.size(); ++i) CHECK(records[i].skipped == 1);
+  CHECK(trainer.guard()->moves().empty());
+  for (auto const& c : trainer.guard()->counts()) {
+    INFO(c.layer);
+    CHECK(c.forward == 0);
+    CHECK(c.backward == 0);
+  }
+}
+
 TEST_CASE("the guard refuses options it cannot act on", "[model][guard]") {
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.forward_overflows = 0}), mpx::invalid_argument);
   CHECK_THROWS_AS(mpx::precision_guard<mpx::host_space>({.review_every = 0}), mpx::invalid_argument);

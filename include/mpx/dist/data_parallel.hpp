@@ -223,6 +223,7 @@ class data_parallel {
     if (options_.check_replicas_agree)
       h.after_step = [this](step_executor at) { check_replicas_agree(at.as<executor_type>()); };
     h.sum_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::sum); };
+    h.max_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::max); };
     h.max_in_place = [this](step_executor at, float* x) {
       comm_->all_reduce(at.as<executor_type>(), tensor_view<float, memory_space_t<executor_type>>(x, shape{1}),
                         reduce_op::max);

@@ -33,6 +33,9 @@ struct replica_hooks {
   std::function<void(step_executor)> after_step;
   //! Sums a few host values over the replicas, in place (metrics for the progress line).
   std::function<void(std::span<double>)> sum_values;
+  //! Replaces a few host values by their maximum over the replicas, in place (evidence
+  //! every replica must act on alike: the precision guard's).
+  std::function<void(std::span<double>)> max_values;
   //! Replaces one float in the executor's memory by its maximum over the replicas (NaN
   //! kept), in the step's stream order: each fp8 scale's amax before its update, so that
   //! every replica keeps the scales one process with the global batch would.

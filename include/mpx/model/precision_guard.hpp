@@ -221,12 +221,14 @@ class precision_guard {
   [[nodiscard]] std::vector<guard_move> const& moves() const noexcept { return moves_; }
 
   //! After a step's record is written (its `skipped` is the scan's gate): enqueues the
-  //! scan of what the model's latest forward and backward wrote, and the tally.
-  //! `input` is the batch as the caller gave it; `floor` the loss scale's floor.
+  //! scan of what the model's latest forward and backward wrote, and the tallies.
+  //! `input` is the batch as the caller gave it; `floor` the loss scale's floor. As a
+  //! data-parallel replica (`replica`), the parameter gradients are the replicas'
+  //! average, not this replica's evidence: they are left out.
   template <executor Exec, class Model, class T>
   void watch(Exec const& exec, Model& model, tensor_view<T const, Space> input, step_record const* record,
-             float floor) {
-    table const& t = table_for(exec, model);
+             float floor, bool replica = false) {
+    table const& t = table_for(exec, model, static_cast<void const*>(input.data()), replica);
     detail::watched_tensor in;
     if constexpr (detail::guard_watchable<T>) {
       in.data = input.data();
@@ -239,7 +241,6 @@ class precision_guard {
                         detail::into_slot{slot_.data()});
     run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, static_cast<unsigned>(names_.size()),
                                                  slot_.data(), counts_.data(), record, floor});
-    if (!fp8_made_) watch_fp8_scales(exec, model);
     if (fp8_count_)
       run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, static_cast<unsigned>(names_.size()),
                                                   counts_.data(), options_.fp8_saturation_factor});
@@ -249,6 +250,10 @@ class precision_guard {
   //! gets a strike. Errors of values that were already non-finite do not count.
   void add_shadow(shadow_report const& report) {
     if (!(options_.shadow_error > 0)) return;
+    if (names_.empty()) {  // before the first watch() named the layers: counted then
+      early_shadows_.push_back(report);
+      return;
+    }
     for (auto const& e : report.layers) {
       double const worst = e.worst().value_or(0.0);
       if (e.read_nonfinite || !std::isfinite(worst) || !(worst > options_.shadow_error)) continue;
@@ -259,15 +264,13 @@ class precision_guard {
     }
   }
 
-  //! Reads the evidence gathered since the last review (synchronises), sums it over the
-  //! replicas (`sum_values`, empty for one process), and moves the layers it condemns.
-  //! Every replica must call it at the same step. Returns this review's moves.
-  //! `replicas` is the number of processes sum_values sums over (the fp8 scales are the
-  //! same on every replica: their saturations are counted once).
+  //! Reads the evidence gathered since the last review (synchronises), takes each count's
+  //! maximum over the replicas (`max_values`, empty for one process: so one bad step seen
+  //! by many replicas counts once, and every replica decides alike), and moves the layers
+  //! it condemns. Every replica must call it at the same step. Returns this review's moves.
   template <executor Exec, class Model>
   std::vector<guard_move> review(Exec const& exec, Model& model, std::size_t step,
-                                 std::function<void(std::span<double>)> const& sum_values, std::size_t replicas,
-                                 float floor) {
+                                 std::function<void(std::span<double>)> const& max_values, float floor) {
     std::size_t const owners = names_.size();
     if (owners == 0) return {};
     std::vector<double> v(5 * owners, 0.0);
@@ -277,12 +280,11 @@ class precision_guard {
     }
     fill(exec, counts_.view(), 0u);
     for (std::size_t o = 0; o < owners; ++o) v[4 * owners + o] = strikes_pending_[o];
-    if (sum_values) sum_values(std::span<double>(v));
+    if (max_values) max_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
-    double const copies = static_cast<double>(std::max<std::size_t>(1, sum_values ? replicas : 1));
     for (std::size_t o = 0; o < owners; ++o) {
       evidence& e = evidence_[o];
-      double const saturated = std::round(v[3 * owners + o] / copies);
+      double const saturated = v[3 * owners + o];
       if (v[o] > 0 || v[owners + o] > 0 || saturated > 0) e.recent.push_back({step, v[o], v[owners + o], saturated});
       e.backward_overflows += v[2 * owners + o];
       e.shadow_strikes += v[4 * owners + o];
@@ -362,6 +364,7 @@ class precision_guard {
   struct table {
     std::uint64_t generation = 0;
     std::int64_t batch = 0;
+    bool replica = false;
     std::vector<detail::watched_tensor> host;
     tensor<detail::watched_tensor, Space> device;
     unsigned count = 0;
@@ -396,10 +399,11 @@ class precision_guard {
   }
   //! The layer an fp8 scale entry belongs to: "<layer>", "<layer>@<policy>" (a tier's),
   //! or "<layer>/<part>" (a layer's own sub-layer).
-  std::size_t owner_of_entry(std::string name) const {
+  static std::size_t owner_of_entry(std::string name, std::vector<std::string> const& names) {
     if (auto const at = name.find('@'); at != std::string::npos) name.resize(at);
     for (;;) {
-      if (std::size_t const o = owner_of(name); o != npos) return o;
+      for (std::size_t o = 0; o < names.size(); ++o)
+        if (names[o] == name) return o;
       auto const slash = name.rfind('/');
       if (slash == std::string::npos) return npos;
       name.resize(slash);
@@ -408,16 +412,20 @@ class precision_guard {
 
   //! The delayed fp8 scales of the model's layers, once (they live as long as the layers).
   template <class Exec, class Model>
-  void watch_fp8_scales(Exec const& exec, Model& model) {
+  void watch_fp8_scales(Exec const& exec, Model& model, std::vector<std::string> const& names) {
     fp8_made_ = true;
+    fp8_generation_ = model.buffer_generation();
     std::vector<detail::watched_fp8_scale> scales;
     for (auto const& entry : detail::model_fp8_scales<Exec>(model)) {
-      std::size_t const o = owner_of_entry(entry.name);
+      std::size_t const o = owner_of_entry(entry.name, names);
       for (auto const& w : entry.watched)
         scales.push_back({w.state, w.format_max, 0.0f, o == npos ? detail::guard_no_owner : static_cast<unsigned>(o)});
     }
     fp8_count_ = static_cast<unsigned>(scales.size());
-    if (scales.empty()) return;
+    if (scales.empty()) {
+      fp8_ = {};
+      return;
+    }
     fp8_ = tensor<detail::watched_fp8_scale, Space>(exec, shape{static_cast<std::int64_t>(scales.size())});
     copy(exec, tensor_view<detail::watched_fp8_scale const, host_space>(scales.data(), fp8_.shape()), fp8_.view());
     exec.synchronize();  // `scales` goes out of scope
@@ -426,14 +434,27 @@ class precision_guard {
   //! The watched tensors of the model's buffers for its latest step's batch: made once
   //! per (buffers, batch) and kept (a captured CUDA graph reads the one it was made with).
   template <class Exec, class Model>
-  table const& table_for(Exec const& exec, Model& model) {
+  table const& table_for(Exec const& exec, Model& model, void const* caller_input, bool replica) {
     std::uint64_t const generation = model.buffer_generation();
-    std::int64_t const batch = model.in_flight_state().batch;
+    auto const in_flight = model.in_flight_state();
     for (auto const& t : tables_)
-      if (t.generation == generation && t.batch == batch) return t;
+      if (t.generation == generation && t.batch == in_flight.batch && t.replica == replica) return t;
+    // Tables of older buffers go (a graph that read one is captured again before it runs
+    // anew); a current one is never freed under a captured graph.
+    std::erase_if(tables_, [&](table const& old) { return old.generation != generation; });
+#if MPX_HAS_CUDA
+    if constexpr (!is_host_executor_v<Exec>) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
+      if (capturing != cudaStreamCaptureStatusNone)
+        detail::fail<invalid_argument>("mpx::precision_guard", "a step is being captured for buffers the guard "
+                                                               "has not seen run eagerly (run one eager step first)");
+    }
+#endif
     table t;
     t.generation = generation;
-    t.batch = batch;
+    t.batch = in_flight.batch;
+    t.replica = replica;
     std::vector<std::string> names;
     struct backward_part {
       std::size_t owner;
@@ -442,7 +463,9 @@ class precision_guard {
       std::vector<detail::watched_tensor> tensors;
     };
     std::vector<backward_part> backward;
-    std::vector<void const*> seen;
+    // Forward tensors already watched (or the caller's batch, tensor 0): a residual block
+    // re-reads its input, which is not the block's to answer for.
+    std::vector<void const*> seen{caller_input};
     auto watched = [](auto view, std::uint32_t owner, bool in_backward) {
       detail::watched_tensor w;
       w.data = view.data();
@@ -453,7 +476,6 @@ class precision_guard {
       return w;
     };
     t.host.push_back({});  // 0: the model's input, given to each scan
-    void const* previous_output = nullptr;
     bool first = true;
     model.template visit_in_flight<Space>([&](std::string const& name, auto& layer, auto x, auto y, auto dy, auto dx,
                                               bool in_backward, bool /*began_here*/) {
@@ -463,15 +485,21 @@ class precision_guard {
       using DX = std::remove_const_t<typename decltype(dx)::value_type>;
       auto const owner = static_cast<std::uint32_t>(names.size());
       names.push_back(name);
-      if (first) {
+      if (first) {  // the model's first layer (or a first residual block's first branch layer)
         t.input_size = x.size();
         first = false;
-      } else if constexpr (detail::guard_watchable<X>) {
-        // A cast the model inserted (or a residual block re-reading its input: already seen).
-        if (x.data() != previous_output) t.host.push_back(watched(x, detail::guard_no_owner, false));
       }
-      if constexpr (detail::guard_watchable<Y>) t.host.push_back(watched(y, owner, false));
-      previous_output = y.data();
+      if constexpr (detail::guard_watchable<X>) {
+        // A cast the model inserted (of its input, too: as find_nonfinite, not the layer's).
+        if (std::find(seen.begin(), seen.end(), static_cast<void const*>(x.data())) == seen.end()) {
+          t.host.push_back(watched(x, detail::guard_no_owner, false));
+          seen.push_back(x.data());
+        }
+      }
+      if constexpr (detail::guard_watchable<Y>) {
+        t.host.push_back(watched(y, owner, false));
+        seen.push_back(y.data());
+      }
       if (!in_backward) return;
       backward_part part{owner, false, name, {}};
       if constexpr (requires { layer.branch(); }) part.block = true;
@@ -479,7 +507,7 @@ class precision_guard {
         if (dy.size()) part.tensors.push_back(watched(dy, detail::guard_no_owner, true));
       if constexpr (!requires { layer.branch(); }) {
         std::vector<parameter<Space>> ps;
-        layer.template append_parameters<Space>(ps);
+        if (!replica) layer.template append_parameters<Space>(ps);  // a replica's are the average
         for (auto const& p : ps) {
           detail::watched_tensor w;
           w.data = p.gradient.data();
@@ -522,6 +550,7 @@ class precision_guard {
     t.chunks = chunks;
     t.device = tensor<detail::watched_tensor, Space>(exec, shape{static_cast<std::int64_t>(t.host.size())});
     copy(exec, tensor_view<detail::watched_tensor const, host_space>(t.host.data(), t.device.shape()), t.device.view());
+    if (fp8_generation_ != generation || !fp8_made_) watch_fp8_scales(exec, model, names);
     if (names_.empty()) {
       names_ = names;
       evidence_.assign(names.size(), {});
@@ -534,8 +563,10 @@ class precision_guard {
     } else if (names != names_) {
       detail::fail<invalid_argument>("mpx::precision_guard", "the model's layers changed: make one guard per model");
     }
-    if (tables_.size() >= 4) tables_.erase(tables_.begin());  // kept few: a graph's is among the newest
     tables_.push_back(std::move(t));
+    if (!early_shadows_.empty()) {
+      for (auto const& r : std::exchange(early_shadows_, {})) add_shadow(r);
+    }
     return tables_.back();
   }
 
@@ -549,6 +580,8 @@ class precision_guard {
   tensor<detail::watched_fp8_scale, Space> fp8_;
   unsigned fp8_count_ = 0;
   bool fp8_made_ = false;
+  std::uint64_t fp8_generation_ = 0;  // the model's buffers when the fp8 scales were found (a rebuild moves them)
+  std::vector<shadow_report> early_shadows_;  // reports before the first watch
 };
 
 }  // namespace mpx

@@ -23,6 +23,7 @@
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/exec/tensor_ref.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/matrix_products.hpp>
@@ -66,6 +67,14 @@ class tiered : public layer_base {
   static_assert(sizeof...(Policies) >= 2,
                 "mpx::tiered<Layer, P1, P2, ...> needs at least two policies: the one the layer starts in and one "
                 "to move to (e.g. mpx::tiered<mpx::causal_self_attention, mpx::mixed_float16, mpx::mixed_bfloat16>)");
+  template <class P, class... Rest>
+  static constexpr bool distinct() {
+    if constexpr (sizeof...(Rest) == 0) return true;
+    else return (!std::is_same_v<P, Rest> && ...) && distinct<Rest...>();
+  }
+  static_assert(distinct<Policies...>(),
+                "mpx::tiered: two tiers have the same policy (mpx::model_policy as the first tier takes the "
+                "model's: is the next tier the model's policy too?)");
   using tiers_type = std::tuple<Layer<Policies>...>;
   static constexpr std::size_t count = sizeof...(Policies);
   using first = std::tuple_element_t<0, tiers_type>;
@@ -123,6 +132,9 @@ class tiered : public layer_base {
         detail::fail<shape_error>(name(), "its tiers disagree on the output shape");
     });
     mark_built(in, std::get<0>(tiers_).output_shape());
+    for_each_tier([&](auto& t, auto k) {
+      if constexpr (decltype(k)::value > 0) parameter_pairs<memory_space_t<Exec>>(t);
+    });
   }
 
   template <executor Exec>
@@ -260,6 +272,12 @@ class tiered : public layer_base {
       if constexpr (requires { t.append_seeds(out); }) t.append_seeds(out);
     });
   }
+  template <memory_space Space>
+  void append_state(std::vector<std::pair<std::string, tensor_ref<Space>>>& out) {
+    for_each_tier([&](auto& t, auto) {
+      if constexpr (requires { t.template append_state<Space>(out); }) t.template append_state<Space>(out);
+    });
+  }
   //! Its tiers, for the precision guard and save_training_state.
   void append_tiers(std::vector<layer_tiers_entry>& out) {
     layer_tiers_entry e{name(), {}, &active_};
@@ -293,39 +311,58 @@ class tiered : public layer_base {
     }(std::make_index_sequence<count>{});
   }
 
-  //! Both tiers' parameter lists, checked to pair up (same names after the layer's, same
-  //! shapes, each in its tier's storage dtype).
+  //! Both tiers' parameter lists, in the same order and shapes (checked at build).
   template <memory_space Space, class T>
   std::pair<std::vector<parameter<Space>>, std::vector<parameter<Space>>> parameter_pairs(T& t) {
     std::vector<parameter<Space>> p0, pk;
     std::get<0>(tiers_).template append_parameters<Space>(p0);
     t.template append_parameters<Space>(pk);
     bool ok = p0.size() == pk.size();
-    for (std::size_t i = 0; ok && i < p0.size(); ++i)
-      ok = p0[i].value.shape() == pk[i].value.shape() && p0[i].value.dtype() == dtype_id_of<storage_type> &&
-           pk[i].value.dtype() == dtype_id_of<typename T::policy::storage_type>;
+    for (std::size_t i = 0; ok && i < p0.size(); ++i) ok = p0[i].value.shape() == pk[i].value.shape();
     if (!ok)
-      detail::fail<invalid_argument>(name(), "its tiers' parameters do not pair up (a tiered layer's parameters "
-                                             "must be stored in its policies' storage dtypes, in the same shapes)");
+      detail::fail<invalid_argument>(name(), "its tiers' parameters do not pair up (the same tensors, in the same "
+                                             "shapes, under every policy)");
     return {std::move(p0), std::move(pk)};
+  }
+  //! from -> to, each in its tier's storage dtype or float (a norm's gamma and beta, an
+  //! LSTM's bias); another dtype is refused.
+  template <class Exec, class S0, class Sk>
+  static void cast_parameter(Exec const& exec, tensor_ref<memory_space_t<Exec>> const& from,
+                             tensor_ref<memory_space_t<Exec>> const& to) {
+    using Space = memory_space_t<Exec>;
+    auto with_type = [](tensor_ref<Space> const& r, auto f, auto tag_a, auto tag_b) {
+      using A = decltype(tag_a);
+      using B = decltype(tag_b);
+      if (r.dtype() == dtype_id_of<A>) f(r.template as<A>());
+      else if (r.dtype() == dtype_id_of<B>) f(r.template as<B>());
+      else detail::fail<invalid_argument>("mpx::tiered", "a parameter of a tiered layer is neither in its policy's "
+                                                         "storage dtype nor in float");
+    };
+    with_type(
+        from,
+        [&](auto src) {
+          with_type(
+              to,
+              [&](auto dst) {
+                cast(exec, tensor_view<typename decltype(src)::value_type const, Space>(src), dst);
+              },
+              Sk{}, float{});
+        },
+        S0{}, float{});
   }
   template <class Exec, class T>
   void copy_weights_into(Exec const& exec, T& t) {
     using Space = memory_space_t<Exec>;
-    using S = typename T::policy::storage_type;
     auto const [p0, pk] = parameter_pairs<Space>(t);
     for (std::size_t i = 0; i < p0.size(); ++i)
-      cast(exec, tensor_view<storage_type const, Space>(p0[i].value.template as<storage_type>()),
-           pk[i].value.template as<S>());
+      cast_parameter<Exec, storage_type, typename T::policy::storage_type>(exec, p0[i].value, pk[i].value);
   }
   template <class Exec, class T>
   void copy_gradients_from(Exec const& exec, T& t) {
     using Space = memory_space_t<Exec>;
-    using S = typename T::policy::storage_type;
     auto const [p0, pk] = parameter_pairs<Space>(t);
     for (std::size_t i = 0; i < p0.size(); ++i)
-      cast(exec, tensor_view<S const, Space>(pk[i].gradient.template as<S>()),
-           p0[i].gradient.template as<storage_type>());
+      cast_parameter<Exec, typename T::policy::storage_type, storage_type>(exec, pk[i].gradient, p0[i].gradient);
   }
 
   tiers_type tiers_;

@@ -146,7 +146,10 @@ class classifier_trainer {
   //! executor; every options.review_every steps the counts (and any shadow step's errors)
   //! are read and a failing layer moves one tier up from the next step on. As a replica,
   //! the evidence is summed over the replicas, which move alike.
-  void guard(guard_options options) { guard_.emplace(options); }
+  void guard(guard_options options) {
+    guard_.emplace(options);
+    ++guard_generation_;  // a graph captured with the previous guard (or none) is stale
+  }
   //! The guard, or nullptr when there is none.
   [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return guard_ ? &*guard_ : nullptr; }
   //! Steps taken since the trainer was made (a shadow report's step counts the same way).
@@ -200,7 +203,8 @@ class classifier_trainer {
     bool stochastic_rounding = false;     //!< the optimizer's rounding: a kernel argument, with
     std::uint64_t rounding_seed = 0;      //!< its seed (load() restores a saved one)
     std::uint64_t replica_generation = 0;  //!< run_as_replica's hooks: the collectives and amax reductions captured
-    std::size_t tier_moves = 0;            //!< the guard's moves: which tier of a layer runs
+    std::uint64_t guard_generation = 0;    //!< guard() calls: the guard whose scan the graph runs
+    std::uint64_t tiers = 0;               //!< which tier each tiered layer runs (a digest)
     friend bool operator==(graph_state const&, graph_state const&) = default;
   };
   [[nodiscard]] graph_state graph_state_now() const {
@@ -211,7 +215,8 @@ class classifier_trainer {
     s.stochastic_rounding = optimizer_.optimizer().master_options().stochastic_rounding;
     s.rounding_seed = optimizer_.optimizer().master_options().seed;
     s.replica_generation = replica_generation_;
-    s.tier_moves = guard_ ? guard_->moves().size() : 0;
+    s.guard_generation = guard_generation_;
+    for (auto const& t : detail::model_tiers(model_)) s.tiers = s.tiers * 31 + *t.active + 1;
     return s;
   }
 
@@ -260,7 +265,7 @@ class classifier_trainer {
     if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
-    if (guard_) guard_->watch(exec, model_, images, rec, scale_floor());
+    if (guard_) guard_->watch(exec, model_, images, rec, scale_floor(), replicas_.active());
   }
 
   //! The loss scale at or below which a backward overflow is the model's, not the
@@ -273,7 +278,7 @@ class classifier_trainer {
   template <class E>
   void review_guard(E const& exec) {
     if (guard_ && steps_ % guard_->options().review_every == 0)
-      guard_->review(exec, model_, steps_, replicas_.sum_values, replicas_.count, scale_floor());
+      guard_->review(exec, model_, steps_, replicas_.max_values, scale_floor());
   }
 
 #if MPX_HAS_CUDA
@@ -299,8 +304,10 @@ class classifier_trainer {
       eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
     }
     // A graph serves one batch shape and dtype: it was captured reading those bytes.
+    // A capture follows an eager step on the same buffers (the step made what it needs).
     bool const replay = graph_exec_ ? images.shape() == graph_shape_ && detail::batch_type_key<T>() == graph_dtype_
-                                    : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_;
+                                    : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_ &&
+                                          model_.buffer_generation() == eager_generation_;
     if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
@@ -327,6 +334,7 @@ class classifier_trainer {
         ++pending_;
         eager_shape_ = images.shape();
         eager_dtype_ = detail::batch_type_key<T>();
+        eager_generation_ = model_.buffer_generation();
       }
     } catch (...) {
       // What was enqueued (a copy of the caller's batch, say) still runs on the side
@@ -399,6 +407,7 @@ class classifier_trainer {
   shape eager_shape_{0};
   void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
   void const* eager_dtype_ = nullptr;
+  std::uint64_t eager_generation_ = 0;  // the model's buffers at the latest eager step
   graph_state captured_state_{};
   std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};
@@ -428,6 +437,7 @@ class classifier_trainer {
   model_shadow<Space> shadow_;
   std::vector<shadow_report> shadow_reports_;
   std::optional<precision_guard<Space>> guard_;
+  std::uint64_t guard_generation_ = 0;  // guard() calls, for graph_state
 };
 
 template <class Exec, class Model, class Opt>
