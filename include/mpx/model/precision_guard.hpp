@@ -25,9 +25,9 @@
 //    over the layers' few scales.
 //  - With a shadow (classifier_trainer::shadow_every), a layer whose error against its
 //    float32 twin passes `shadow_error` on `shadow_strikes` shadow steps moves.
-// The evidence is read every `review_every` steps (one synchronisation), summed over
-// data-parallel replicas (so every replica moves the same layers at the same step),
-// and each move is kept with its evidence in words. Layers that are not tiered are
+// The evidence is read every `review_every` steps (one synchronisation); each count is
+// the maximum over data-parallel replicas (every replica moves the same layers at the
+// same step), and each move is kept with its evidence in words. Layers not tiered are
 // counted and reported but never moved. Moves down are not made.
 #pragma once
 

@@ -145,7 +145,7 @@ class classifier_trainer {
   //! step the scaler skips, the layer that wrote the first NaN or inf is counted on the
   //! executor; every options.review_every steps the counts (and any shadow step's errors)
   //! are read and a failing layer moves one tier up from the next step on. As a replica,
-  //! the evidence is summed over the replicas, which move alike.
+  //! each count is the maximum over the replicas, which move alike.
   void guard(guard_options options) {
     guard_.emplace(options);
     ++guard_generation_;  // a graph captured with the previous guard (or none) is stale
