@@ -623,7 +623,7 @@ TEST_CASE("a shadowed data-parallel run trains bit for bit as one that is not", 
   }
 }
 
-TEST_CASE("the guard's evidence is summed over the replicas: every rank moves the same layer at the same step",
+TEST_CASE("the guard's evidence is combined over the replicas: every rank moves the same layer at the same step",
           "[dist][guard]") {
   mpx::host_executor exec;
   constexpr std::int64_t vocab = 24, tokens = 6, width = 16, batch = 4;
@@ -658,7 +658,7 @@ TEST_CASE("the guard's evidence is summed over the replicas: every rank moves th
   REQUIRE(moves.size() == 1);
   CHECK(moves[0].step == 5);
   CHECK(moves[0].layer == "residual/multi_head_attention");
-  CHECK_THAT(moves[0].evidence, Catch::Contains("5 of its forward passes"));  // rank 0's five, summed
+  CHECK_THAT(moves[0].evidence, Catch::Contains("5 of its forward passes"));  // rank 0's five steps
   double const tier[1] = {static_cast<double>(attention.active_tier())};
   for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
 }

@@ -153,28 +153,46 @@ struct into_slot {
   MPX_HD void operator()(unsigned v) const noexcept { max_into(slot, v); }
 };
 
-//! After the scan: counts the first non-finite tensor against its layer, and clears the
-//! slot. counts holds [forward | backward at the scale's floor | backward] per layer.
+//! Where the tallies write, per review interval: a flag per (kind, step of the interval,
+//! layer), so that replicas can combine them step by step (a maximum is an "or"), and a
+//! count per layer of backward overflows above the floor (only reported).
+//! slot[0] is the scan's result, slot[1] the step's index in the interval.
+struct guard_marks {
+  unsigned* flags;      //!< [3][steps][owners]: forward overflow, overflow at the floor, fp8 saturation
+  unsigned* backward;   //!< [owners]
+  unsigned* slot;       //!< [2]
+  unsigned owners;
+  unsigned steps;       //!< steps per interval (review_every)
+  enum kind : unsigned { forward = 0, stuck = 1, saturated = 2 };
+  MPX_HD void mark(unsigned k, unsigned owner) const {
+    unsigned const step = slot[1] < steps ? slot[1] : steps - 1u;
+    flags[(k * steps + step) * owners + owner] = 1u;
+  }
+};
+
+//! After the scan: marks the first non-finite tensor's layer, clears the scan's slot and
+//! ends the step (the last tally of a step).
 struct tally_first_nonfinite {
   watched_tensor const* table;
   unsigned count;
-  unsigned owners;
-  unsigned* slot;
-  unsigned* counts;
+  guard_marks marks;
   step_record const* record;
   float floor;
   MPX_HD void operator()() const {
-    unsigned const s = *slot;
-    *slot = 0u;
-    if (s == 0u || s > count) return;
-    watched_tensor const& t = table[count - s];
-    if (t.owner >= owners) return;
-    if (t.backward == 0u) {
-      ++counts[t.owner];
-    } else {
-      ++counts[2u * owners + t.owner];
-      if (record->loss_scale <= floor) ++counts[owners + t.owner];
+    unsigned const s = marks.slot[0];
+    marks.slot[0] = 0u;
+    if (s != 0u && s <= count) {
+      watched_tensor const& t = table[count - s];
+      if (t.owner < marks.owners) {
+        if (t.backward == 0u) {
+          marks.mark(guard_marks::forward, t.owner);
+        } else {
+          ++marks.backward[t.owner];
+          if (record->loss_scale <= floor) marks.mark(guard_marks::stuck, t.owner);
+        }
+      }
     }
+    ++marks.slot[1];
   }
 };
 
@@ -186,24 +204,19 @@ struct watched_fp8_scale {
   unsigned owner = 0;
 };
 
-//! After each step: counts, once per layer, the layers one of whose delayed fp8 casts
-//! saturated (counts' fourth section), then remembers each scale for the next step.
+//! After each step (before tally_first_nonfinite ends it): marks the layers one of whose
+//! delayed fp8 casts saturated, then remembers each scale for the next step.
 struct tally_fp8_saturation {
   watched_fp8_scale* scales;
   unsigned count;
-  unsigned owners;
-  unsigned* counts;
+  guard_marks marks;
   float factor;
   MPX_HD void operator()() const {
-    unsigned marked = guard_no_owner;  // the layer already counted this step (its scales are neighbours)
     for (unsigned i = 0; i < count; ++i) {
       watched_fp8_scale& w = scales[i];
       float const amax = w.state->last_amax;
-      if (w.previous_scale > 0.0f && amax * w.previous_scale > w.format_max * factor && w.owner < owners &&
-          w.owner != marked) {
-        ++counts[3u * owners + w.owner];
-        marked = w.owner;
-      }
+      if (w.previous_scale > 0.0f && amax * w.previous_scale > w.format_max * factor && w.owner < marks.owners)
+        marks.mark(guard_marks::saturated, w.owner);
       w.previous_scale = w.state->scale;
     }
   }
@@ -239,11 +252,8 @@ class precision_guard {
     for_each_index_into(exec, t.chunks, detail::max_u32{},
                         detail::first_nonfinite_scan{t.device.data(), in, t.count, record},
                         detail::into_slot{slot_.data()});
-    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, static_cast<unsigned>(names_.size()),
-                                                 slot_.data(), counts_.data(), record, floor});
-    if (fp8_count_)
-      run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, static_cast<unsigned>(names_.size()),
-                                                  counts_.data(), options_.fp8_saturation_factor});
+    if (fp8_count_) run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, marks(), options_.fp8_saturation_factor});
+    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, marks(), record, floor});
   }
 
   //! A shadow step's report (mpx::model_shadow): a layer whose error passed the bound
@@ -264,30 +274,36 @@ class precision_guard {
     }
   }
 
-  //! Reads the evidence gathered since the last review (synchronises), takes each count's
-  //! maximum over the replicas (`max_values`, empty for one process: so one bad step seen
-  //! by many replicas counts once, and every replica decides alike), and moves the layers
-  //! it condemns. Every replica must call it at the same step. Returns this review's moves.
+  //! Reads the evidence gathered since the last review (synchronises), combines it over
+  //! the replicas step by step (`max_values` of per-step flags, an "or": a step counts
+  //! once however many replicas saw it; empty for one process), and moves the layers it
+  //! condemns. Every replica must call it at the same step, with the same options.
+  //! Returns this review's moves.
   template <executor Exec, class Model>
   std::vector<guard_move> review(Exec const& exec, Model& model, std::size_t step,
                                  std::function<void(std::span<double>)> const& max_values, float floor) {
     std::size_t const owners = names_.size();
     if (owners == 0) return {};
-    std::vector<double> v(5 * owners, 0.0);
+    std::size_t const steps = options_.review_every, flags = 3 * steps * owners;
+    // [flags | backward counts | shadow strikes], combined over the replicas by a maximum
+    std::vector<double> v(flags + 2 * owners, 0.0);
     {
-      auto const host = to_host(exec, counts_.view());
-      for (std::size_t i = 0; i < 4 * owners; ++i) v[i] = host.data()[i];
+      auto const host = to_host(exec, marks_.view());
+      for (std::size_t i = 0; i < flags + owners; ++i) v[i] = host.data()[i];
     }
-    fill(exec, counts_.view(), 0u);
-    for (std::size_t o = 0; o < owners; ++o) v[4 * owners + o] = strikes_pending_[o];
+    fill(exec, marks_.view(), 0u);
+    fill(exec, slot_.view(), 0u);
+    for (std::size_t o = 0; o < owners; ++o) v[flags + owners + o] = strikes_pending_[o];
     if (max_values) max_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
     for (std::size_t o = 0; o < owners; ++o) {
       evidence& e = evidence_[o];
-      double const saturated = v[3 * owners + o];
-      if (v[o] > 0 || v[owners + o] > 0 || saturated > 0) e.recent.push_back({step, v[o], v[owners + o], saturated});
-      e.backward_overflows += v[2 * owners + o];
-      e.shadow_strikes += v[4 * owners + o];
+      double kinds[3] = {0, 0, 0};  // steps of the interval with a forward overflow, one at the floor, a saturation
+      for (std::size_t k = 0; k < 3; ++k)
+        for (std::size_t i = 0; i < steps; ++i) kinds[k] += v[(k * steps + i) * owners + o] > 0 ? 1 : 0;
+      if (kinds[0] > 0 || kinds[1] > 0 || kinds[2] > 0) e.recent.push_back({step, kinds[0], kinds[1], kinds[2]});
+      e.backward_overflows += v[flags + o];
+      e.shadow_strikes += v[flags + owners + o];
       while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
     }
     std::vector<guard_move> made;
@@ -439,9 +455,6 @@ class precision_guard {
     auto const in_flight = model.in_flight_state();
     for (auto const& t : tables_)
       if (t.generation == generation && t.batch == in_flight.batch && t.replica == replica) return t;
-    // Tables of older buffers go (a graph that read one is captured again before it runs
-    // anew); a current one is never freed under a captured graph.
-    std::erase_if(tables_, [&](table const& old) { return old.generation != generation; });
 #if MPX_HAS_CUDA
     if constexpr (!is_host_executor_v<Exec>) {
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -451,6 +464,9 @@ class precision_guard {
                                                                "has not seen run eagerly (run one eager step first)");
     }
 #endif
+    // Tables of older buffers go (a graph that read one is captured again before it runs
+    // anew); a current one is never freed under a captured graph.
+    std::erase_if(tables_, [&](table const& old) { return old.generation != generation; });
     table t;
     t.generation = generation;
     t.batch = in_flight.batch;
@@ -550,18 +566,18 @@ class precision_guard {
     t.chunks = chunks;
     t.device = tensor<detail::watched_tensor, Space>(exec, shape{static_cast<std::int64_t>(t.host.size())});
     copy(exec, tensor_view<detail::watched_tensor const, host_space>(t.host.data(), t.device.shape()), t.device.view());
+    if (!names_.empty() && names != names_)
+      detail::fail<invalid_argument>("mpx::precision_guard", "the model's layers changed: make one guard per model");
     if (fp8_generation_ != generation || !fp8_made_) watch_fp8_scales(exec, model, names);
     if (names_.empty()) {
       names_ = names;
       evidence_.assign(names.size(), {});
       strikes_pending_.assign(names.size(), 0.0);
       worst_shadow_.assign(names.size(), 0.0);
-      counts_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>(4 * names.size())});
-      fill(exec, counts_.view(), 0u);
-      slot_ = tensor<unsigned, Space>(exec, shape{1});
+      marks_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>((3 * options_.review_every + 1) * names.size())});
+      fill(exec, marks_.view(), 0u);
+      slot_ = tensor<unsigned, Space>(exec, shape{2});
       fill(exec, slot_.view(), 0u);
-    } else if (names != names_) {
-      detail::fail<invalid_argument>("mpx::precision_guard", "the model's layers changed: make one guard per model");
     }
     tables_.push_back(std::move(t));
     if (!early_shadows_.empty()) {
@@ -576,7 +592,13 @@ class precision_guard {
   std::vector<double> strikes_pending_, worst_shadow_;
   std::vector<guard_move> moves_;
   std::vector<table> tables_;
-  tensor<unsigned, Space> counts_, slot_;
+  tensor<unsigned, Space> marks_, slot_;  // see detail::guard_marks
+
+  detail::guard_marks marks() {
+    auto const owners = static_cast<unsigned>(names_.size());
+    auto const steps = static_cast<unsigned>(options_.review_every);
+    return {marks_.data(), marks_.data() + 3 * steps * owners, slot_.data(), owners, steps};
+  }
   tensor<detail::watched_fp8_scale, Space> fp8_;
   unsigned fp8_count_ = 0;
   bool fp8_made_ = false;

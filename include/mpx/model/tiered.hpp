@@ -48,9 +48,40 @@ struct layer_tiers_entry {
   std::string name;
   std::vector<std::string> policies;
   std::size_t* active = nullptr;
+  //! The tier whose state (batch norm's running statistics) is current: a move carries it
+  //! at the next forward; a load, which restores every tier's, sets it to `active`.
+  std::size_t* state_tier = nullptr;
 };
 
 namespace detail {
+
+template <class P, class... Rest>
+constexpr bool all_distinct() {
+  if constexpr (sizeof...(Rest) == 0) return true;
+  else return (!std::is_same_v<P, Rest> && ...) && all_distinct<Rest...>();
+}
+
+//! from -> to, each float, half or bfloat16 (a tier's parameters and state are in its
+//! storage dtype or float); another dtype is refused.
+template <class Exec>
+void cast_between_tiers(Exec const& exec, tensor_ref<memory_space_t<Exec>> const& from,
+                        tensor_ref<memory_space_t<Exec>> const& to) {
+  using Space = memory_space_t<Exec>;
+  auto typed = [](tensor_ref<Space> const& r, auto f) {
+    switch (r.dtype()) {
+      case dtype_id::float32: return f(r.template as<float>());
+      case dtype_id::float16: return f(r.template as<half>());
+      case dtype_id::bfloat16: return f(r.template as<bfloat16>());
+      default:
+        fail<invalid_argument>("mpx::tiered", "a tiered layer's parameter or state is " +
+                                                  std::string(to_string(r.dtype())) +
+                                                  ", not float, float16 or bfloat16: it cannot move between tiers");
+    }
+  };
+  typed(from, [&](auto src) {
+    typed(to, [&](auto dst) { cast(exec, tensor_view<typename decltype(src)::value_type const, Space>(src), dst); });
+  });
+}
 
 //! The buffers a higher tier reads and writes in its own dtypes.
 template <class T>
@@ -67,12 +98,7 @@ class tiered : public layer_base {
   static_assert(sizeof...(Policies) >= 2,
                 "mpx::tiered<Layer, P1, P2, ...> needs at least two policies: the one the layer starts in and one "
                 "to move to (e.g. mpx::tiered<mpx::causal_self_attention, mpx::mixed_float16, mpx::mixed_bfloat16>)");
-  template <class P, class... Rest>
-  static constexpr bool distinct() {
-    if constexpr (sizeof...(Rest) == 0) return true;
-    else return (!std::is_same_v<P, Rest> && ...) && distinct<Rest...>();
-  }
-  static_assert(distinct<Policies...>(),
+  static_assert(detail::all_distinct<Policies...>(),
                 "mpx::tiered: two tiers have the same policy (mpx::model_policy as the first tier takes the "
                 "model's: is the next tier the model's policy too?)");
   using tiers_type = std::tuple<Layer<Policies>...>;
@@ -159,6 +185,7 @@ class tiered : public layer_base {
                bool training) {
     std::int64_t const batch = check_input(x.shape(), y.shape());
     if (batch > reserved_batch_) reserve(exec, batch);
+    if (active_ != state_tier_) carry_state(exec);
     forward_tier_ = active_;
     with_active([&](auto& t, auto k) {
       constexpr std::size_t K = decltype(k)::value;
@@ -280,7 +307,7 @@ class tiered : public layer_base {
   }
   //! Its tiers, for the precision guard and save_training_state.
   void append_tiers(std::vector<layer_tiers_entry>& out) {
-    layer_tiers_entry e{name(), {}, &active_};
+    layer_tiers_entry e{name(), {}, &active_, &state_tier_};
     for (auto p : policy_names()) e.policies.emplace_back(p);
     out.push_back(std::move(e));
   }
@@ -324,51 +351,48 @@ class tiered : public layer_base {
                                              "shapes, under every policy)");
     return {std::move(p0), std::move(pk)};
   }
-  //! from -> to, each in its tier's storage dtype or float (a norm's gamma and beta, an
-  //! LSTM's bias); another dtype is refused.
-  template <class Exec, class S0, class Sk>
-  static void cast_parameter(Exec const& exec, tensor_ref<memory_space_t<Exec>> const& from,
-                             tensor_ref<memory_space_t<Exec>> const& to) {
-    using Space = memory_space_t<Exec>;
-    auto with_type = [](tensor_ref<Space> const& r, auto f, auto tag_a, auto tag_b) {
-      using A = decltype(tag_a);
-      using B = decltype(tag_b);
-      if (r.dtype() == dtype_id_of<A>) f(r.template as<A>());
-      else if (r.dtype() == dtype_id_of<B>) f(r.template as<B>());
-      else detail::fail<invalid_argument>("mpx::tiered", "a parameter of a tiered layer is neither in its policy's "
-                                                         "storage dtype nor in float");
-    };
-    with_type(
-        from,
-        [&](auto src) {
-          with_type(
-              to,
-              [&](auto dst) {
-                cast(exec, tensor_view<typename decltype(src)::value_type const, Space>(src), dst);
-              },
-              Sk{}, float{});
-        },
-        S0{}, float{});
-  }
   template <class Exec, class T>
   void copy_weights_into(Exec const& exec, T& t) {
     using Space = memory_space_t<Exec>;
     auto const [p0, pk] = parameter_pairs<Space>(t);
     for (std::size_t i = 0; i < p0.size(); ++i)
-      cast_parameter<Exec, storage_type, typename T::policy::storage_type>(exec, p0[i].value, pk[i].value);
+      detail::cast_between_tiers(exec, p0[i].value, pk[i].value);
   }
   template <class Exec, class T>
   void copy_gradients_from(Exec const& exec, T& t) {
     using Space = memory_space_t<Exec>;
     auto const [p0, pk] = parameter_pairs<Space>(t);
     for (std::size_t i = 0; i < p0.size(); ++i)
-      cast_parameter<Exec, typename T::policy::storage_type, storage_type>(exec, pk[i].gradient, p0[i].gradient);
+      detail::cast_between_tiers(exec, pk[i].gradient, p0[i].gradient);
+  }
+
+  //! A move's first forward: the state the layer keeps besides its parameters (batch
+  //! norm's running statistics) goes from the tier that ran to the one that runs now.
+  template <class Exec>
+  void carry_state(Exec const& exec) {
+    using Space = memory_space_t<Exec>;
+    std::vector<std::pair<std::string, tensor_ref<Space>>> from, to;
+    for_each_tier([&](auto& t, auto k) {
+      if constexpr (requires { t.template append_state<Space>(from); }) {
+        if (decltype(k)::value == state_tier_) t.template append_state<Space>(from);
+        if (decltype(k)::value == active_) t.template append_state<Space>(to);
+      }
+    });
+    if (from.size() != to.size())
+      detail::fail<invalid_argument>(name(), "its tiers keep different state: it cannot move between them");
+    for (std::size_t i = 0; i < from.size(); ++i) {
+      if (!(from[i].second.shape() == to[i].second.shape()))
+        detail::fail<invalid_argument>(name(), "its tiers keep state of different shapes: it cannot move between them");
+      detail::cast_between_tiers(exec, from[i].second, to[i].second);
+    }
+    state_tier_ = active_;
   }
 
   tiers_type tiers_;
   std::tuple<detail::tier_buffers<Layer<Policies>>...> buffers_;
   std::size_t active_ = 0;
   std::size_t forward_tier_ = 0;
+  std::size_t state_tier_ = 0;  // the tier whose state (running statistics) is current
 };
 
 namespace detail {

@@ -147,6 +147,9 @@ class classifier_trainer {
   //! are read and a failing layer moves one tier up from the next step on. As a replica,
   //! each count is the maximum over the replicas, which move alike.
   void guard(guard_options options) {
+    if (replicas_.count > 1 && !replicas_.max_values)
+      detail::fail<invalid_argument>("classifier_trainer::guard", "as a replica the guard needs the hooks' "
+                                                                  "max_values (mpx::data_parallel::hooks gives it)");
     guard_.emplace(options);
     ++guard_generation_;  // a graph captured with the previous guard (or none) is stale
   }
@@ -161,6 +164,9 @@ class classifier_trainer {
   //! Every hook is given the executor the step runs on (in graph mode the trainer's own
   //! stream, not the caller's), so what it enqueues is ordered, and captured, in the step.
   void run_as_replica(replica_hooks hooks) {
+    if (guard_ && hooks.count > 1 && !hooks.max_values)
+      detail::fail<invalid_argument>("classifier_trainer::run_as_replica", "the guard needs the hooks' max_values "
+                                                                           "(mpx::data_parallel::hooks gives it)");
     replicas_ = std::move(hooks);
     ++replica_generation_;  // a graph captured with the previous hooks is stale
     // The model and its fp8 layers call back without an executor: they reach the step's
@@ -304,10 +310,11 @@ class classifier_trainer {
       eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
     }
     // A graph serves one batch shape and dtype: it was captured reading those bytes.
-    // A capture follows an eager step on the same buffers (the step made what it needs).
+    // A capture follows an eager step in the same state (buffers, guard, tiers, hooks):
+    // that step made whatever the captured one needs.
     bool const replay = graph_exec_ ? images.shape() == graph_shape_ && detail::batch_type_key<T>() == graph_dtype_
                                     : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_ &&
-                                          model_.buffer_generation() == eager_generation_;
+                                          graph_state_now() == eager_state_;
     if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
@@ -334,7 +341,7 @@ class classifier_trainer {
         ++pending_;
         eager_shape_ = images.shape();
         eager_dtype_ = detail::batch_type_key<T>();
-        eager_generation_ = model_.buffer_generation();
+        eager_state_ = graph_state_now();
       }
     } catch (...) {
       // What was enqueued (a copy of the caller's batch, say) still runs on the side
@@ -407,7 +414,7 @@ class classifier_trainer {
   shape eager_shape_{0};
   void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
   void const* eager_dtype_ = nullptr;
-  std::uint64_t eager_generation_ = 0;  // the model's buffers at the latest eager step
+  graph_state eager_state_{};  // at the latest eager step
   graph_state captured_state_{};
   std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};

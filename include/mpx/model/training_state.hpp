@@ -296,7 +296,7 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
     copy(exec, tensor_view<std::uint64_t const, host_space>(&values[i], shape{1}),
          tensor_view<std::uint64_t, Space>(counters[i].second.data(), shape{1}));
   for (std::size_t i = 0; i < seeds.size(); ++i) *seeds[i].second = seed_values[i];
-  for (std::size_t i = 0; i < tiers.size(); ++i) *tiers[i].active = tier_values[i];
+  for (std::size_t i = 0; i < tiers.size(); ++i) *tiers[i].active = *tiers[i].state_tier = tier_values[i];
   exec.synchronize();
   return position;
 }
