@@ -12,6 +12,7 @@
 #include <mpx/layers/embedding.hpp>
 #include <mpx/layers/flatten.hpp>
 #include <mpx/layers/layer_norm.hpp>
+#include <mpx/model/fit.hpp>
 #include <mpx/model/residual.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/tiered.hpp>
@@ -320,6 +321,39 @@ TEMPLATE_LIST_TEST_CASE("a batch float16 cannot hold is nobody's: no layer is co
     CHECK(c.forward == 0);
     CHECK(c.backward == 0);
   }
+}
+
+TEMPLATE_LIST_TEST_CASE("fit guards a run: the move is in its epoch's summary", "[model][guard]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::flatten<>(), mpx::dense<>(8, mpx::activation::relu),
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(3));
+  model.build(exec, {4, 4}, 3);
+  std::vector<float> pixels(16 * 16);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = 8.0f + static_cast<float>(i % 5);
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
+  auto const images = mpx_test::upload(exec, pixels, mpx::shape{16, 4, 4});
+  auto const targets = mpx_test::upload(exec, labels, mpx::shape{16});
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = rule.min_scale = 0x1p16f;  // at the floor: the last layer's gradients overflow
+  mpx::dynamic_loss_scaler scaler(exec, rule);
+  scaler.on_stuck([](mpx::loss_scale_report const&) {});
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), std::move(scaler));
+  mpx::tensor_batches<float, space> batches{images, targets, 4};  // 4 steps an epoch
+  mpx::fit_options options;
+  options.epochs = 2;
+  options.quiet = true;
+  options.guard = mpx::guard_options{.stuck_overflows = 3, .window = 50, .review_every = 4};
+  auto const history = mpx::fit(exec, model, optimizer, batches, options);
+  REQUIRE(history.size() == 2);
+  REQUIRE(history[0].tier_moves.size() == 1);
+  CHECK(history[0].tier_moves[0].layer == "dense_1");
+  CHECK(history[0].tier_moves[0].step == 4);
+  CHECK(history[1].tier_moves.empty());
+  CHECK(model.template layer<2>().active_tier() == 1);
 }
 
 #if MPX_HAS_CUDA
