@@ -663,6 +663,39 @@ TEST_CASE("the guard's evidence is combined over the replicas: every rank moves 
   for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
 }
 
+TEST_CASE("an fp8 layer's saturations are the same on every rank, and every rank moves it at the same step",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  constexpr std::int64_t batch = 16, features = 32;
+  auto model = mpx::sequential<mpx::mixed_fp8>(
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(16, mpx::activation::relu), mpx::dense<>(16));
+  model.build(exec, {features}, 3);
+  auto opt = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f),
+                                       mpx::static_loss_scaler(exec, 1.0f));
+  mpx::data_parallel dp(exec, comm(), opt);
+  mpx::classifier_trainer trainer(exec, model, opt);
+  trainer.run_as_replica(dp.hooks(exec));
+  trainer.guard({.fp8_saturations = 3, .window = 50, .review_every = 4});
+  auto x = mpx_test::random_values<float>(batch * features, -2.0, 2.0, 8 + static_cast<std::uint64_t>(comm().rank()));
+  std::vector<std::int32_t> y(batch);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<std::int32_t>(i % 16);
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(y.data(), mpx::shape{batch});
+  for (int s = 0; s < 12; ++s) {
+    // Only rank 0's batches carry the outlier; the amax each scale updates from is the
+    // maximum over the ranks, so every rank's scales saturate alike.
+    auto xs = x;
+    if (s >= 8 && comm().rank() == 0) xs[5] = 1000.0f * std::pow(8.0f, static_cast<float>(s - 8));
+    trainer.step(exec, mpx::tensor_view<float const, mpx::host_space>(xs.data(), mpx::shape{batch, features}), yv);
+  }
+  auto const& moves = trainer.guard()->moves();
+  REQUIRE(moves.size() == 1);
+  CHECK(moves[0].step == 12);
+  CHECK_THAT(moves[0].evidence, Catch::Contains("fp8 casts saturated") && Catch::Contains("in 4 steps"));
+  double const tier[1] = {static_cast<double>(model.template layer<0>().active_tier())};
+  for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
+  dp.check_parameters_agree(exec);
+}
+
 TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {
   mpx::host_executor exec;
   auto model = small_model<mpx::mixed_float16>(comm().rank() == 0 ? 16 : 17);

@@ -296,11 +296,17 @@ class precision_guard {
     for (std::size_t o = 0; o < owners; ++o) v[flags + owners + o] = strikes_pending_[o];
     if (max_values) max_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
+    // A step where some replica's forward pass overflowed: the gradients of every replica
+    // are non-finite downstream of it, which is not evidence against their layers.
+    std::vector<bool> forward_step(steps, false);
+    for (std::size_t i = 0; i < steps; ++i)
+      for (std::size_t o = 0; o < owners; ++o) forward_step[i] = forward_step[i] || v[i * owners + o] > 0;
     for (std::size_t o = 0; o < owners; ++o) {
       evidence& e = evidence_[o];
       double kinds[3] = {0, 0, 0};  // steps of the interval with a forward overflow, one at the floor, a saturation
       for (std::size_t k = 0; k < 3; ++k)
-        for (std::size_t i = 0; i < steps; ++i) kinds[k] += v[(k * steps + i) * owners + o] > 0 ? 1 : 0;
+        for (std::size_t i = 0; i < steps; ++i)
+          kinds[k] += v[(k * steps + i) * owners + o] > 0 && !(k == 1 && forward_step[i]) ? 1 : 0;
       if (kinds[0] > 0 || kinds[1] > 0 || kinds[2] > 0) e.recent.push_back({step, kinds[0], kinds[1], kinds[2]});
       e.backward_overflows += v[flags + o];
       e.shadow_strikes += v[flags + owners + o];
