@@ -20,15 +20,15 @@
 //  - After every step, each delayed fp8 scale (mpx::mixed_fp8): whether the step's amax
 //    times the scale it was cast with passed the format's range, `fp8_saturation_factor`
 //    times over (the cast clipped values: an outlier, or amax growth faster than the
-//    history follows). A
-//    layer saturated in `fp8_saturations` steps within `window` moves. A one-thread pass
-//    over the layers' few scales.
+//    history follows). A layer saturated in `fp8_saturations` steps within `window`
+//    moves. A one-thread pass over the layers' few scales.
+//
 //  - With a shadow (classifier_trainer::shadow_every), a layer whose error against its
 //    float32 twin passes `shadow_error` on `shadow_strikes` shadow steps moves.
-// The evidence is read every `review_every` steps (one synchronisation); each count is
-// the maximum over data-parallel replicas (every replica moves the same layers at the
-// same step), and each move is kept with its evidence in words. Layers not tiered are
-// counted and reported but never moved. Moves down are not made.
+// The evidence is read every `review_every` steps (one synchronisation), as a flag per
+// step and layer that data-parallel replicas combine (a step counts once however many
+// saw it; every replica moves the same layers at the same step), and each move is kept
+// with its evidence in words. Layers not tiered are reported, never moved, nor moved down.
 #pragma once
 
 #include <mpx/core/cast.hpp>
