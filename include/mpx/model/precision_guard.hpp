@@ -28,7 +28,7 @@
 // The evidence is read every `review_every` steps (one synchronisation), as a flag per
 // step and layer that data-parallel replicas combine (a step counts once however many
 // saw it; every replica moves the same layers at the same step), and each move is kept
-// with its evidence in words. Layers not tiered are reported, never moved, nor moved down.
+// with its evidence in words. Layers not tiered are only reported; none is moved down.
 #pragma once
 
 #include <mpx/core/cast.hpp>
