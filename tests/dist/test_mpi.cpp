@@ -696,6 +696,48 @@ TEST_CASE("an fp8 layer's saturations are the same on every rank, and every rank
   dp.check_parameters_agree(exec);
 }
 
+TEST_CASE("a scale stuck at its floor on one rank moves the layer whose own gradients overflowed there",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::flatten<>(), mpx::dense<>(8, mpx::activation::relu),
+      mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(3));
+  model.build(exec, {4, 4}, 3);
+  // Rank 0's pixels are large: its last layer's weight gradient (pixels times a float16
+  // logit gradient at the scale's floor) overflows, while its input gradient does not.
+  // The other ranks' batches are tame. The average is not finite on any rank, so every
+  // rank skips; only rank 0's own gradients name the layer, and the averaged ones would
+  // name no layer, or the wrong one.
+  float const base = comm().rank() == 0 ? 8.0f : 0.01f;
+  std::vector<float> pixels(16 * 16);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = base + base * static_cast<float>(i % 5) / 8.0f;
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = rule.min_scale = 0x1p16f;  // at the floor from the start
+  mpx::dynamic_loss_scaler scaler(exec, rule);
+  scaler.on_stuck([](mpx::loss_scale_report const&) {});
+  auto opt = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), std::move(scaler));
+  mpx::data_parallel dp(exec, comm(), opt, {.bucket_bytes = 64});  // several buckets, reduced during the backward
+  CHECK(dp.buckets() > 1);
+  mpx::classifier_trainer trainer(exec, model, opt);
+  trainer.run_as_replica(dp.hooks(exec));
+  trainer.guard({.stuck_overflows = 3, .window = 50, .review_every = 4});
+  mpx::tensor_view<float const, mpx::host_space> const xv(pixels.data(), mpx::shape{16, 4, 4});
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(labels.data(), mpx::shape{16});
+  for (int s = 0; s < 4; ++s) trainer.step(exec, xv, yv);
+  for (auto const& r : trainer.history(exec)) CHECK(r.skipped == 1);
+  auto const& moves = trainer.guard()->moves();
+  REQUIRE(moves.size() == 1);
+  CHECK(moves[0].step == 4);
+  CHECK(moves[0].layer == "dense_1");
+  CHECK_THAT(moves[0].evidence, Catch::Contains("gradients were the first NaN or inf of 4 steps with the loss scale "
+                                                "at its floor (65536)"));
+  double const tier[1] = {static_cast<double>(model.template layer<2>().active_tier())};
+  for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
+  dp.check_parameters_agree(exec);
+}
+
 TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {
   mpx::host_executor exec;
   auto model = small_model<mpx::mixed_float16>(comm().rank() == 0 ? 16 : 17);

@@ -9,7 +9,9 @@
 //    forward order; then, backwards, each layer's weight gradients and input gradient),
 //    names the layer that made non-finite values from finite ones. One pass over the
 //    step's activations and gradients, which returns at once when the step was not
-//    skipped, then a one-thread tally.
+//    skipped, then a one-thread tally. (A data-parallel replica's weight gradients are
+//    averaged during the backward pass: it reads its own before, every step, and the
+//    scan reads a flag per gradient in their place.)
 //      * A layer whose forward pass was first, `forward_overflows` times within `window`
 //        steps, moves: no loss scale changes a forward pass, so the scaler cannot help.
 //        (One transient overflow never moves anything.)
@@ -105,11 +107,15 @@ struct watched_tensor {
 };
 inline constexpr std::uint64_t guard_chunk = 4096;
 inline constexpr std::uint32_t guard_no_owner = 0xffffffffu;
+//! The dtype of a watched "tensor" that is one flag (unsigned, nonzero: the gradient it
+//! stands for held NaN or inf before a replica averaged it).
+inline constexpr std::uint32_t guard_flag_dtype = 0xfffffff0u;
 
 template <class T>
 inline constexpr bool guard_watchable = std::is_same_v<T, half> || std::is_same_v<T, bfloat16> || std::is_same_v<T, float>;
 
 MPX_HD inline bool finite_element(void const* data, std::uint32_t dtype, std::uint64_t i) noexcept {
+  if (dtype == guard_flag_dtype) return static_cast<unsigned const*>(data)[i] == 0u;
   switch (static_cast<dtype_id>(dtype)) {
     case dtype_id::float16: return is_finite(static_cast<half const*>(data)[i]);
     case dtype_id::bfloat16: return is_finite(static_cast<bfloat16 const*>(data)[i]);
@@ -124,6 +130,27 @@ struct max_u32 {
   MPX_HD unsigned operator()(unsigned a, unsigned b) const noexcept { return a > b ? a : b; }
 };
 
+//! The index of the tensor that chunk c belongs to: the last whose first chunk is <= c
+//! (empty tensors are passed over).
+MPX_HD inline unsigned tensor_of_chunk(watched_tensor const* table, unsigned count, std::uint64_t c) noexcept {
+  unsigned lo = 0, hi = count;
+  while (hi - lo > 1) {
+    unsigned const mid = lo + (hi - lo) / 2;
+    if (table[mid].first_chunk <= c) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+//! Whether chunk c (of tensor t) holds only finite values.
+MPX_HD inline bool finite_chunk(watched_tensor const& t, std::uint64_t c) noexcept {
+  std::uint64_t const begin = (c - t.first_chunk) * guard_chunk;
+  std::uint64_t const end = begin + guard_chunk < t.size ? begin + guard_chunk : t.size;
+  for (std::uint64_t i = begin; i < end; ++i)
+    if (!finite_element(t.data, t.dtype, i)) return false;
+  return true;
+}
+
 //! Chunk c of the watched tensors: count - (its tensor's index) when it holds NaN or inf,
 //! else 0 (so the maximum names the first such tensor). Nothing is read unless the step
 //! was skipped. Tensor 0 is the model's input, given by value (it moves every step).
@@ -134,18 +161,24 @@ struct first_nonfinite_scan {
   step_record const* record;
   MPX_HD unsigned operator()(std::size_t c) const {
     if (record->skipped == 0) return 0u;
-    unsigned lo = 0, hi = count;  // the last tensor whose first chunk is <= c (empty ones are passed over)
-    while (hi - lo > 1) {
-      unsigned const mid = lo + (hi - lo) / 2;
-      if (table[mid].first_chunk <= c) lo = mid;
-      else hi = mid;
-    }
-    watched_tensor const t = lo == 0 ? input : table[lo];
-    std::uint64_t const begin = (static_cast<std::uint64_t>(c) - t.first_chunk) * guard_chunk;
-    std::uint64_t const end = begin + guard_chunk < t.size ? begin + guard_chunk : t.size;
-    for (std::uint64_t i = begin; i < end; ++i)
-      if (!finite_element(t.data, t.dtype, i)) return count - lo;
-    return 0u;
+    unsigned const k = tensor_of_chunk(table, count, c);
+    return finite_chunk(k == 0 ? input : table[k], c) ? 0u : count - k;
+  }
+};
+
+//! Chunk first_chunk + i of a replica's own parameter gradients (the model's order),
+//! before the all-reduce replaces them by the average: NaN or inf sets the gradient's
+//! flag, which first_nonfinite_scan reads in its place. Runs every step (whether the
+//! step is skipped is known only after the average).
+struct own_gradient_scan {
+  watched_tensor const* table;
+  unsigned count;
+  std::uint64_t first_chunk;
+  unsigned* flags;  //!< [count]
+  MPX_HD void operator()(std::size_t i) const {
+    std::uint64_t const c = first_chunk + i;
+    unsigned const k = tensor_of_chunk(table, count, c);
+    if (!finite_chunk(table[k], c)) max_into(&flags[k], 1u);
   }
 };
 struct into_slot {
@@ -178,9 +211,12 @@ struct tally_first_nonfinite {
   guard_marks marks;
   step_record const* record;
   float floor;
+  unsigned* own_flags;  //!< a replica's flags of its own gradients, cleared for the next step
+  unsigned own_count;
   MPX_HD void operator()() const {
     unsigned const s = marks.slot[0];
     marks.slot[0] = 0u;
+    for (unsigned i = 0; i < own_count; ++i) own_flags[i] = 0u;
     if (s != 0u && s <= count) {
       watched_tensor const& t = table[count - s];
       if (t.owner < marks.owners) {
@@ -237,11 +273,12 @@ class precision_guard {
   //! scan of what the model's latest forward and backward wrote, and the tallies.
   //! `input` is the batch as the caller gave it; `floor` the loss scale's floor. As a
   //! data-parallel replica (`replica`), the parameter gradients are the replicas'
-  //! average, not this replica's evidence: they are left out.
+  //! average by now: the scan reads what scan_own_gradients found in this replica's own.
   template <executor Exec, class Model, class T>
   void watch(Exec const& exec, Model& model, tensor_view<T const, Space> input, step_record const* record,
              float floor, bool replica = false) {
     table const& t = table_for(exec, model, static_cast<void const*>(input.data()), replica);
+    own_.cursor = own_.count;  // the next step's gradients are not read yet
     detail::watched_tensor in;
     if constexpr (detail::guard_watchable<T>) {
       in.data = input.data();
@@ -253,7 +290,26 @@ class precision_guard {
                         detail::first_nonfinite_scan{t.device.data(), in, t.count, record},
                         detail::into_slot{slot_.data()});
     if (fp8_count_) run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, marks(), options_.fp8_saturation_factor});
-    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, marks(), record, floor});
+    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, marks(), record, floor,
+                                                 replica ? own_.flags.data() : nullptr, replica ? own_.count : 0u});
+  }
+
+  //! As a data-parallel replica, during the backward pass, before the gradients of
+  //! parameters `first` and later (the model's parameters() order) are averaged over the
+  //! replicas, and with `first` = 0 before the rest are: notes which of this replica's own
+  //! gradients hold NaN or inf. (Its weight gradients are the only evidence a replica
+  //! loses to the all-reduce: a layer whose weight gradient overflows while its input
+  //! gradient does not would otherwise be missed, and the next layer down blamed.) It
+  //! reads each gradient once per step: about one more read of the gradients than the
+  //! all-reduce and the optimizer make.
+  template <executor Exec, class Model>
+  void scan_own_gradients(Exec const& exec, Model& model, std::size_t first) {
+    own_gradients_for(exec, model);
+    if (first >= own_.cursor) return;
+    std::uint64_t const begin = own_.chunk_at[first], end = own_.chunk_at[own_.cursor];
+    own_.cursor = first;
+    if (end > begin)
+      for_each_index(exec, end - begin, detail::own_gradient_scan{own_.table.data(), own_.count, begin, own_.flags.data()});
   }
 
   //! A shadow step's report (mpx::model_shadow): a layer whose error passed the bound
@@ -461,15 +517,8 @@ class precision_guard {
     auto const in_flight = model.in_flight_state();
     for (auto const& t : tables_)
       if (t.generation == generation && t.batch == in_flight.batch && t.replica == replica) return t;
-#if MPX_HAS_CUDA
-    if constexpr (!is_host_executor_v<Exec>) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
-      if (capturing != cudaStreamCaptureStatusNone)
-        detail::fail<invalid_argument>("mpx::precision_guard", "a step is being captured for buffers the guard "
-                                                               "has not seen run eagerly (run one eager step first)");
-    }
-#endif
+    refuse_capture(exec);
+    if (replica) own_gradients_for(exec, model);
     // Tables of older buffers go (a graph that read one is captured again before it runs
     // anew); a current one is never freed under a captured graph.
     std::erase_if(tables_, [&](table const& old) { return old.generation != generation; });
@@ -529,7 +578,7 @@ class precision_guard {
         if (dy.size()) part.tensors.push_back(watched(dy, detail::guard_no_owner, true));
       if constexpr (!requires { layer.branch(); }) {
         std::vector<parameter<Space>> ps;
-        if (!replica) layer.template append_parameters<Space>(ps);  // a replica's are the average
+        layer.template append_parameters<Space>(ps);
         for (auto const& p : ps) {
           detail::watched_tensor w;
           w.data = p.gradient.data();
@@ -537,6 +586,13 @@ class precision_guard {
           w.dtype = static_cast<std::uint32_t>(p.gradient.dtype());
           w.owner = owner;
           w.backward = 1;
+          if (replica) {  // the average by now: this replica's own flag instead
+            auto const at = std::find(own_.gradients.begin(), own_.gradients.end(), w.data);
+            if (at == own_.gradients.end()) continue;
+            w.data = own_.flags.data() + (at - own_.gradients.begin());
+            w.size = 1;
+            w.dtype = detail::guard_flag_dtype;
+          }
           part.tensors.push_back(w);
         }
       }
@@ -592,6 +648,67 @@ class precision_guard {
     return tables_.back();
   }
 
+  //! Refuses to make tables while a step is captured in a CUDA graph: a capture follows
+  //! an eager step, which made them.
+  template <class Exec>
+  static void refuse_capture([[maybe_unused]] Exec const& exec) {
+#if MPX_HAS_CUDA
+    if constexpr (!is_host_executor_v<Exec>) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
+      if (capturing != cudaStreamCaptureStatusNone)
+        detail::fail<invalid_argument>("mpx::precision_guard", "a step is being captured for buffers the guard "
+                                                               "has not seen run eagerly (run one eager step first)");
+    }
+#endif
+  }
+
+  //! A replica's own parameter gradients, in the model's parameters() order, and a flag
+  //! per gradient (see scan_own_gradients); made once per model buffers.
+  struct own_gradients {
+    bool made = false;
+    std::uint64_t generation = 0;
+    std::vector<void const*> gradients;
+    std::vector<std::uint64_t> chunk_at;  //!< [count + 1]: gradient i's first chunk; the total last
+    tensor<detail::watched_tensor, Space> table;
+    tensor<unsigned, Space> flags;
+    unsigned count = 0;
+    std::size_t cursor = 0;  //!< gradients [cursor, count) were read this step
+  };
+
+  template <class Exec, class Model>
+  void own_gradients_for(Exec const& exec, Model& model) {
+    if (own_.made && own_.generation == model.buffer_generation()) return;
+    refuse_capture(exec);
+    own_gradients o;
+    o.made = true;
+    o.generation = model.buffer_generation();
+    std::vector<detail::watched_tensor> host;
+    std::uint64_t chunks = 0;
+    for (auto const& p : model.template parameters<Space>()) {
+      detail::watched_tensor w;
+      w.data = p.gradient.data();
+      w.size = p.gradient.size();
+      w.dtype = static_cast<std::uint32_t>(p.gradient.dtype());
+      w.first_chunk = chunks;
+      o.gradients.push_back(w.data);
+      o.chunk_at.push_back(chunks);
+      chunks += (w.size + detail::guard_chunk - 1) / detail::guard_chunk;
+      host.push_back(w);
+    }
+    o.chunk_at.push_back(chunks);
+    o.count = static_cast<unsigned>(host.size());
+    o.cursor = host.size();
+    if (!host.empty()) {
+      o.table = tensor<detail::watched_tensor, Space>(exec, shape{static_cast<std::int64_t>(host.size())});
+      copy(exec, tensor_view<detail::watched_tensor const, host_space>(host.data(), o.table.shape()), o.table.view());
+      o.flags = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>(host.size())});
+      fill(exec, o.flags.view(), 0u);
+      exec.synchronize();  // `host` goes out of scope
+    }
+    own_ = std::move(o);
+  }
+
   guard_options options_;
   std::vector<std::string> names_;  // the layers, in visit_in_flight's order (blocks too)
   std::vector<evidence> evidence_;
@@ -610,6 +727,7 @@ class precision_guard {
   bool fp8_made_ = false;
   std::uint64_t fp8_generation_ = 0;  // the model's buffers when the fp8 scales were found (a rebuild moves them)
   std::vector<shadow_report> early_shadows_;  // reports before the first watch
+  own_gradients own_;                         // a replica's (see scan_own_gradients)
 };
 
 }  // namespace mpx

@@ -150,11 +150,11 @@ class classifier_trainer {
     if (replicas_.count > 1 && !replicas_.max_values)
       detail::fail<invalid_argument>("classifier_trainer::guard", "as a replica the guard needs the hooks' "
                                                                   "max_values (mpx::data_parallel::hooks gives it)");
-    guard_.emplace(options);
+    guard_->emplace(options);
     ++guard_generation_;  // a graph captured with the previous guard (or none) is stale
   }
   //! The guard, or nullptr when there is none.
-  [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return guard_ ? &*guard_ : nullptr; }
+  [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return *guard_ ? &**guard_ : nullptr; }
   //! Steps taken since the trainer was made (a shadow report's step counts the same way).
   [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
 
@@ -164,7 +164,7 @@ class classifier_trainer {
   //! Every hook is given the executor the step runs on (in graph mode the trainer's own
   //! stream, not the caller's), so what it enqueues is ordered, and captured, in the step.
   void run_as_replica(replica_hooks hooks) {
-    if (guard_ && hooks.count > 1 && !hooks.max_values)
+    if (*guard_ && hooks.count > 1 && !hooks.max_values)
       detail::fail<invalid_argument>("classifier_trainer::run_as_replica", "the guard needs the hooks' max_values "
                                                                            "(mpx::data_parallel::hooks gives it)");
     replicas_ = std::move(hooks);
@@ -180,8 +180,12 @@ class classifier_trainer {
                       std::equal(ours.begin(), ours.end(), theirs.begin(),
                                  [](auto const& a, auto const& b) { return a.gradient.data() == b.gradient.data(); });
     std::function<void(std::size_t)> final_from;
+    // A guard first reads this replica's own gradients, before they are averaged.
     if (same && replicas_.gradients_final)
-      final_from = [at, f = replicas_.gradients_final](std::size_t first) { f(*at, first); };
+      final_from = [at, f = replicas_.gradients_final, guard = guard_, model = &model_](std::size_t first) {
+        if (*guard) (*guard)->scan_own_gradients(at->template as<Exec>(), *model, first);
+        f(*at, first);
+      };
     gradients_reduced_in_backward_ = static_cast<bool>(final_from);
     model_.template on_gradients_final<Space>(std::move(final_from));
     // The hook may not outlive this trainer (nor the job it calls into).
@@ -266,12 +270,13 @@ class classifier_trainer {
     // The weight gradients a replica averaged during the backward are no longer its own.
     if (shadow) {
       shadow_reports_.push_back(shadow_.measure(exec, model_, steps_, !gradients_reduced_in_backward_));
-      if (guard_) guard_->add_shadow(shadow_reports_.back());
+      if (*guard_) (*guard_)->add_shadow(shadow_reports_.back());
     }
+    if (*guard_ && replicas_.active()) (*guard_)->scan_own_gradients(exec, model_, 0);  // those not read yet
     if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
-    if (guard_) guard_->watch(exec, model_, images, rec, scale_floor(), replicas_.active());
+    if (*guard_) (*guard_)->watch(exec, model_, images, rec, scale_floor(), replicas_.active());
   }
 
   //! The loss scale at or below which a backward overflow is the model's, not the
@@ -283,8 +288,8 @@ class classifier_trainer {
 
   template <class E>
   void review_guard(E const& exec) {
-    if (guard_ && steps_ % guard_->options().review_every == 0)
-      guard_->review(exec, model_, steps_, replicas_.max_values, scale_floor());
+    if (*guard_ && steps_ % (*guard_)->options().review_every == 0)
+      (*guard_)->review(exec, model_, steps_, replicas_.max_values, scale_floor());
   }
 
 #if MPX_HAS_CUDA
@@ -443,7 +448,9 @@ class classifier_trainer {
   std::size_t shadow_every_ = 0;
   model_shadow<Space> shadow_;
   std::vector<shadow_report> shadow_reports_;
-  std::optional<precision_guard<Space>> guard_;
+  // Shared with the model's gradients_final hook, which outlives a move of the trainer
+  // (as step_at_) and sees a guard set after run_as_replica.
+  std::shared_ptr<std::optional<precision_guard<Space>>> guard_ = std::make_shared<std::optional<precision_guard<Space>>>();
   std::uint64_t guard_generation_ = 0;  // guard() calls, for graph_state
 };
 
