@@ -17,7 +17,14 @@
 //            mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4] [--steps N] [--batch N]
 //           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
 //           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
-//           [--shadow N] [--demo-overflow]
+//           [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]
+//
+// --init chooses how the weights start: keras (the default: Keras's defaults, glorot
+// uniform kernels, zero biases, embeddings U(±0.05)), torch (what PyTorch's nn.Linear and
+// nn.Embedding make by default: U(±1/sqrt(fan in)) kernels and biases, N(0, 1)
+// embeddings), or gpt2 (GPT-2's: every weight N(0, 0.02), zero biases, and the
+// projections that end a residual branch N(0, 0.02/sqrt(2 x blocks))). A model ported
+// from PyTorch trains as it did there with --init torch.
 //
 // --shadow N measures every layer against its float32 twin every N steps (mpx::model_shadow)
 // and prints, after training, which layers cost the model its precision.
@@ -68,6 +75,7 @@ struct settings {
   bool scale_logits = true;
   bool demo_overflow = false;
   std::size_t shadow = 0;  // measure each layer against its float32 twin every N steps
+  std::string init = "keras";
 };
 
 struct outcome {
@@ -83,6 +91,22 @@ struct outcome {
 
 constexpr std::size_t blocks = 4;
 
+// How each kind of weight starts, by --init (see the top of this file).
+struct initialisation {
+  mpx::initializer kernel, bias, residual_kernel, embeddings, positions;
+};
+initialisation initialisation_of(std::string const& init) {
+  using mpx::initializer;
+  if (init == "torch")
+    return {initializer::torch_linear, initializer::torch_linear, initializer::torch_linear, initializer::normal(1.0),
+            initializer::normal(1.0)};
+  if (init == "gpt2")
+    return {initializer::normal(0.02), initializer::zeros, initializer::gpt2_residual(blocks), initializer::normal(0.02),
+            initializer::normal(0.02)};
+  return {initializer::glorot_uniform, initializer::zeros, initializer::glorot_uniform, initializer::random_uniform,
+          initializer::random_uniform};
+}
+
 // One pre-norm transformer block: attention, then the MLP, each in a residual branch.
 // Under mixed_fp8 the MLP's dense layers run in fp8 and attention stays in bfloat16
 // (mpx::without_fp8<P>, which is P under every other policy), as in Transformer Engine.
@@ -90,25 +114,42 @@ constexpr std::size_t blocks = 4;
 // mixed_bfloat16, for mpx::precision_guard to move.
 template <class P, bool Guarded>
 auto attention_layer(settings const& s) {
+  initialisation const init = initialisation_of(s.init);
+  mpx::causal_self_attention_config const c{.heads = s.heads,
+                                            .scale_logits = s.scale_logits,
+                                            .kernel_initializer = init.kernel,
+                                            .output_kernel_initializer = init.residual_kernel,
+                                            .bias_initializer = init.bias};
   if constexpr (Guarded)
-    return mpx::tiered<mpx::causal_self_attention, mpx::without_fp8<P>, mpx::mixed_bfloat16>(s.heads, s.scale_logits);
+    return mpx::tiered<mpx::causal_self_attention, mpx::without_fp8<P>, mpx::mixed_bfloat16>(c);
   else
-    return mpx::causal_self_attention<mpx::without_fp8<P>>(s.heads, s.scale_logits);
+    return mpx::causal_self_attention<mpx::without_fp8<P>>(c);
 }
 
 template <class P, bool Guarded>
 auto transformer_block(settings const& s) {
+  initialisation const init = initialisation_of(s.init);
   return std::make_tuple(
       mpx::residual(mpx::layer_norm<>(), attention_layer<P, Guarded>(s)),
-      mpx::residual(mpx::layer_norm<>(), mpx::dense<>(4 * s.width, mpx::activation::gelu), mpx::dense<>(s.width)));
+      mpx::residual(mpx::layer_norm<>(),
+                    mpx::dense<>({.units = 4 * s.width, .activation = mpx::activation::gelu,
+                                  .kernel_initializer = init.kernel, .bias_initializer = init.bias}),
+                    mpx::dense<>({.units = s.width, .kernel_initializer = init.residual_kernel,
+                                  .bias_initializer = init.bias})));
 }
 
 template <class P, bool Guarded = false, std::size_t... I>
 auto make_gpt(settings const& s, std::index_sequence<I...>) {
+  initialisation const init = initialisation_of(s.init);
   auto layers = std::tuple_cat(
-      std::make_tuple(mpx::embedding<>(256, s.width, s.context)),
+      std::make_tuple(mpx::embedding<>({.vocab_size = 256, .width = s.width, .context = s.context,
+                                        .embeddings_initializer = init.embeddings,
+                                        .positions_initializer = init.positions})),
       (static_cast<void>(I), transformer_block<P, Guarded>(s))...,
-      std::make_tuple(mpx::layer_norm<>(), mpx::dense<mpx::without_fp8<P>>(256), mpx::softmax_layer<mpx::float32>()));
+      std::make_tuple(mpx::layer_norm<>(),
+                      mpx::dense<mpx::without_fp8<P>>({.units = 256, .kernel_initializer = init.kernel,
+                                                       .bias_initializer = init.bias}),
+                      mpx::softmax_layer<mpx::float32>()));
   return std::apply([](auto&&... l) { return mpx::sequential<P>(std::move(l)...); }, std::move(layers));
 }
 
@@ -367,7 +408,7 @@ constexpr char const* usage_text =
     "          [--steps N] [--batch N]\n"
     "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
     "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
-    "          [--shadow N] [--demo-overflow]";
+    "          [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]";
 
 settings parse(int argc, char** argv) {
   settings s;
@@ -392,6 +433,7 @@ settings parse(int argc, char** argv) {
     else if (args.is("--executor")) s.executor = args.choice({"auto", "host", "cuda"});
     else if (args.is("--demo-overflow")) s.demo_overflow = true;
     else if (args.is("--shadow")) s.shadow = args.whole<std::size_t>(1, 1'000'000);
+    else if (args.is("--init")) s.init = args.choice({"keras", "torch", "gpt2"});
     else args.unknown();
   }
   if (s.width % s.heads != 0)
@@ -431,9 +473,10 @@ int main(int argc, char** argv) try {
   mpx::text_split const text = mpx::split_text(corpus, 0.1);
   std::printf("corpus: %zu bytes from %zu file(s) under %s; %zu for training, %zu for validation\n", corpus.size(),
               corpus.files.size(), s.corpus.c_str(), text.train.size(), text.validation.size());
-  std::printf("model: %zu blocks, width %lld, %lld heads, context %lld; batch %zu, %zu steps, AdamW(%g)\n", blocks,
-              static_cast<long long>(s.width), static_cast<long long>(s.heads), static_cast<long long>(s.context),
-              s.batch, s.steps, static_cast<double>(s.lr));
+  std::printf("model: %zu blocks, width %lld, %lld heads, context %lld; batch %zu, %zu steps, AdamW(%g); %s "
+              "initialisation\n",
+              blocks, static_cast<long long>(s.width), static_cast<long long>(s.heads),
+              static_cast<long long>(s.context), s.batch, s.steps, static_cast<double>(s.lr), s.init.c_str());
   double const unigram = unigram_loss(text.train, text.validation);
   if (s.demo_overflow) {
     if (use_gpu) {

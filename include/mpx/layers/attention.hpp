@@ -22,6 +22,7 @@
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/dense.hpp>
+#include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
 
 #include <array>
@@ -40,6 +41,14 @@ struct causal_self_attention_config {
   //! masks are Philox draws from the layer's seed and a count of training forwards, the
   //! same on host and GPU, regenerated in the backward pass (nothing is stored).
   float dropout = 0.0f;
+  //! How the query/key/value projection's kernel, the output projection's kernel, and
+  //! both biases start: Keras's glorot_uniform and zeros by default; PyTorch's nn.Linear
+  //! makes all of them initializer::torch_linear; GPT-2 starts the kernels at
+  //! normal(0.02) and the output projection, which ends the residual branch, at
+  //! initializer::gpt2_residual(layers), with zero biases.
+  initializer kernel_initializer = initializer::glorot_uniform;
+  initializer output_kernel_initializer = initializer::glorot_uniform;
+  initializer bias_initializer = initializer::zeros;
 };
 
 template <class Policy = model_policy>
@@ -75,8 +84,10 @@ class causal_self_attention : public layer_base {
     detail::require_layer_policy<Policy>();
     detail::require_products_without_fp8<Policy>();
     width_ = compute_output_shape(in)[1];
-    qkv_ = dense<Policy>(width_, 3 * width_, activation::linear);
-    out_ = dense<Policy>(width_, width_, activation::linear);
+    qkv_ = dense<Policy>({.units = 3 * width_, .kernel_initializer = config_.kernel_initializer,
+                          .bias_initializer = config_.bias_initializer, .in_features = width_});
+    out_ = dense<Policy>({.units = width_, .kernel_initializer = config_.output_kernel_initializer,
+                          .bias_initializer = config_.bias_initializer, .in_features = width_});
     qkv_.set_name(name_ + "/query_key_value");
     out_.set_name(name_ + "/output");
     qkv_.build(exec, shape{width_}, seed);

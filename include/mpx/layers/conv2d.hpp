@@ -74,7 +74,8 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
     std::int64_t const taps = config_.kernel_h * config_.kernel_w;
     initialize(exec, this->template kernel<Space>(), config_.kernel_initializer, taps * in[2], taps * config_.filters,
                seed);
-    initialize(exec, this->template bias<Space>(), config_.bias_initializer, 1, 1, seed + 1);
+    initialize(exec, this->template bias<Space>(), config_.bias_initializer, taps * in[2], taps * config_.filters,
+               seed + 1);
     this->products_.build(exec, seed + 2);
     mark_built(in, out);
   }
