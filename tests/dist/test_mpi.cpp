@@ -411,7 +411,8 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
     started_early += dp.buckets_started();  // begun during the backward pass, layer by layer
     average(at);
   };
-  trainer.run_as_replica(hooks);
+  trainer.run_as_replica(dp.hooks(exec));
+  trainer.run_as_replica(hooks);  // a second call replaces the first's hooks on the model
   step = 0;
   shard.start_epoch(0);
   for (; auto b = shard.next(); ++step) trainer.step(exec, b->images, b->labels);
@@ -696,18 +697,25 @@ TEST_CASE("an fp8 layer's saturations are the same on every rank, and every rank
   dp.check_parameters_agree(exec);
 }
 
-TEST_CASE("a scale stuck at its floor on one rank moves the layer whose own gradients overflowed there",
-          "[dist][guard]") {
-  mpx::host_executor exec;
+//! 4x4 inputs, a hidden layer, and a last layer that can move from mixed_float16 to
+//! mixed_bfloat16.
+auto last_layer_tiered(mpx::host_executor const& exec) {
   auto model = mpx::sequential<mpx::mixed_float16>(
       mpx::flatten<>(), mpx::dense<>(8, mpx::activation::relu),
       mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(3));
   model.build(exec, {4, 4}, 3);
+  return model;
+}
+
+TEST_CASE("a scale stuck at its floor on one rank moves the layer whose own gradients overflowed there",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  auto model = last_layer_tiered(exec);
   // Rank 0's pixels are large: its last layer's weight gradient (pixels times a float16
   // logit gradient at the scale's floor) overflows, while its input gradient does not.
   // The other ranks' batches are tame. The average is not finite on any rank, so every
-  // rank skips; only rank 0's own gradients name the layer, and the averaged ones would
-  // name no layer, or the wrong one.
+  // rank skips, and every rank moves the layer rank 0 named (each count is the maximum
+  // over the ranks).
   float const base = comm().rank() == 0 ? 8.0f : 0.01f;
   std::vector<float> pixels(16 * 16);
   for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = base + base * static_cast<float>(i % 5) / 8.0f;
@@ -735,6 +743,51 @@ TEST_CASE("a scale stuck at its floor on one rank moves the layer whose own grad
                                                 "at its floor (65536)"));
   double const tier[1] = {static_cast<double>(model.template layer<2>().active_tier())};
   for (double t : comm().all_gather_values(tier)) CHECK(t == 1.0);
+  dp.check_parameters_agree(exec);
+}
+
+TEST_CASE("gradients finite on every rank whose sum overflows in float16 on the wire blame no layer",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  auto model = last_layer_tiered(exec);
+  // The same batch on every rank.
+  std::vector<float> pixels(16 * 16);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = 0.5f + static_cast<float>(i % 7) / 8.0f;
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
+  mpx::tensor_view<float const, mpx::host_space> const xv(pixels.data(), mpx::shape{16, 4, 4});
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(labels.data(), mpx::shape{16});
+  // A loss scale at which this rank's largest float16 gradient is about 40000: finite on
+  // each rank, while the sum of two or more (rounded to float16 after each addition)
+  // passes 65504.
+  static_cast<void>(mpx::probe_loss_scales(exec, model, xv, yv, {1.0f}));
+  float largest = 0;
+  for (auto const& p : model.parameters(exec)) largest = std::max(largest, mpx::detail::stats_of(exec, p.gradient).absmax);
+  REQUIRE(largest > 0);
+  float const scale = 40000.0f / largest;
+  auto const probe = mpx::probe_loss_scales(exec, model, xv, yv, {scale});
+  for (auto const& row : probe.rows) REQUIRE(row.nonfinite[0] == 0);  // every rank's own gradients are finite
+
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = rule.min_scale = scale;  // at the floor from the start
+  mpx::dynamic_loss_scaler scaler(exec, rule);
+  scaler.on_stuck([](mpx::loss_scale_report const&) {});
+  auto opt = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), std::move(scaler));
+  mpx::data_parallel dp(exec, comm(), opt, {.bucket_bytes = 64, .reduce_in_float = false});
+  mpx::classifier_trainer trainer(exec, model, opt);
+  trainer.run_as_replica(dp.hooks(exec));
+  trainer.guard({.stuck_overflows = 1, .window = 50, .review_every = 4});
+  trainer.step(exec, xv, yv);
+  // A backward pass outside a step, where every rank's own gradients overflow: what the
+  // guard reads of it must not count as the next step's evidence.
+  static_cast<void>(mpx::probe_loss_scales(exec, model, xv, yv, {1e30f}));
+  for (int s = 0; s < 7; ++s) trainer.step(exec, xv, yv);
+  // The sum on the wire overflowed, so every step is skipped at the floor; but no
+  // layer's own arithmetic did, on any rank, so no layer is moved (wider tiers would not
+  // help: reduce_in_float does).
+  for (auto const& r : trainer.history(exec)) CHECK(r.skipped == 1);
+  CHECK(trainer.guard()->moves().empty());
+  CHECK(model.template layer<2>().active_tier() == 0);
   dp.check_parameters_agree(exec);
 }
 

@@ -166,19 +166,28 @@ struct first_nonfinite_scan {
   }
 };
 
-//! Chunk first_chunk + i of a replica's own parameter gradients (the model's order),
+//! Chunk first_chunk + row of a replica's own parameter gradients (the model's order),
 //! before the all-reduce replaces them by the average: NaN or inf sets the gradient's
-//! flag, which first_nonfinite_scan reads in its place. Runs every step (whether the
-//! step is skipped is known only after the average).
+//! flag, which first_nonfinite_scan reads in its place. A row body (for_each_row): the
+//! chunk's lanes (a block on the GPU, reading it coalesced) each test their elements, so
+//! it costs about one read of the gradients. Runs every step (whether the step is skipped
+//! is known only after the average).
 struct own_gradient_scan {
   watched_tensor const* table;
   unsigned count;
   std::uint64_t first_chunk;
   unsigned* flags;  //!< [count]
-  MPX_HD void operator()(std::size_t i) const {
-    std::uint64_t const c = first_chunk + i;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t row) const {
+    std::uint64_t const c = first_chunk + row;
     unsigned const k = tensor_of_chunk(table, count, c);
-    if (!finite_chunk(table[k], c)) max_into(&flags[k], 1u);
+    watched_tensor const t = table[k];
+    std::uint64_t const begin = (c - t.first_chunk) * guard_chunk;
+    std::uint64_t const left = t.size - begin;
+    unsigned* const flag = flags + k;
+    lanes.for_each(left < guard_chunk ? left : guard_chunk, [&](std::size_t i) {
+      if (!finite_element(t.data, t.dtype, begin + i)) max_into(flag, 1u);
+    });
   }
 };
 struct into_slot {
@@ -211,12 +220,9 @@ struct tally_first_nonfinite {
   guard_marks marks;
   step_record const* record;
   float floor;
-  unsigned* own_flags;  //!< a replica's flags of its own gradients, cleared for the next step
-  unsigned own_count;
   MPX_HD void operator()() const {
     unsigned const s = marks.slot[0];
     marks.slot[0] = 0u;
-    for (unsigned i = 0; i < own_count; ++i) own_flags[i] = 0u;
     if (s != 0u && s <= count) {
       watched_tensor const& t = table[count - s];
       if (t.owner < marks.owners) {
@@ -278,7 +284,6 @@ class precision_guard {
   void watch(Exec const& exec, Model& model, tensor_view<T const, Space> input, step_record const* record,
              float floor, bool replica = false) {
     table const& t = table_for(exec, model, static_cast<void const*>(input.data()), replica);
-    own_.cursor = own_.count;  // the next step's gradients are not read yet
     detail::watched_tensor in;
     if constexpr (detail::guard_watchable<T>) {
       in.data = input.data();
@@ -290,8 +295,16 @@ class precision_guard {
                         detail::first_nonfinite_scan{t.device.data(), in, t.count, record},
                         detail::into_slot{slot_.data()});
     if (fp8_count_) run_once(exec, detail::tally_fp8_saturation{fp8_.data(), fp8_count_, marks(), options_.fp8_saturation_factor});
-    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, marks(), record, floor,
-                                                 replica ? own_.flags.data() : nullptr, replica ? own_.count : 0u});
+    run_once(exec, detail::tally_first_nonfinite{t.device.data(), t.count, marks(), record, floor});
+  }
+
+  //! As a data-parallel replica, before each step's forward pass: no gradient of this
+  //! step has been read yet, and the flags forget what a backward pass outside a step
+  //! (probe_loss_scales, or one that threw) found.
+  template <executor Exec>
+  void begin_replica_step(Exec const& exec) {
+    own_.cursor = own_.count;
+    if (own_.count) fill(exec, own_.flags.view(), 0u);
   }
 
   //! As a data-parallel replica, during the backward pass, before the gradients of
@@ -309,7 +322,8 @@ class precision_guard {
     std::uint64_t const begin = own_.chunk_at[first], end = own_.chunk_at[own_.cursor];
     own_.cursor = first;
     if (end > begin)
-      for_each_index(exec, end - begin, detail::own_gradient_scan{own_.table.data(), own_.count, begin, own_.flags.data()});
+      for_each_row(exec, end - begin, detail::guard_chunk,
+                   detail::own_gradient_scan{own_.table.data(), own_.count, begin, own_.flags.data()});
   }
 
   //! A shadow step's report (mpx::model_shadow): a layer whose error passed the bound
@@ -352,8 +366,8 @@ class precision_guard {
     for (std::size_t o = 0; o < owners; ++o) v[flags + owners + o] = strikes_pending_[o];
     if (max_values) max_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
-    // A step where some replica's forward pass overflowed: the gradients of every replica
-    // are non-finite downstream of it, which is not evidence against their layers.
+    // A step where some replica's forward pass overflowed is that pass's evidence: a
+    // gradient overflow on it, on any replica, counts against no layer.
     std::vector<bool> forward_step(steps, false);
     for (std::size_t i = 0; i < steps; ++i)
       for (std::size_t o = 0; o < owners; ++o) forward_step[i] = forward_step[i] || v[i * owners + o] > 0;

@@ -154,7 +154,7 @@ class classifier_trainer {
     ++guard_generation_;  // a graph captured with the previous guard (or none) is stale
   }
   //! The guard, or nullptr when there is none.
-  [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return *guard_ ? &**guard_ : nullptr; }
+  [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return active_guard(); }
   //! Steps taken since the trainer was made (a shadow report's step counts the same way).
   [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
 
@@ -164,9 +164,10 @@ class classifier_trainer {
   //! Every hook is given the executor the step runs on (in graph mode the trainer's own
   //! stream, not the caller's), so what it enqueues is ordered, and captured, in the step.
   void run_as_replica(replica_hooks hooks) {
-    if (*guard_ && hooks.count > 1 && !hooks.max_values)
+    if (active_guard() && hooks.count > 1 && !hooks.max_values)
       detail::fail<invalid_argument>("classifier_trainer::run_as_replica", "the guard needs the hooks' max_values "
                                                                            "(mpx::data_parallel::hooks gives it)");
+    unhook_model_.reset();  // the previous call's hooks go first, not after these are installed
     replicas_ = std::move(hooks);
     ++replica_generation_;  // a graph captured with the previous hooks is stale
     // The model and its fp8 layers call back without an executor: they reach the step's
@@ -250,11 +251,15 @@ class classifier_trainer {
 
  private:
   step_record* record(std::size_t i) const { return reinterpret_cast<step_record*>(records_.data()) + i; }
+  //! The guard, or nullptr (none set, or the trainer was moved from).
+  precision_guard<Space>* active_guard() const noexcept { return guard_ && *guard_ ? &**guard_ : nullptr; }
 
   template <class T>
   void step_body(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
                  step_record* rec, bool shadow = false) {
     *step_at_ = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
+    precision_guard<Space>* const guard = active_guard();
+    if (guard && replicas_.active()) guard->begin_replica_step(exec);
     model_.forward(exec, images, true);
     auto const logits = model_.template logits<Space>();
     d_logits_.ensure(exec, logits.shape());  // grows only: a captured graph keeps its address
@@ -270,13 +275,13 @@ class classifier_trainer {
     // The weight gradients a replica averaged during the backward are no longer its own.
     if (shadow) {
       shadow_reports_.push_back(shadow_.measure(exec, model_, steps_, !gradients_reduced_in_backward_));
-      if (*guard_) (*guard_)->add_shadow(shadow_reports_.back());
+      if (guard) guard->add_shadow(shadow_reports_.back());
     }
-    if (*guard_ && replicas_.active()) (*guard_)->scan_own_gradients(exec, model_, 0);  // those not read yet
+    if (guard && replicas_.active()) guard->scan_own_gradients(exec, model_, 0);  // those not read yet
     if (replicas_.after_backward) replicas_.after_backward(step_executor(exec));
     optimizer_.step(exec);
     write_record(exec, rec, static_cast<std::uint32_t>(labels.size()));
-    if (*guard_) (*guard_)->watch(exec, model_, images, rec, scale_floor(), replicas_.active());
+    if (guard) guard->watch(exec, model_, images, rec, scale_floor(), replicas_.active());
   }
 
   //! The loss scale at or below which a backward overflow is the model's, not the
@@ -288,8 +293,9 @@ class classifier_trainer {
 
   template <class E>
   void review_guard(E const& exec) {
-    if (*guard_ && steps_ % (*guard_)->options().review_every == 0)
-      (*guard_)->review(exec, model_, steps_, replicas_.max_values, scale_floor());
+    precision_guard<Space>* const guard = active_guard();
+    if (guard && steps_ % guard->options().review_every == 0)
+      guard->review(exec, model_, steps_, replicas_.max_values, scale_floor());
   }
 
 #if MPX_HAS_CUDA
