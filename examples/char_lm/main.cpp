@@ -58,6 +58,11 @@
 
 namespace {
 
+// How each kind of weight starts, by --init (see the top of this file).
+struct initialisation {
+  mpx::initializer kernel, bias, residual_kernel, embeddings, positions;
+};
+
 struct settings {
   std::string policy = "all";
   std::string executor = "auto";
@@ -76,6 +81,7 @@ struct settings {
   bool demo_overflow = false;
   std::size_t shadow = 0;  // measure each layer against its float32 twin every N steps
   std::string init = "keras";
+  initialisation weights;  // what `init` names (initialisation_of), set once the flags are read
 };
 
 struct outcome {
@@ -91,10 +97,6 @@ struct outcome {
 
 constexpr std::size_t blocks = 4;
 
-// How each kind of weight starts, by --init (see the top of this file).
-struct initialisation {
-  mpx::initializer kernel, bias, residual_kernel, embeddings, positions;
-};
 initialisation initialisation_of(std::string const& init) {
   using mpx::initializer;
   if (init == "torch")
@@ -114,7 +116,7 @@ initialisation initialisation_of(std::string const& init) {
 // mixed_bfloat16, for mpx::precision_guard to move.
 template <class P, bool Guarded>
 auto attention_layer(settings const& s) {
-  initialisation const init = initialisation_of(s.init);
+  initialisation const& init = s.weights;
   mpx::causal_self_attention_config const c{.heads = s.heads,
                                             .scale_logits = s.scale_logits,
                                             .kernel_initializer = init.kernel,
@@ -128,7 +130,7 @@ auto attention_layer(settings const& s) {
 
 template <class P, bool Guarded>
 auto transformer_block(settings const& s) {
-  initialisation const init = initialisation_of(s.init);
+  initialisation const& init = s.weights;
   return std::make_tuple(
       mpx::residual(mpx::layer_norm<>(), attention_layer<P, Guarded>(s)),
       mpx::residual(mpx::layer_norm<>(),
@@ -140,7 +142,7 @@ auto transformer_block(settings const& s) {
 
 template <class P, bool Guarded = false, std::size_t... I>
 auto make_gpt(settings const& s, std::index_sequence<I...>) {
-  initialisation const init = initialisation_of(s.init);
+  initialisation const& init = s.weights;
   auto layers = std::tuple_cat(
       std::make_tuple(mpx::embedding<>({.vocab_size = 256, .width = s.width, .context = s.context,
                                         .embeddings_initializer = init.embeddings,
@@ -439,6 +441,7 @@ settings parse(int argc, char** argv) {
   if (s.width % s.heads != 0)
     throw mpx_programs::usage_error("--width " + std::to_string(s.width) + " must be a multiple of --heads " +
                                     std::to_string(s.heads));
+  s.weights = initialisation_of(s.init);
   return s;
 }
 

@@ -99,21 +99,19 @@ inline double uniform_open01(std::uint64_t seed, std::uint64_t i) noexcept {
   return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53;
 }
 
-//! Keras's truncated normal would need rejection; like Keras's *_normal initialisers
-//! (truncated at two standard deviations, stddev corrected by 0.8796), so do we.
-inline double truncated_normal(std::uint64_t seed, std::uint64_t i) noexcept {
-  constexpr double two_pi = 6.283185307179586476925;
-  for (std::uint64_t attempt = 0;; ++attempt) {
-    std::uint64_t const k = 2 * (i + (attempt << 40));
-    double const z = std::sqrt(-2.0 * std::log(uniform_open01(seed, k))) * std::cos(two_pi * uniform_open01(seed, k + 1));
-    if (std::fabs(z) <= 2.0) return z / 0.87962566103423978;
-  }
-}
-
-//! A standard normal (Box-Muller), not truncated.
+//! A standard normal (Box-Muller, from draws 2i and 2i + 1), not truncated.
 inline double standard_normal(std::uint64_t seed, std::uint64_t i) noexcept {
   constexpr double two_pi = 6.283185307179586476925;
   return std::sqrt(-2.0 * std::log(uniform_open01(seed, 2 * i))) * std::cos(two_pi * uniform_open01(seed, 2 * i + 1));
+}
+
+//! Keras's *_normal initialisers draw a normal truncated at two standard deviations,
+//! by rejection, with the deviation corrected by 0.8796; so do we.
+inline double truncated_normal(std::uint64_t seed, std::uint64_t i) noexcept {
+  for (std::uint64_t attempt = 0;; ++attempt) {
+    double const z = standard_normal(seed, i + (attempt << 40));
+    if (std::fabs(z) <= 2.0) return z / 0.87962566103423978;
+  }
 }
 
 }  // namespace detail
