@@ -778,9 +778,10 @@ TEST_CASE("gradients finite on every rank whose sum overflows in float16 on the 
   trainer.run_as_replica(dp.hooks(exec));
   trainer.guard({.stuck_overflows = 1, .window = 50, .review_every = 4});
   trainer.step(exec, xv, yv);
-  // A backward pass outside a step, where every rank's own gradients overflow: what the
-  // guard reads of it must not count as the next step's evidence.
+  // A backward pass outside a step, whose gradients overflow on every rank: it is
+  // neither averaged nor counted as the next step's evidence.
   static_cast<void>(mpx::probe_loss_scales(exec, model, xv, yv, {1e30f}));
+  CHECK(dp.buckets_started() == 0);
   for (int s = 0; s < 7; ++s) trainer.step(exec, xv, yv);
   // The sum on the wire overflowed, so every step is skipped at the floor; but no
   // layer's own arithmetic did, on any rank, so no layer is moved (wider tiers would not
@@ -789,6 +790,38 @@ TEST_CASE("gradients finite on every rank whose sum overflows in float16 on the 
   CHECK(trainer.guard()->moves().empty());
   CHECK(model.template layer<2>().active_tier() == 0);
   dp.check_parameters_agree(exec);
+}
+
+TEST_CASE("a backward pass outside a step, on one rank only, starts no all-reduce and changes no step",
+          "[dist][guard]") {
+  mpx::host_executor exec;
+  std::vector<float> pixels(16 * 16);
+  for (std::size_t i = 0; i < pixels.size(); ++i)
+    pixels[i] = 0.1f * static_cast<float>(comm().rank() + 1) + static_cast<float>(i % 5) / 16.0f;
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>((i + 1) % 3);
+  mpx::tensor_view<float const, mpx::host_space> const xv(pixels.data(), mpx::shape{16, 4, 4});
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(labels.data(), mpx::shape{16});
+  auto const run = [&](bool probe) {
+    auto model = last_layer_tiered(exec);
+    auto opt = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f), mpx::dynamic_loss_scaler(exec));
+    mpx::data_parallel dp(exec, comm(), opt, {.bucket_bytes = 64});
+    mpx::classifier_trainer trainer(exec, model, opt);
+    trainer.run_as_replica(dp.hooks(exec));
+    trainer.guard({});
+    for (int s = 0; s < 4; ++s) {
+      if (probe && s == 2 && comm().rank() == 0) {  // a user's look at the loss scales, between steps
+        static_cast<void>(mpx::probe_loss_scales(exec, model, xv, yv, {1.0f, 1e30f}));
+        CHECK(dp.buckets_started() == 0);
+      }
+      trainer.step(exec, xv, yv);
+    }
+    for (auto const& r : trainer.history(exec)) CHECK(r.skipped == 0);
+    CHECK(trainer.guard()->moves().empty());
+    return dp.parameter_checksum(exec);
+  };
+  auto const without = run(false);
+  CHECK(run(true) == without);
 }
 
 TEST_CASE("replicas that built different models are refused at the start, on every rank", "[dist]") {

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -195,6 +196,54 @@ TEMPLATE_LIST_TEST_CASE("a scale stuck at its floor moves the layer whose gradie
   CHECK(guard->moves()[0].layer == "dense_1");
   CHECK_THAT(guard->moves()[0].evidence, Contains("gradients were the first NaN or inf of 4 steps with the loss "
                                                   "scale at its floor (65536)"));
+}
+
+TEMPLATE_LIST_TEST_CASE("as a replica, the guard names the layer by its own gradients, read before the average",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  // The first dense layer's ("dense") kernel [2048, 3] holds 6,144 gradients: the overflow below lies in the
+  // scan's second chunk of 4,096.
+  auto model = mpx::sequential<mpx::mixed_float16>(
+      mpx::flatten<>(), mpx::tiered<mpx::dense, mpx::model_policy, mpx::mixed_bfloat16>(3), mpx::dense<>(3));
+  model.build(exec, {32, 64}, 3);
+  // Feature 1666 is huge and its row of that kernel is 0: the forward pass stays
+  // finite, while that row's weight gradients (elements 4998..5000) overflow float16.
+  constexpr std::size_t hot = 1666;
+  mpx::scale(exec, model.template layer<1>().template tier<0>().template kernel<space>().flat(hot * 3, 3), 0.0f);
+  std::vector<float> pixels(4 * 2048, 0.01f);
+  for (std::size_t b = 0; b < 4; ++b) pixels[b * 2048 + hot] = 30000.0f;
+  std::vector<std::int32_t> labels = {0, 1, 2, 0};
+  auto const images = mpx_test::upload(exec, pixels, mpx::shape{4, 32, 64});
+  auto const targets = mpx_test::upload(exec, labels, mpx::shape{4});
+  mpx::dynamic_scale_rule rule;
+  rule.initial_scale = rule.min_scale = 1024.0f;  // at the floor from the start
+  mpx::dynamic_loss_scaler scaler(exec, rule);
+  scaler.on_stuck([](mpx::loss_scale_report const&) {});
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), std::move(scaler));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  // One replica whose "average" brings NaN into dense_1's kernel gradient, as another
+  // replica's overflow there would: the averaged gradients would name dense_1 (it comes
+  // first in the backward pass), this replica's own name "dense".
+  auto const params = model.parameters(exec);
+  REQUIRE(params[2].gradient.dtype() == mpx::dtype_id::float16);
+  auto const averaged_in = params[2].gradient.template as<mpx::half>();
+  mpx::replica_hooks hooks;
+  std::size_t finals = 0;
+  hooks.gradients_final = [&](mpx::step_executor, std::size_t) { ++finals; };
+  hooks.after_backward = [&](mpx::step_executor at) {
+    mpx::scale(at.as<TestType>(), averaged_in, std::numeric_limits<float>::quiet_NaN());
+  };
+  trainer.run_as_replica(hooks);
+  trainer.guard({.stuck_overflows = 3, .window = 50, .review_every = 4});
+  for (int s = 0; s < 4; ++s)
+    trainer.step(exec, mpx::tensor_view<float const, space>(images.view()), mpx::tensor_view<std::int32_t const, space>(targets.view()));
+  CHECK(finals == 4 * 3);  // after each layer's backward, every step
+  for (auto const& r : trainer.history(exec)) CHECK(r.skipped == 1);
+  auto const* guard = trainer.guard();
+  REQUIRE(guard->moves().size() == 1);
+  CHECK(guard->moves()[0].layer == "dense");
+  CHECK_THAT(guard->moves()[0].evidence, Contains("gradients were the first NaN or inf of 4 steps"));
 }
 
 TEMPLATE_LIST_TEST_CASE("a shadow error above the guard's bound moves the layer", "[model][guard]",

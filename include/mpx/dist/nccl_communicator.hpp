@@ -299,9 +299,8 @@ class nccl_communicator {
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
     require_usable();
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
-    if (capturing == cudaStreamCaptureStatusNone) poll();  // a CUDA graph being captured: no queries
+    bool const capturing = exec.capturing();
+    if (!capturing) poll();  // a CUDA graph being captured: no queries
     what += " #" + std::to_string(++sequence_);
     detail::ordering_event ready;
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
@@ -311,7 +310,7 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
     // A collective captured into a CUDA graph is not in flight: it runs with each replay,
     // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
-    if (capturing == cudaStreamCaptureStatusNone) in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), done});
+    if (!capturing) in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), done});
     if (deferred_) unfinished_.push_back(std::move(done));
     else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), done->get(), 0));
   }

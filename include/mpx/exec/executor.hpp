@@ -17,6 +17,8 @@ struct host_executor {
   using memory_space = host_space;
   static constexpr std::string_view name = "host";
   void synchronize() const noexcept {}  //!< Host work is done when the call returns.
+  //! Never: host work is not captured (see cuda_executor::capturing).
+  [[nodiscard]] static constexpr bool capturing() noexcept { return false; }
 };
 
 #if MPX_HAS_CUDA_RUNTIME
@@ -39,6 +41,13 @@ class cuda_executor {
   [[nodiscard]] cuda_executor on(cudaStream_t stream) const noexcept { return cuda_executor(stream); }
   //! Waits for everything enqueued on the stream; throws mpx::cuda_error if it failed.
   void synchronize() const { MPX_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  //! Whether the stream is capturing a CUDA graph: then nothing may be created,
+  //! allocated or waited for, and what is enqueued runs only when the graph is launched.
+  [[nodiscard]] bool capturing() const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    MPX_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
 
  private:
   cudaStream_t stream_ = nullptr;

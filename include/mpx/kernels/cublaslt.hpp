@@ -8,6 +8,7 @@
 #include <mpx/core/error.hpp>
 
 #if MPX_HAS_CUDA
+#include <mpx/exec/executor.hpp>
 #include <mpx/exec/stream_registry.hpp>
 
 #include <cublasLt.h>
@@ -123,11 +124,7 @@ class lt_context {
   }
 
   //! Whether `stream` is capturing a graph: then nothing may be created or allocated.
-  static bool capturing(cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    MPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    return capture != cudaStreamCaptureStatusNone;
-  }
+  static bool capturing(cudaStream_t stream) { return cuda_executor(stream).capturing(); }
 
   //! The handle of `device`, created on first use (never during a capture).
   cublasLtHandle_t handle(int device, bool capturing) {

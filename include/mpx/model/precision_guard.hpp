@@ -169,8 +169,8 @@ struct first_nonfinite_scan {
 //! Chunk first_chunk + row of a replica's own parameter gradients (the model's order),
 //! before the all-reduce replaces them by the average: NaN or inf sets the gradient's
 //! flag, which first_nonfinite_scan reads in its place. A row body (for_each_row): the
-//! chunk's lanes (a block on the GPU, reading it coalesced) each test their elements, so
-//! it costs about one read of the gradients. Runs every step (whether the step is skipped
+//! chunk's lanes (a block on the GPU, reading it coalesced) test their elements and
+//! combine the verdicts, so it costs about one read of the gradients. Runs every step (whether the step is skipped
 //! is known only after the average).
 struct own_gradient_scan {
   watched_tensor const* table;
@@ -184,9 +184,11 @@ struct own_gradient_scan {
     watched_tensor const t = table[k];
     std::uint64_t const begin = (c - t.first_chunk) * guard_chunk;
     std::uint64_t const left = t.size - begin;
-    unsigned* const flag = flags + k;
-    lanes.for_each(left < guard_chunk ? left : guard_chunk, [&](std::size_t i) {
-      if (!finite_element(t.data, t.dtype, begin + i)) max_into(flag, 1u);
+    unsigned const bad = lanes.reduce(left < guard_chunk ? left : guard_chunk, max_u32{}, [&](std::size_t i) {
+      return finite_element(t.data, t.dtype, begin + i) ? 0u : 1u;
+    });
+    lanes.once([&] {
+      if (bad) max_into(flags + k, 1u);  // one atomic per chunk, however many elements overflowed
     });
   }
 };
@@ -664,17 +666,11 @@ class precision_guard {
 
   //! Refuses to make tables while a step is captured in a CUDA graph: a capture follows
   //! an eager step, which made them.
-  template <class Exec>
-  static void refuse_capture([[maybe_unused]] Exec const& exec) {
-#if MPX_HAS_CUDA
-    if constexpr (!is_host_executor_v<Exec>) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      MPX_CUDA_CHECK(cudaStreamIsCapturing(exec.stream(), &capturing));
-      if (capturing != cudaStreamCaptureStatusNone)
-        detail::fail<invalid_argument>("mpx::precision_guard", "a step is being captured for buffers the guard "
-                                                               "has not seen run eagerly (run one eager step first)");
-    }
-#endif
+  template <executor Exec>
+  static void refuse_capture(Exec const& exec) {
+    if (exec.capturing())
+      detail::fail<invalid_argument>("mpx::precision_guard", "a step is being captured for buffers the guard "
+                                                             "has not seen run eagerly (run one eager step first)");
   }
 
   //! A replica's own parameter gradients, in the model's parameters() order, and a flag

@@ -181,11 +181,14 @@ class classifier_trainer {
                       std::equal(ours.begin(), ours.end(), theirs.begin(),
                                  [](auto const& a, auto const& b) { return a.gradient.data() == b.gradient.data(); });
     std::function<void(std::size_t)> final_from;
-    // A guard first reads this replica's own gradients, before they are averaged.
+    // A guard first reads this replica's own gradients, before they are averaged. A
+    // backward pass outside a step (probe_loss_scales) is this process's alone: it
+    // starts no all-reduce (the other replicas are not in it) and is not the guard's.
     if (same && replicas_.gradients_final)
       final_from = [at, f = replicas_.gradients_final, guard = guard_, model = &model_](std::size_t first) {
-        if (*guard) (*guard)->scan_own_gradients(at->template as<Exec>(), *model, first);
-        f(*at, first);
+        if (!at->running) return;
+        if (*guard) (*guard)->scan_own_gradients(at->exec.template as<Exec>(), *model, first);
+        f(at->exec, first);
       };
     gradients_reduced_in_backward_ = static_cast<bool>(final_from);
     model_.template on_gradients_final<Space>(std::move(final_from));
@@ -193,7 +196,7 @@ class classifier_trainer {
     Model* const model = &model_;
     // fp8 layers max-reduce their amaxes over the replicas before each scale update.
     std::function<void(float*)> amax_reduction;
-    if (replicas_.max_in_place) amax_reduction = [at, f = replicas_.max_in_place](float* x) { f(*at, x); };
+    if (replicas_.max_in_place) amax_reduction = [at, f = replicas_.max_in_place](float* x) { f(at->exec, x); };
     for (auto& entry : detail::model_fp8_scales<Exec>(model_)) entry.set_amax_reduction(amax_reduction);
     unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) {
       model->template on_gradients_final<Space>({});
@@ -257,7 +260,12 @@ class classifier_trainer {
   template <class T>
   void step_body(Exec const& exec, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
                  step_record* rec, bool shadow = false) {
-    *step_at_ = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
+    step_at_->exec = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
+    step_at_->running = true;
+    struct step_ends {
+      step_in_flight& step;
+      ~step_ends() { step.running = false; }
+    } const ends{*step_at_};
     precision_guard<Space>* const guard = active_guard();
     if (guard && replicas_.active()) guard->begin_replica_step(exec);
     model_.forward(exec, images, true);
@@ -447,7 +455,13 @@ class classifier_trainer {
   bool use_graph_ = false;
   replica_hooks replicas_;
   std::uint64_t replica_generation_ = 0;  // run_as_replica calls, for graph_state
-  std::shared_ptr<step_executor> step_at_ = std::make_shared<step_executor>();  // the running step's executor
+  //! The executor of the step that runs, and whether one does (a backward pass outside a
+  //! step calls the model's hooks too).
+  struct step_in_flight {
+    step_executor exec;
+    bool running = false;
+  };
+  std::shared_ptr<step_in_flight> step_at_ = std::make_shared<step_in_flight>();
   std::shared_ptr<void> unhook_model_;  // removes the model's gradients_final hook when the trainer goes
   bool gradients_reduced_in_backward_ = false;  // a replica's early reductions average them in place
   std::size_t steps_ = 0;
