@@ -94,6 +94,47 @@ def read_corpus(path):
     return bytes(data)
 
 
+def model_class(torch, W, H, L, blocks):
+    """char_lm's model in PyTorch: width W, H heads, L tokens, `blocks` pre-norm blocks."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(W, eps=1e-3)
+            self.qkv = nn.Linear(W, 3 * W)
+            self.out = nn.Linear(W, W)
+            self.ln2 = nn.LayerNorm(W, eps=1e-3)
+            self.up = nn.Linear(W, 4 * W)
+            self.down = nn.Linear(4 * W, W)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(W, dim=-1)
+            q, k, v = (z.view(b, t, H, W // H).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, t, W))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = nn.Embedding(256, W)
+            self.positions = nn.Embedding(L, W)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+            self.ln = nn.LayerNorm(W, eps=1e-3)
+            self.head = nn.Linear(W, 256)
+
+        def forward(self, x):
+            h = self.tokens(x) + self.positions(torch.arange(x.shape[1]))[None]
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(self.ln(h))
+
+    return Model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--init", choices=["keras", "torch", "gpt2"], default="keras")
@@ -141,39 +182,7 @@ def main():
         return chunk[:, :-1], chunk[:, 1:]
 
     W, H, blocks = args.width, args.heads, args.blocks
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1 = nn.LayerNorm(W, eps=1e-3)
-            self.qkv = nn.Linear(W, 3 * W)
-            self.out = nn.Linear(W, W)
-            self.ln2 = nn.LayerNorm(W, eps=1e-3)
-            self.up = nn.Linear(W, 4 * W)
-            self.down = nn.Linear(4 * W, W)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(W, dim=-1)
-            q, k, v = (z.view(b, t, H, W // H).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.out(a.transpose(1, 2).reshape(b, t, W))
-            return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tokens = nn.Embedding(256, W)
-            self.positions = nn.Embedding(L, W)
-            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
-            self.ln = nn.LayerNorm(W, eps=1e-3)
-            self.head = nn.Linear(W, 256)
-
-        def forward(self, x):
-            h = self.tokens(x) + self.positions(torch.arange(x.shape[1]))[None]
-            for blk in self.blocks:
-                h = blk(h)
-            return self.head(self.ln(h))
+    Model = model_class(torch, W, H, L, blocks)
 
     def initialise(model, init):
         if init == "torch":

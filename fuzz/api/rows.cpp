@@ -619,14 +619,19 @@ void batch_norm_forward_case(draw& d) {
     // one plus n delta^2 (the cross term sums to 0) plus k roundings, so the biased
     // variance is off by k u_f var + delta^2 (taken as 4 k u_f var + 2 delta^2), the
     // unbiased one by n / (n - 1) times that; the update adds 4 roundings of its terms.
+    // A squared deviation below float's range rounds to a subnormal (or 0): half the
+    // smallest subnormal each, n of them in the sum, so one subnormal after dividing by
+    // n - 1; the update's roundings add up to 3 more.
     double const unbiased = ref.var[j] * n / (n - 1);
     double const rm_ref = mom * rm0[j] + (1 - mom) * ref.mean[j];
     double const rv_ref = mom * rv0[j] + (1 - mom) * unbiased;
-    double const var_tol = (4 * k * uf * ref.var[j] + 2 * mean_tol * mean_tol) * n / (n - 1);
+    double const var_tol = (4 * k * uf * ref.var[j] + 2 * mean_tol * mean_tol) * n / (n - 1) + smallest_subnormal<float>();
     near<float>(call, "running_mean", j, rm[j], rm_ref,
-                (1 - mom) * mean_tol + 4 * uf * (std::fabs(mom * rm0[j]) + std::fabs((1 - mom) * ref.mean[j])));
+                (1 - mom) * mean_tol + 4 * uf * (std::fabs(mom * rm0[j]) + std::fabs((1 - mom) * ref.mean[j])) +
+                    3 * smallest_subnormal<float>());
     near<float>(call, "running_var", j, rv[j], rv_ref,
-                (1 - mom) * var_tol + 4 * uf * (std::fabs(mom * rv0[j]) + std::fabs((1 - mom) * unbiased)));
+                (1 - mom) * var_tol + 4 * uf * (std::fabs(mom * rv0[j]) + std::fabs((1 - mom) * unbiased)) +
+                    3 * smallest_subnormal<float>());
   }
 }
 

@@ -450,6 +450,21 @@ TEST_CASE("data-parallel training equals one process with the global batch, skip
   CHECK(same_on_every_rank(dp.parameter_checksum(exec)));
 }
 
+//! Every fp8 layer's three scale states (activation, weight, gradient), in layer order.
+template <class Model>
+std::vector<mpx::fp8_scale_values> fp8_scale_states(mpx::host_executor const& exec, Model& model) {
+  std::vector<mpx::fp8_scale_values> out;
+  model.for_each_layer([&](auto& layer) {
+    if constexpr (requires { layer.products().template scale<mpx::operand_role::gradient>(exec); }) {
+      auto const& p = layer.products();
+      out.push_back(p.template scale<mpx::operand_role::activation>(exec).values(exec));
+      out.push_back(p.template scale<mpx::operand_role::weight>(exec).values(exec));
+      out.push_back(p.template scale<mpx::operand_role::gradient>(exec).values(exec));
+    }
+  });
+  return out;
+}
+
 TEST_CASE("fp8 scales under data parallelism follow the global amax, the same on every rank", "[dist][fp8]") {
   mpx::host_executor exec;
   int const ranks = comm().size();
@@ -492,19 +507,55 @@ TEST_CASE("fp8 scales under data parallelism follow the global amax, the same on
   CHECK(std::memcmp(got.history, expected.history, sizeof got.history) == 0);
   // Every scale of every fp8 layer is the same on every rank.
   std::vector<float> scales;
-  model.for_each_layer([&](auto& layer) {
-    if constexpr (requires { layer.products().template scale<mpx::operand_role::gradient>(exec); }) {
-      auto const& p = layer.products();
-      for (auto const& v : {p.template scale<mpx::operand_role::activation>(exec).values(exec),
-                           p.template scale<mpx::operand_role::weight>(exec).values(exec),
-                           p.template scale<mpx::operand_role::gradient>(exec).values(exec)}) {
-        scales.push_back(v.scale);
-        scales.push_back(v.last_amax);
-      }
-    }
-  });
+  for (auto const& v : fp8_scale_states(exec, model)) {
+    scales.push_back(v.scale);
+    scales.push_back(v.last_amax);
+  }
   REQUIRE(scales.size() == 12);  // two fp8 layers, three roles, scale and amax
   CHECK(same_on_every_rank(checksum(scales)));
+}
+
+TEST_CASE("a probe on one rank between fp8 steps starts no amax reduction and moves no fp8 scale", "[dist][fp8]") {
+  mpx::host_executor exec;
+  int const ranks = comm().size();
+  std::size_t const local_batch = 16, steps = 4;
+  auto const data = quadrant_images(local_batch * static_cast<std::size_t>(ranks) * steps, 23, 16);
+  auto const run = [&](bool probe) {
+    auto model = small_fp8_model();
+    model.build(exec, {16, 1, 1}, 1);
+    auto opt = sgd_with_dynamic_scale(exec, model);
+    mpx::data_parallel dp(exec, comm(), opt);
+    mpx::batch_loader<mpx::host_executor, mpx::bfloat16> shard(
+        exec, data, {.batch_size = local_batch, .seed = 5, .replica = static_cast<std::size_t>(comm().rank()),
+                     .replicas = static_cast<std::size_t>(ranks)});
+    mpx::classifier_trainer trainer(exec, model, opt);
+    trainer.run_as_replica(dp.hooks(exec));
+    shard.start_epoch(0);
+    std::size_t step = 0;
+    while (auto b = shard.next()) {
+      // Rank 0 alone looks at the loss scales between steps: its delayed scales' amax
+      // reduction, a collective, must not run (the others would never join it) and its
+      // scales must stay as they were (else the ranks' fp8 casts would differ).
+      if (probe && step == 2 && comm().rank() == 0)
+        static_cast<void>(mpx::probe_loss_scales(exec, model, b->images, b->labels, {1.0f, 1e30f}));
+      trainer.step(exec, b->images, b->labels);
+      ++step;
+    }
+    std::vector<float> state;
+    for (auto const& v : fp8_scale_states(exec, model)) {
+      state.push_back(v.scale);
+      state.push_back(v.last_amax);
+      state.push_back(static_cast<float>(v.steps));
+      state.insert(state.end(), std::begin(v.history), std::end(v.history));
+    }
+    REQUIRE(!state.empty());
+    return std::pair{dp.parameter_checksum(exec), checksum(state)};
+  };
+  auto const without = run(false);
+  auto const with = run(true);
+  CHECK(with.first == without.first);
+  CHECK(with.second == without.second);
+  CHECK(same_on_every_rank(with.second));
 }
 
 TEST_CASE("block-scaled fp8 under data parallelism: every rank holds the same parameters, close to one process "

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -295,4 +296,41 @@ TEMPLATE_LIST_TEST_CASE("probe_loss_scales: float16 gradients underflow at scale
   CHECK_THROWS_TYPE_WITH(mpx::probe_loss_scales(exec, unbuilt, mpx::tensor_view<float const, space>(mpx::view(x)),
                                                 mpx::tensor_view<std::int32_t const, space>(mpx::view(y)), {}),
                          mpx::invalid_argument, Catch::Contains("at least one loss scale"));
+}
+
+TEMPLATE_LIST_TEST_CASE("probe_loss_scales leaves a model's fp8 scales as they were", "[model][diagnostics][fp8]",
+                        mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  std::int64_t const n = 32;
+  auto const xs = mpx_test::random_values<float>(n * 16, -3, 3, 11);
+  std::vector<std::int32_t> labels(n);
+  for (std::int64_t i = 0; i < n; ++i) labels[i] = static_cast<std::int32_t>(i % 4);
+  auto x = mpx_test::upload(exec, xs, {n, 16});
+  auto y = mpx_test::upload(exec, labels, {n});
+  auto model = mpx::sequential<mpx::mixed_fp8>(mpx::dense<>(16, mpx::activation::tanh),
+                                               mpx::dense<mpx::without_fp8<mpx::mixed_fp8>>(4),
+                                               mpx::softmax_layer<mpx::float32>());
+  model.build(exec, {16}, 3);  // fp8 products take multiples of 16
+  auto const& products = model.template layer<0>().products();
+  auto const state = [&] {
+    std::vector<mpx::fp8_scale_values> out;
+    out.push_back(products.template scale<mpx::operand_role::activation>(exec).values(exec));
+    out.push_back(products.template scale<mpx::operand_role::weight>(exec).values(exec));
+    out.push_back(products.template scale<mpx::operand_role::gradient>(exec).values(exec));
+    return out;
+  };
+  auto const before = state();
+  // Each backward ends a delayed-scaling step for the layer: without the restore the
+  // amax history would hold the probe's (three scales: three updates).
+  auto const probe = mpx::probe_loss_scales(exec, model, mpx::tensor_view<float const, space>(mpx::view(x)),
+                                            mpx::tensor_view<std::int32_t const, space>(mpx::view(y)),
+                                            {1.0f, 1024.0f, 1e30f});
+  CHECK(probe.rows.size() == 4);
+  auto const after = state();
+  for (std::size_t i = 0; i < before.size(); ++i) {
+    INFO("role " << i);
+    CHECK(after[i].steps == before[i].steps);
+    CHECK(std::memcmp(&after[i], &before[i], sizeof(mpx::fp8_scale_values)) == 0);
+  }
 }

@@ -31,32 +31,34 @@ struct attention_dims {
 
 namespace detail {
 
-//! Where element e of the heads layout [parts, B*H, T, dh] lives in the tokens layout
-//! [B*T, parts*H*dh].
-MPX_HD inline std::size_t token_index_of(std::size_t e, std::size_t B, std::size_t T, std::size_t H, std::size_t dh,
-                                         std::size_t parts) {
-  std::size_t const j = e % dh;
-  std::size_t r = e / dh;
+//! Where row r of the heads layout [parts, B*H, T, dh] (its dh elements, contiguous in
+//! both layouts) starts in the tokens layout [B*T, parts*H*dh].
+MPX_HD inline std::size_t token_row_start(std::size_t r, std::size_t B, std::size_t T, std::size_t H, std::size_t dh,
+                                          std::size_t parts) {
   std::size_t const t = r % T;
   r /= T;
   std::size_t const h = r % H;
   r /= H;
   std::size_t const b = r % B;
   std::size_t const p = r / B;
-  return ((b * T + t) * parts + p) * (H * dh) + h * dh + j;
+  return ((b * T + t) * parts + p) * (H * dh) + h * dh;
 }
 
-//! Copies between the tokens and heads layouts, one element per index of heads.
+//! Copies between the tokens and heads layouts, one row of a head's dh values at a time:
+//! the index arithmetic once per row, the copy contiguous (a warp's lanes side by side
+//! on the GPU; a loop the compiler vectorises on the host).
 template <class T>
-struct permute_heads_element {
+struct permute_heads_row {
   T const* from;
   T* to;
   std::size_t B, T_, H, dh, parts;
   bool to_heads;
-  MPX_HD void operator()(std::size_t e) const {
-    std::size_t const t = token_index_of(e, B, T_, H, dh, parts);
-    if (to_heads) to[e] = from[t];
-    else to[t] = from[e];
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
+    std::size_t const in_tokens = token_row_start(r, B, T_, H, dh, parts), in_heads = r * dh;
+    T const* src = from + (to_heads ? in_tokens : in_heads);
+    T* dst = to + (to_heads ? in_heads : in_tokens);
+    lanes.for_each(dh, [&](std::size_t j) { dst[j] = src[j]; });
   }
 };
 
@@ -137,7 +139,7 @@ void permute_heads(Exec const& exec, tensor_view<T, Space> tokens, tensor_view<T
   if (total == 0) return;
   T const* from = to_heads ? tokens.data() : heads.data();
   T* to = to_heads ? heads.data() : tokens.data();
-  for_each_index(exec, total, detail::permute_heads_element<T>{from, to, B, Tn, H, dh, P, to_heads});
+  for_each_row(exec, total / dh, dh, detail::permute_heads_row<T>{from, to, B, Tn, H, dh, P, to_heads});
 }
 
 //! The causal softmax of logits [B*H, T, T] (query rows, key columns) in float: p (float,

@@ -21,6 +21,7 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/exec/tensor_ref.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
 #include <mpx/numerics/stats.hpp>
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <functional>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -297,6 +299,29 @@ inline std::vector<float> default_probe_scales() {
 }
 
 namespace detail {
+//! Puts every fp8 scale of a model back as it was when this was made (its delayed
+//! scaling's amax history included): a probe is not a training step.
+template <executor Exec>
+class fp8_scales_kept {
+ public:
+  template <class Model>
+  fp8_scales_kept(Exec const& exec, Model& model) {
+    if constexpr (requires { model.for_each_layer([](auto&) {}); })
+      for (auto const& entry : model_fp8_scales<Exec>(model)) restore_.push_back(entry.snapshot(exec));
+  }
+  fp8_scales_kept(fp8_scales_kept const&) = delete;
+  fp8_scales_kept& operator=(fp8_scales_kept const&) = delete;
+  ~fp8_scales_kept() {
+    try {
+      for (auto const& r : restore_) r();
+    } catch (...) {  // an executor's error is sticky: its next call reports it
+    }
+  }
+
+ private:
+  std::vector<std::function<void()>> restore_;
+};
+
 inline void check_probe_scales(std::vector<float> const& scales) {
   if (scales.empty()) fail<invalid_argument>("mpx::probe_loss_scales", "give at least one loss scale");
   for (float s : scales)
@@ -315,6 +340,7 @@ template <executor Exec, class Model, class Space = memory_space_t<Exec>>
 loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<float const, Space> loss_gradient,
                                    std::vector<float> scales = default_probe_scales()) {
   detail::check_probe_scales(scales);
+  detail::fp8_scales_kept<Exec> const kept(exec, model);  // each backward ends an fp8 "step"
   loss_scale_probe out;
   out.scales = scales;
   tensor<float, Space> scaled(exec, loss_gradient.shape());
@@ -349,6 +375,7 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<T
                                    tensor_view<std::int32_t const, Space> labels,
                                    std::vector<float> scales = default_probe_scales()) {
   detail::check_probe_scales(scales);
+  detail::fp8_scales_kept<Exec> const kept(exec, model);  // the forward records amaxes
   model.forward(exec, images, true);
   auto const logits = model.template logits<Space>();
   tensor<float, Space> gradient(exec, logits.shape());

@@ -194,9 +194,13 @@ class classifier_trainer {
     model_.template on_gradients_final<Space>(std::move(final_from));
     // The hook may not outlive this trainer (nor the job it calls into).
     Model* const model = &model_;
-    // fp8 layers max-reduce their amaxes over the replicas before each scale update.
+    // fp8 layers max-reduce their amaxes over the replicas before each scale update;
+    // only in a step (a probe's backward on one rank would start a collective alone).
     std::function<void(float*)> amax_reduction;
-    if (replicas_.max_in_place) amax_reduction = [at, f = replicas_.max_in_place](float* x) { f(at->exec, x); };
+    if (replicas_.max_in_place)
+      amax_reduction = [at, f = replicas_.max_in_place](float* x) {
+        if (at->running) f(at->exec, x);
+      };
     for (auto& entry : detail::model_fp8_scales<Exec>(model_)) entry.set_amax_reduction(amax_reduction);
     unhook_model_ = std::shared_ptr<void>(nullptr, [model](void*) {
       model->template on_gradients_final<Space>({});
