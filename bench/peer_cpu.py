@@ -174,6 +174,9 @@ def main():
         work, dtype = args.only_torch
         print((torch_cnn if work == "cnn" else torch_char_lm)(args, dtype))
         return 0
+    for name in ("rounds", "threads", "images", "test_images", "steps"):
+        if getattr(args, name) < 1:
+            sys.exit(f"peer_cpu.py: --{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     works = args.work.split(",")
     dtypes = args.dtypes.split(",")
     for w in works:
