@@ -328,19 +328,12 @@ inline void check_probe_scales(std::vector<float> const& scales) {
     if (!(s > 0) || !std::isfinite(s))
       fail<invalid_argument>("mpx::probe_loss_scales", "every scale must be finite and > 0; got " + to_text(s));
 }
-}  // namespace detail
 
-//! For any loss: after model.forward(exec, x, true), give the loss's unscaled gradient
-//! with respect to the logits (see model.logits()), in float. For each loss scale, the
-//! gradient times the scale (in float) is backpropagated and every parameter's stored
-//! gradient is measured: the share of zeros (values that underflowed, beside true zeros
-//! such as a ReLU's) and NaN or inf (overflow). The model's gradients are left as at the
-//! last scale. Synchronises. The default scales: 2^0, 2^4, ..., 2^24.
-template <executor Exec, class Model, class Space = memory_space_t<Exec>>
-loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<float const, Space> loss_gradient,
-                                   std::vector<float> scales = default_probe_scales()) {
-  detail::check_probe_scales(scales);
-  detail::fp8_scales_kept<Exec> const kept(exec, model);  // each backward ends an fp8 "step"
+//! probe_loss_scales' backward passes and measurements (the caller checked the scales
+//! and keeps the fp8 scales).
+template <executor Exec, class Model, class Space>
+loss_scale_probe probe_at_scales(Exec const& exec, Model& model, tensor_view<float const, Space> loss_gradient,
+                                 std::vector<float> scales) {
   loss_scale_probe out;
   out.scales = scales;
   tensor<float, Space> scaled(exec, loss_gradient.shape());
@@ -367,6 +360,21 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<f
   }
   return out;
 }
+}  // namespace detail
+
+//! For any loss: after model.forward(exec, x, true), give the loss's unscaled gradient
+//! with respect to the logits (see model.logits()), in float. For each loss scale, the
+//! gradient times the scale (in float) is backpropagated and every parameter's stored
+//! gradient is measured: the share of zeros (values that underflowed, beside true zeros
+//! such as a ReLU's) and NaN or inf (overflow). The model's gradients are left as at the
+//! last scale. Synchronises. The default scales: 2^0, 2^4, ..., 2^24.
+template <executor Exec, class Model, class Space = memory_space_t<Exec>>
+loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<float const, Space> loss_gradient,
+                                   std::vector<float> scales = default_probe_scales()) {
+  detail::check_probe_scales(scales);
+  detail::fp8_scales_kept<Exec> const kept(exec, model);  // each backward ends an fp8 "step"
+  return detail::probe_at_scales(exec, model, loss_gradient, std::move(scales));
+}
 
 //! For a classifier trained with sparse categorical cross-entropy: runs the forward pass
 //! (training mode) on a batch, takes the cross-entropy's gradient, and probes as above.
@@ -382,7 +390,7 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<T
   loss_value<Space> loss(exec);
   sparse_categorical_cross_entropy<float32>(exec, logits, labels, gradient, loss);
   static_cast<void>(loss.read(exec));  // a label outside [0, classes) throws here, naming it
-  return probe_loss_scales(exec, model, tensor_view<float const, Space>(gradient), std::move(scales));
+  return detail::probe_at_scales(exec, model, tensor_view<float const, Space>(gradient), std::move(scales));
 }
 
 }  // namespace mpx
