@@ -422,7 +422,7 @@ int main(int argc, char** argv) try {
     else args.unknown();
   }
   std::printf("median of %d runs; host path: %s\n", opt.repeat,
-              mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
+              mpx::gemm_host_library);
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 } catch (...) {
   return mpx_programs::report_failure("gemm_bench");

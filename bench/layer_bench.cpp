@@ -570,7 +570,7 @@ int main(int argc, char** argv) try {
   }
   std::printf("median of %d runs%s; GB/s counts every byte read and written once; host gemm: %s\n", opt.repeat,
               opt.small ? ", --small sizes" : "",
-              mpx::gemm_host_uses_blas ? "OpenBLAS sgemm on float panels" : "mpx blocked product");
+              mpx::gemm_host_library);
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 } catch (...) {
   return mpx_programs::report_failure("layer_bench");

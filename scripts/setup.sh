@@ -2,7 +2,8 @@
 # Installs what mpx needs on a fresh Debian 12 machine that has the CUDA toolkit at
 # /usr/local/cuda (or $MPX_CUDA): Meson, Ninja, ccache (builds reuse earlier compiles,
 # nvcc's included), Catch2 v2, Boost 1.81 (Hana), pkg-config,
-# OpenBLAS (optional for the library: mpx::gemm's host path uses it where found), zlib
+# oneDNN and OpenBLAS (optional for the library: mpx::gemm's host path uses oneDNN where
+# found, else OpenBLAS), zlib
 # (optional: gzip-compressed IDX files), Fashion-MNIST (for the examples and the test
 # that loads the real data set), CMake (the CMake package's test), fortunes (the plain-text
 # corpus examples/char_lm trains on), Open MPI (data-parallel training on the host, tested
@@ -13,7 +14,7 @@ if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
   echo "mpx needs the CUDA toolkit's headers; none found under $cuda (set MPX_CUDA)" >&2
   exit 1
 fi
-packages=(meson ninja-build ccache catch2 libboost1.81-dev pkg-config python3 g++ libopenblas-dev zlib1g-dev
+packages=(meson ninja-build ccache catch2 libboost1.81-dev pkg-config python3 g++ libdnnl-dev libopenblas-dev zlib1g-dev
           dataset-fashion-mnist cmake fortunes openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

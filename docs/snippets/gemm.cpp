@@ -76,6 +76,6 @@ int main() {
   }
 
   std::printf("y[0][0] = %g, dW[0][0] = %g (float64: %g); host path: %s\n", mpx::cast<float>(y[0]), dw[0], dw00,
-              mpx::gemm_host_uses_blas ? "OpenBLAS" : "blocked");
+              mpx::gemm_host_library);
   return ok ? 0 : 1;
 }

@@ -8,10 +8,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace {
 
@@ -731,3 +735,77 @@ TEMPLATE_LIST_TEST_CASE("a float compute type over 16-bit storage is the storage
   mpx::gemm<mpx::policy<mpx::bfloat16, float>>(exec, ad, bd, c2);
   CHECK(mpx_test::first_mismatch(mpx_test::download(exec, c2), mpx_test::download(exec, c1)).empty());
 }
+
+// Host paths only (the CUDA suite's binary holds a CUDA context, which a fork does not
+// carry, and its products are cuBLASLt's).
+#if !MPX_HAS_CUDA
+TEST_CASE("gemm of subnormal bfloat16 operands stays within the bound of the host path that runs it", "[gemm]") {
+  // The oneDNN path multiplies bfloat16 on the CPU's bfloat16 instructions, which read
+  // subnormal operands as zero and flush subnormal partial sums: docs/gemm.md adds
+  // |alpha| 2^-126 (2K + sum_k (|a_ik| + |b_kj|)) for it. The other paths keep
+  // subnormals, within the ordinary bound.
+  mpx::host_executor const exec;
+  std::int64_t const m = 5, n = 7, k = 33;
+  auto a = mpx_test::random_values<mpx::bfloat16>(static_cast<std::size_t>(m * k), -1, 1, 91);
+  for (auto& x : a)  // all below 2^-126, so that what a flush loses is the whole result
+    x = mpx::cast<mpx::bfloat16>(std::ldexp(mpx::cast<float>(x), -127));
+  auto const b = mpx_test::random_values<mpx::bfloat16>(static_cast<std::size_t>(k * n), -1, 1, 92);
+  auto const ad = mpx_test::upload(exec, a, mpx::shape{m, k});
+  auto const bd = mpx_test::upload(exec, b, mpx::shape{k, n});
+  auto c = mpx_test::poisoned<float>(exec, mpx::shape{m, n});
+  mpx::gemm<mpx::mixed_bfloat16>(exec, ad, bd, c);
+  auto const got = mpx_test::download(exec, c);
+  bool const flushes = std::string(mpx::gemm_host_library) == "oneDNN";
+  double const bound = error_bound<mpx::bfloat16, float>(k);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      auto const [exact, scale] = reference_product(a, b, 0, 0, false, false, m, n, k, 0, i, j, 1.0, 0.0, 0.0);
+      double magnitudes = 0;
+      for (std::int64_t kk = 0; kk < k; ++kk)
+        magnitudes += std::abs(mpx::detail::to_double(a[static_cast<std::size_t>(i * k + kk)])) +
+                      std::abs(mpx::detail::to_double(b[static_cast<std::size_t>(kk * n + j)]));
+      double const flushed = flushes ? std::ldexp(2.0 * static_cast<double>(k) + magnitudes, -126) : 0.0;
+      double const allowed = bound * scale + std::ldexp(1.0, -149) + flushed;
+      double const g = got[static_cast<std::size_t>(i * n + j)];
+      INFO("C[" << i << "][" << j << "] = " << g << ", float64 " << exact << ", allowed " << allowed << " ("
+                << mpx::gemm_host_library << ")");
+      CHECK(std::abs(g - exact) <= allowed);
+    }
+}
+
+TEST_CASE("gemm still multiplies in a process forked after a host product", "[gemm]") {
+  // oneDNN's OpenMP threads do not survive fork(): the child multiplies on one thread
+  // rather than waiting forever for the others. An alarm turns a hang into a failure.
+  mpx::host_executor const exec;
+  auto const a = mpx_test::random_values<float>(64 * 48, -1, 1, 93);
+  auto const b = mpx_test::random_values<float>(48 * 32, -1, 1, 94);
+  auto const ad = mpx_test::upload(exec, a, mpx::shape{64, 48});
+  auto const bd = mpx_test::upload(exec, b, mpx::shape{48, 32});
+  auto parent = mpx_test::poisoned<float>(exec, mpx::shape{64, 32});
+  mpx::gemm<mpx::float32>(exec, ad, bd, parent);
+  std::vector<float> const expected = mpx_test::download(exec, parent);
+  ::fflush(nullptr);
+  pid_t const child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::alarm(60);
+    int status = 0;
+    try {
+      auto c = mpx_test::poisoned<float>(exec, mpx::shape{64, 32});
+      mpx::gemm<mpx::float32>(exec, ad, bd, c);
+      std::vector<float> const got = mpx_test::download(exec, c);
+      double const bound = error_bound<float, float>(48) * 48.0 * 2.0;  // |a||b| <= 1 per term, twice over
+      for (std::size_t i = 0; i < got.size(); ++i)
+        if (!(std::abs(static_cast<double>(got[i]) - expected[i]) <= bound)) status = 2;
+    } catch (...) {
+      status = 3;
+    }
+    ::_exit(status);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  INFO("the child " << (WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                                            : "exited with " + std::to_string(WEXITSTATUS(status))));
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+}
+#endif

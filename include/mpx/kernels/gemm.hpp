@@ -1,8 +1,9 @@
 // mpx::gemm: C = alpha * op(A) op(B) + beta * C on row-major tensors, one matrix or a
 // strided batch, with A and B read in the policy's compute type and summed in its
 // accumulate type. On a cuda_executor it is one cuBLASLt call (tensor cores for 16-bit
-// operands, float accumulation); on the host a BLAS sgemm on float panels where the
-// build found one (MPX_HAS_CBLAS), else a blocked product of its own.
+// operands, float accumulation); on the host oneDNN's matmul where the build found it
+// (MPX_HAS_ONEDNN: float, and bfloat16 on the CPU's bfloat16 instructions), else a BLAS
+// sgemm on float panels (MPX_HAS_CBLAS), else a blocked product of its own.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -17,6 +18,9 @@
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
 #include <mpx/kernels/elementwise.hpp>
+#if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
+#include <mpx/kernels/onednn_gemm.hpp>
+#endif
 
 #include <algorithm>
 #include <climits>
@@ -47,12 +51,17 @@ struct gemm_options {
 template <class Policy>
 inline constexpr bool enable_half_accumulation = false;
 
-//! Whether mpx::gemm on the host runs on a BLAS sgemm (the build found OpenBLAS) rather
-//! than mpx's own blocked product.
-#if defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
+//! Whether mpx::gemm on the host runs on a library (oneDNN or a BLAS the build found)
+//! rather than mpx's own blocked product; gemm_host_library names it.
+#if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
 inline constexpr bool gemm_host_uses_blas = true;
+inline constexpr char const* gemm_host_library = "oneDNN";
+#elif defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
+inline constexpr bool gemm_host_uses_blas = true;
+inline constexpr char const* gemm_host_library = "OpenBLAS";
 #else
 inline constexpr bool gemm_host_uses_blas = false;
+inline constexpr char const* gemm_host_library = "mpx's blocked product";
 #endif
 
 namespace detail {
@@ -357,6 +366,36 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
 }
 #endif
 
+#if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
+//! The product through oneDNN (kernels/onednn_gemm.hpp): float and bfloat16 operands as
+//! they are, others widened to float; a C of another type than float goes through a
+//! float product and the epilogue, as on the BLAS path. False when oneDNN declines.
+template <class TA, class TB, class TC>
+bool host_onednn_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
+                      TC* c) {
+  constexpr bool c_is_float = std::is_same_v<TC, float>;
+  float* cf = nullptr;
+  if constexpr (c_is_float) cf = c;
+  else cf = host_scratch_floats<gemm_scratch, gemm_c_floats>(static_cast<std::size_t>(d.stride_c * d.batch));
+  float const product_alpha = c_is_float ? alpha : 1.0f, product_beta = c_is_float ? beta : 0.0f;
+  bool done = false;
+  if constexpr (std::is_same_v<TA, TB> && onednn_operand<TA>) {
+    done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, a, b,
+                          product_beta, cf);
+  } else {
+    auto const size_of = [&](std::int64_t stride, std::int64_t one) {
+      return static_cast<std::size_t>(stride ? stride * d.batch : one);
+    };
+    float const* af = host_floats_of<gemm_scratch, gemm_a_floats>(a, size_of(d.stride_a, d.m * d.k));
+    float const* bf = host_floats_of<gemm_scratch, gemm_b_floats>(b, size_of(d.stride_b, d.k * d.n));
+    done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, af, bf,
+                          product_beta, cf);
+  }
+  if (done && !c_is_float) host_gemm_epilogue(static_cast<std::size_t>(d.stride_c * d.batch), alpha, cf, beta, c);
+  return done;
+}
+#endif
+
 //! x[0, n) read in Compute, as floats: widened, rounded to Compute and widened again (in
 //! chunks through a stack buffer), into the (Tag, Slot) scratch.
 template <class Compute, class Tag, std::size_t Slot, class T>
@@ -397,6 +436,11 @@ void host_gemm_in(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a
 template <class Acc, class TA, class TB, class TC>
 void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
   d = fold_batch(d, ta);
+#if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (host_onednn_gemm(d, ta, tb, alpha, a, b, beta, c)) return;
+  }
+#endif
 #if defined(MPX_HAS_CBLAS) && MPX_HAS_CBLAS && defined(__GNUC__)
   if constexpr (std::is_same_v<Acc, float>) {
     if (fits_blas_int(d)) return host_blas_gemm(d, ta, tb, alpha, a, b, beta, c);
