@@ -368,16 +368,18 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
 
 #if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
 //! The product through oneDNN (kernels/onednn_gemm.hpp): float and bfloat16 operands as
-//! they are, others widened to float; a C of another type than float goes through a
-//! float product and the epilogue, as on the BLAS path. False when oneDNN declines.
+//! they are, others widened to float; a float or bfloat16 C written by oneDNN, another
+//! (half) through a float product and the epilogue, as on the BLAS path. False when
+//! oneDNN declines.
 template <class TA, class TB, class TC>
 bool host_onednn_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
                       TC* c) {
-  constexpr bool c_is_float = std::is_same_v<TC, float>;
-  float* cf = nullptr;
-  if constexpr (c_is_float) cf = c;
+  constexpr bool c_direct = onednn_operand<TC>;
+  using product_type = std::conditional_t<c_direct, TC, float>;
+  product_type* cf = nullptr;
+  if constexpr (c_direct) cf = c;
   else cf = host_scratch_floats<gemm_scratch, gemm_c_floats>(static_cast<std::size_t>(d.stride_c * d.batch));
-  float const product_alpha = c_is_float ? alpha : 1.0f, product_beta = c_is_float ? beta : 0.0f;
+  float const product_alpha = c_direct ? alpha : 1.0f, product_beta = c_direct ? beta : 0.0f;
   bool done = false;
   if constexpr (std::is_same_v<TA, TB> && onednn_operand<TA>) {
     done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, a, b,
@@ -391,7 +393,9 @@ bool host_onednn_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA cons
     done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, af, bf,
                           product_beta, cf);
   }
-  if (done && !c_is_float) host_gemm_epilogue(static_cast<std::size_t>(d.stride_c * d.batch), alpha, cf, beta, c);
+  if constexpr (!c_direct) {
+    if (done) host_gemm_epilogue(static_cast<std::size_t>(d.stride_c * d.batch), alpha, cf, beta, c);
+  }
   return done;
 }
 #endif

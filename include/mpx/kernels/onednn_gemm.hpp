@@ -73,22 +73,23 @@ inline dnnl::memory::desc onednn_matrix(dnnl::memory::data_type type, std::int64
           transposed ? dnnl::memory::dims{stride, 1, rows} : dnnl::memory::dims{stride, cols, 1}};
 }
 
-//! c = alpha * op(a) op(b) + beta * c (c float, not read when beta == 0) for a batch of
-//! products described as in gemm_dims (batch strides of 0 share an operand). Returns
-//! false, having touched nothing, when oneDNN has no implementation for the problem; a
-//! failure while it runs is an mpx::error.
-template <class T>
+//! c = alpha * op(a) op(b) + beta * c for a batch of products described as in gemm_dims
+//! (batch strides of 0 share an operand): summed in float, then rounded once to c's type
+//! (float or bfloat16; c is not read when beta == 0). Returns false, having touched
+//! nothing, when oneDNN has no implementation for the problem; a failure while it runs
+//! is an mpx::error.
+template <class T, class TC>
 bool onednn_product(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t stride_a,
                     std::int64_t stride_b, std::int64_t stride_c, bool ta, bool tb, float alpha, T const* a,
-                    T const* b, float beta, float* c) {
-  static_assert(onednn_operand<T>);
+                    T const* b, float beta, TC* c) {
+  static_assert(onednn_operand<T> && onednn_operand<TC>);
   if (!onednn_usable_here()) return false;
   using dnnl::memory;
   dnnl::matmul::primitive_desc plan;
   try {
     memory::desc const a_desc = onednn_matrix(onednn_type<T>, batch, stride_a, m, k, ta);
     memory::desc const b_desc = onednn_matrix(onednn_type<T>, batch, stride_b, k, n, tb);
-    memory::desc const c_desc({batch, m, n}, memory::data_type::f32, memory::dims{stride_c, n, 1});
+    memory::desc const c_desc({batch, m, n}, onednn_type<TC>, memory::dims{stride_c, n, 1});
     dnnl::primitive_attr attr;
     if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
     if (beta != 0.0f) {
