@@ -75,6 +75,9 @@ int main() {
 #ifdef MPX_HAS_CBLAS
   std::printf("define MPX_HAS_CBLAS=1\n");
 #endif
+#ifdef MPX_HAS_ONEDNN
+  std::printf("define MPX_HAS_ONEDNN=1\n");
+#endif
 #ifdef MPX_HAS_ZLIB
   std::printf("define MPX_HAS_ZLIB=1\n");
 #endif
