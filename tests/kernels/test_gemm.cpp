@@ -741,9 +741,9 @@ TEMPLATE_LIST_TEST_CASE("a float compute type over 16-bit storage is the storage
 #if !MPX_HAS_CUDA
 TEST_CASE("gemm of subnormal bfloat16 operands stays within the bound of the host path that runs it", "[gemm]") {
   // The oneDNN path multiplies bfloat16 on the CPU's bfloat16 instructions, which read
-  // subnormal operands as zero and flush subnormal partial sums: docs/gemm.md adds
-  // |alpha| 2^-126 (2K + sum_k (|a_ik| + |b_kj|)) for it. The other paths keep
-  // subnormals, within the ordinary bound.
+  // subnormal operands as zero and flush subnormal partial sums and bfloat16 results:
+  // docs/gemm.md adds |alpha| 2^-126 (2K + sum_k (|a_ik| + |b_kj|)), and 2^-126 for a
+  // bfloat16 C, for it. The other paths keep subnormals, within the ordinary bound.
   mpx::host_executor const exec;
   std::int64_t const m = 5, n = 7, k = 33;
   auto a = mpx_test::random_values<mpx::bfloat16>(static_cast<std::size_t>(m * k), -1, 1, 91);
@@ -753,10 +753,14 @@ TEST_CASE("gemm of subnormal bfloat16 operands stays within the bound of the hos
   auto const ad = mpx_test::upload(exec, a, mpx::shape{m, k});
   auto const bd = mpx_test::upload(exec, b, mpx::shape{k, n});
   auto c = mpx_test::poisoned<float>(exec, mpx::shape{m, n});
+  auto c16 = mpx_test::poisoned<mpx::bfloat16>(exec, mpx::shape{m, n});  // rounded by oneDNN itself
   mpx::gemm<mpx::mixed_bfloat16>(exec, ad, bd, c);
+  mpx::gemm<mpx::mixed_bfloat16>(exec, ad, bd, c16);
   auto const got = mpx_test::download(exec, c);
+  auto const got16 = mpx_test::download(exec, c16);
   bool const flushes = std::string(mpx::gemm_host_library) == "oneDNN";
   double const bound = error_bound<mpx::bfloat16, float>(k);
+  double const bound16 = error_bound<mpx::bfloat16, mpx::bfloat16>(k);
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
       auto const [exact, scale] = reference_product(a, b, 0, 0, false, false, m, n, k, 0, i, j, 1.0, 0.0, 0.0);
@@ -770,6 +774,12 @@ TEST_CASE("gemm of subnormal bfloat16 operands stays within the bound of the hos
       INFO("C[" << i << "][" << j << "] = " << g << ", float64 " << exact << ", allowed " << allowed << " ("
                 << mpx::gemm_host_library << ")");
       CHECK(std::abs(g - exact) <= allowed);
+      // A bfloat16 C: its own rounding, and on the oneDNN path results below 2^-126 flushed.
+      double const g16 = mpx::detail::to_double(got16[static_cast<std::size_t>(i * n + j)]);
+      double const allowed16 =
+          bound16 * scale + std::ldexp(1.0, -133) + flushed + (flushes ? std::ldexp(1.0, -126) : 0.0);
+      INFO("bfloat16 C[" << i << "][" << j << "] = " << g16 << ", allowed " << allowed16);
+      CHECK(std::abs(g16 - exact) <= allowed16);
     }
 }
 

@@ -368,35 +368,36 @@ void host_blas_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const*
 
 #if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
 //! The product through oneDNN (kernels/onednn_gemm.hpp): float and bfloat16 operands as
-//! they are, others widened to float; a float or bfloat16 C written by oneDNN, another
-//! (half) through a float product and the epilogue, as on the BLAS path. False when
-//! oneDNN declines.
+//! they are, others widened to float. oneDNN writes C itself when C is float (or
+//! bfloat16 beside bfloat16 operands) and alpha is 1; otherwise it writes a float product
+//! that the epilogue scales and rounds, as on the BLAS path. False when oneDNN declines.
 template <class TA, class TB, class TC>
 bool host_onednn_gemm(gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
                       TC* c) {
-  constexpr bool c_direct = onednn_operand<TC>;
-  using product_type = std::conditional_t<c_direct, TC, float>;
-  product_type* cf = nullptr;
-  if constexpr (c_direct) cf = c;
-  else cf = host_scratch_floats<gemm_scratch, gemm_c_floats>(static_cast<std::size_t>(d.stride_c * d.batch));
-  float const product_alpha = c_direct ? alpha : 1.0f, product_beta = c_direct ? beta : 0.0f;
-  bool done = false;
+  auto const run = [&](auto const* ap, auto const* bp) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(ap)>>;
+    constexpr bool writes_c =
+        std::is_same_v<TC, float> || (std::is_same_v<TC, bfloat16> && std::is_same_v<T, bfloat16>);
+    if constexpr (writes_c) {
+      if (alpha == 1.0f)
+        return onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, ap, bp, beta, c);
+    }
+    std::size_t const size = static_cast<std::size_t>(d.stride_c * d.batch);
+    float* product = host_scratch_floats<gemm_scratch, gemm_c_floats>(size);
+    if (!onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, ap, bp, 0.0f, product))
+      return false;
+    host_gemm_epilogue(size, alpha, product, beta, c);
+    return true;
+  };
   if constexpr (std::is_same_v<TA, TB> && onednn_operand<TA>) {
-    done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, a, b,
-                          product_beta, cf);
+    return run(a, b);
   } else {
     auto const size_of = [&](std::int64_t stride, std::int64_t one) {
       return static_cast<std::size_t>(stride ? stride * d.batch : one);
     };
-    float const* af = host_floats_of<gemm_scratch, gemm_a_floats>(a, size_of(d.stride_a, d.m * d.k));
-    float const* bf = host_floats_of<gemm_scratch, gemm_b_floats>(b, size_of(d.stride_b, d.k * d.n));
-    done = onednn_product(d.batch, d.m, d.n, d.k, d.stride_a, d.stride_b, d.stride_c, ta, tb, product_alpha, af, bf,
-                          product_beta, cf);
+    return run(host_floats_of<gemm_scratch, gemm_a_floats>(a, size_of(d.stride_a, d.m * d.k)),
+               host_floats_of<gemm_scratch, gemm_b_floats>(b, size_of(d.stride_b, d.k * d.n)));
   }
-  if constexpr (!c_direct) {
-    if (done) host_gemm_epilogue(static_cast<std::size_t>(d.stride_c * d.batch), alpha, cf, beta, c);
-  }
-  return done;
 }
 #endif
 
