@@ -9,6 +9,7 @@
 #include <mpx/core/config.hpp>
 #include <mpx/core/convert_span.hpp>
 #include <mpx/core/dtype.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/fnv1a.hpp>
 #include <mpx/core/host_vector.hpp>

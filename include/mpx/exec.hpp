@@ -9,6 +9,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>

@@ -13,6 +13,7 @@
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 
@@ -64,44 +65,52 @@ MPX_HD inline Acc column_add(Acc a, Acc b) noexcept {
 
 //! The host column reduction's scratch (host_scratch), slot by slot.
 struct column_scratch {};
-enum column_scratch_slot : std::size_t { column_total_slot, column_lanes_slot, column_row_slot };
+enum column_scratch_slot : std::size_t { column_chunk_slot, column_lanes_slot, column_row_slot };
 
 // The GPU's order on the host: in each chunk, row-thread y of column j sums rows
 // r0 + y, r0 + y + 8, ...; the 8 row-threads' sums are added in order y = 0..7; the
-// chunks' sums are added in chunk order.
+// chunks' sums are added in chunk order. The chunks are shared among the host's
+// threads (each with its own lanes), and their sums added in chunk order afterwards.
 template <int N, class Acc, class Terms, class Finish>
 void host_column_reduce(Terms const& terms, Finish const& finish, std::size_t rows, std::size_t cols) {
   std::size_t const width = N * cols;
-  Acc* total = host_scratch<Acc, column_scratch, column_total_slot>(width);
-  Acc* lanes = host_scratch<Acc, column_scratch, column_lanes_slot>(column_tile_rows * width);  // [y][k][j]
-  [[maybe_unused]] Acc* row = host_scratch<Acc, column_scratch, column_row_slot>(width);
-  std::fill(total, total + width, Acc{});
   column_chunks const cut = column_chunking(rows, cols);
-  for (std::size_t r0 = 0; r0 < rows; r0 += cut.rows_per_chunk) {
-    std::fill(lanes, lanes + column_tile_rows * width, Acc{});
-    std::size_t const r1 = std::min(rows, r0 + cut.rows_per_chunk);
-    for (std::size_t r = r0; r < r1; ++r) {
-      Acc* lane = lanes + ((r - r0) % column_tile_rows) * width;
-      if constexpr (column_row_terms<Terms, Acc>) {
-        terms.row(r, row);
-        for (std::size_t i = 0; i < width; ++i) lane[i] = column_add(lane[i], row[i]);
-      } else {
-        for (std::size_t j = 0; j < cols; ++j) {
-          Acc t[N] = {};
-          terms(r, j, t);
-          for (int k = 0; k < N; ++k) lane[k * cols + j] = column_add(lane[k * cols + j], t[k]);
+  Acc* chunk_sums = host_scratch<Acc, column_scratch, column_chunk_slot>(cut.count * width);  // [chunk][k][j]
+  host_parallel_ranges(cut.count, rows * width, [&](std::size_t c0, std::size_t c1) {
+    Acc* lanes = host_scratch<Acc, column_scratch, column_lanes_slot>(column_tile_rows * width);  // [y][k][j]
+    [[maybe_unused]] Acc* row = host_scratch<Acc, column_scratch, column_row_slot>(width);
+    for (std::size_t c = c0; c < c1; ++c) {
+      std::fill(lanes, lanes + column_tile_rows * width, Acc{});
+      std::size_t const r0 = c * cut.rows_per_chunk;
+      std::size_t const r1 = std::min(rows, r0 + cut.rows_per_chunk);
+      for (std::size_t r = r0; r < r1; ++r) {
+        Acc* lane = lanes + ((r - r0) % column_tile_rows) * width;
+        if constexpr (column_row_terms<Terms, Acc>) {
+          terms.row(r, row);
+          for (std::size_t i = 0; i < width; ++i) lane[i] = column_add(lane[i], row[i]);
+        } else {
+          for (std::size_t j = 0; j < cols; ++j) {
+            Acc t[N] = {};
+            terms(r, j, t);
+            for (int k = 0; k < N; ++k) lane[k * cols + j] = column_add(lane[k * cols + j], t[k]);
+          }
         }
       }
+      Acc* chunk = chunk_sums + c * width;
+      for (std::size_t i = 0; i < width; ++i) {
+        Acc sum = Acc{};
+        for (int y = 0; y < column_tile_rows; ++y) sum = column_add(sum, lanes[y * width + i]);
+        chunk[i] = sum;
+      }
     }
-    for (std::size_t i = 0; i < width; ++i) {
-      Acc chunk = Acc{};
-      for (int y = 0; y < column_tile_rows; ++y) chunk = column_add(chunk, lanes[y * width + i]);
-      total[i] = column_add(total[i], chunk);
-    }
-  }
+  });
   for (std::size_t j = 0; j < cols; ++j) {
     Acc s[N];
-    for (int k = 0; k < N; ++k) s[k] = total[k * cols + j];
+    for (int k = 0; k < N; ++k) {
+      Acc total = Acc{};
+      for (std::size_t c = 0; c < cut.count; ++c) total = column_add(total, chunk_sums[c * width + k * cols + j]);
+      s[k] = total;
+    }
     finish(j, s);
   }
 }

@@ -15,6 +15,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 
@@ -125,12 +126,13 @@ void check_on_host(Exec const&, Check&& check) {
 }
 
 //! *counter += v from a body that runs on many indices at once: an atomic add on the
-//! GPU, a plain one on the host (whose loop runs one index at a time).
+//! GPU and on the host's threads (exec/host_threads.hpp). Atomic on every host build, so
+//! translation units compiled with and without -fopenmp agree on what it does.
 MPX_HD inline void add_to_count(unsigned* counter, unsigned v) noexcept {
 #if MPX_DEVICE_PASS
   atomicAdd(counter, v);
 #else
-  *counter += v;
+  __atomic_fetch_add(counter, v, __ATOMIC_RELAXED);  // also where this file has no OpenMP: another may
 #endif
 }
 
@@ -153,12 +155,14 @@ void run_once([[maybe_unused]] Exec const& exec, Body const& body) {
 }
 
 //! *target = max(*target, v) from a body that runs on many indices at once: an atomic
-//! max on the GPU, a plain one on the host.
+//! max on the GPU and on the host's threads (on every host build, as add_to_count).
 MPX_HD inline void max_into(unsigned* target, unsigned v) noexcept {
 #if MPX_DEVICE_PASS
   atomicMax(target, v);
 #else
-  *target = *target > v ? *target : v;
+  unsigned current = __atomic_load_n(target, __ATOMIC_RELAXED);
+  while (current < v && !__atomic_compare_exchange_n(target, &current, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
 #endif
 }
 
@@ -188,8 +192,9 @@ inline bool& host_loops_enabled() noexcept {
 
 namespace mpx {
 
-//! body(i) for every i in [0, n), in order on the host (or body.host_loop()), in a
-//! grid-stride loop on the GPU (so the body must not depend on the order).
+//! body(i) for every i in [0, n): on the host a contiguous range per thread
+//! (exec/host_threads.hpp; or body.host_loop()), on the GPU a grid-stride loop; so the
+//! body must not depend on the order, and must write only its own element.
 template <executor Exec, class Body>
 void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const& body) {
   static_assert(std::is_trivially_copyable_v<Body>, "mpx: a body is copied to the GPU: pointers and sizes only");
@@ -198,7 +203,9 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
     if constexpr (detail::has_host_loop<Body>) {
       if (detail::host_loops_enabled()) return body.host_loop();
     }
-    for (std::size_t i = 0; i < n; ++i) body(i);
+    detail::host_parallel_ranges(n, n, [&](std::size_t begin, std::size_t end) {
+      for (std::size_t i = begin; i < end; ++i) body(i);
+    }, 64);
   } else {
 #if MPX_HAS_CUDA
     unsigned const grid = detail::grid_for(n);
@@ -229,13 +236,15 @@ void for_each_row([[maybe_unused]] Exec const& exec, std::size_t rows, std::size
   if (rows == 0) return;
   bool const by_warp = detail::lanes_for_row(cols) == detail::warp_size;
   if constexpr (is_host_executor_v<Exec>) {
-    if (by_warp) {
-      detail::host_lanes<detail::warp_size> const lanes{};
-      for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
-    } else {
-      detail::host_lanes<detail::block_row_lanes> const lanes{};
-      for (std::size_t r = 0; r < rows; ++r) body(lanes, r);
-    }
+    detail::host_parallel_ranges(rows, rows * cols, [&](std::size_t begin, std::size_t end) {
+      if (by_warp) {
+        detail::host_lanes<detail::warp_size> const lanes{};
+        for (std::size_t r = begin; r < end; ++r) body(lanes, r);
+      } else {
+        detail::host_lanes<detail::block_row_lanes> const lanes{};
+        for (std::size_t r = begin; r < end; ++r) body(lanes, r);
+      }
+    });
   } else {
 #if MPX_HAS_CUDA
     if (by_warp) {

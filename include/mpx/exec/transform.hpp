@@ -10,6 +10,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
 
@@ -33,12 +34,19 @@ concept has_host_span = requires(Op const& op, std::size_t n, Out* out, Ins cons
 template <class Op, class Out, class... Ins>
 inline constexpr bool is_span_cast = has_host_span<Op, Out, Ins...>;
 
+// On the host's threads, 64 elements aligned per range (whole cache lines and vectors).
 template <class Op, class Out, class... Ins>
 void host_transform(std::size_t n, Op const& op, Out* out, Ins const*... ins) {
-  if constexpr (is_span_cast<Op, Out, Ins...>) {
-    if (host_loops_enabled()) return op.host_span(n, out, ins...);
-  }
-  for (std::size_t i = 0; i < n; ++i) out[i] = op(ins[i]...);
+  bool const span = is_span_cast<Op, Out, Ins...> && host_loops_enabled();
+  host_parallel_ranges(
+      n, n,
+      [&](std::size_t begin, std::size_t end) {
+        if constexpr (is_span_cast<Op, Out, Ins...>) {
+          if (span) return op.host_span(end - begin, out + begin, (ins + begin)...);
+        }
+        for (std::size_t i = begin; i < end; ++i) out[i] = op(ins[i]...);
+      },
+      64);
 }
 
 #if MPX_HAS_CUDA

@@ -6,10 +6,12 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/convert_span.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/shape.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -62,9 +64,9 @@ struct relu {
 //! every x (the form f(1 - f) rounds to 0 once f rounds to 1).
 struct sigmoid {
   static constexpr std::string_view name = "sigmoid";
-  MPX_HD float forward(float x) const noexcept { return 1.0f / (1.0f + ::expf(-x)); }
+  MPX_HD float forward(float x) const noexcept { return 1.0f / (1.0f + exp_float(-x)); }
   MPX_HD float derivative(float x) const noexcept {
-    float const e = ::expf(-::fabsf(x));
+    float const e = exp_float(-::fabsf(x));
     float const d = 1.0f + e;
     return e / (d * d);
   }
@@ -76,7 +78,7 @@ struct tanh {
   static constexpr std::string_view name = "tanh";
   MPX_HD float forward(float x) const noexcept { return ::tanhf(x); }
   MPX_HD float derivative(float x) const noexcept {
-    float const e = ::expf(-2.0f * ::fabsf(x));
+    float const e = exp_float(-2.0f * ::fabsf(x));
     float const d = 1.0f + e;
     return 4.0f * e / (d * d);
   }
@@ -86,10 +88,10 @@ struct tanh {
 //! f'(x) = Phi(x) + x phi(x). erfc, not 1 + erf, so f(-5) = -1.4e-6 keeps its digits.
 struct gelu {
   static constexpr std::string_view name = "gelu";
-  MPX_HD float forward(float x) const noexcept { return 0.5f * x * ::erfcf(-x * 0.70710678118654752f); }
+  MPX_HD float forward(float x) const noexcept { return 0.5f * x * erfc_float(-x * 0.70710678118654752f); }
   MPX_HD float derivative(float x) const noexcept {
-    float const cdf = 0.5f * ::erfcf(-x * 0.70710678118654752f);
-    float const pdf = 0.39894228040143268f * ::expf(-0.5f * x * x);
+    float const cdf = 0.5f * erfc_float(-x * 0.70710678118654752f);
+    float const pdf = 0.39894228040143268f * exp_neg_half_square(x);
     return cdf + x * pdf;
   }
 };
@@ -98,11 +100,11 @@ struct gelu {
 //! u = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2u) to avoid 1 + tanh -> 0.
 struct gelu_tanh {
   static constexpr std::string_view name = "gelu_tanh";
-  MPX_HD float forward(float x) const noexcept { return x / (1.0f + ::expf(-2.0f * u(x))); }
+  MPX_HD float forward(float x) const noexcept { return x / (1.0f + exp_float(-2.0f * u(x))); }
   MPX_HD float derivative(float x) const noexcept {
     float const v = 2.0f * u(x);
-    float const s = 1.0f / (1.0f + ::expf(-v));
-    float const e = ::expf(-::fabsf(v));
+    float const s = 1.0f / (1.0f + exp_float(-v));
+    float const e = exp_float(-::fabsf(v));
     float const d = 1.0f + e;
     float const ds = e / (d * d);  // s (1 - s), without the cancellation
     float const dv = 2.0f * 0.79788456080286536f * (1.0f + 3.0f * 0.044715f * x * x);
@@ -272,14 +274,17 @@ struct bias_activation_element {
   }
   // The host's loop, the same arithmetic row by row: each 16-bit row is widened and
   // rounded as a whole (eight elements per instruction with F16C).
+  // Rows are shared among the host's threads; each widens into its own scratch.
   void host_loop() const {
-    float const* b = bias_row_as_float<bias_slot>(bias, cols);
-    float* y_row = bias_row_buffer<y_row_slot>(cols);
-    for (std::size_t r = 0; r < rows; ++r) {
-      float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
-      for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
-      round_span(y_row, y + r * cols, cols);
-    }
+    host_parallel_ranges(rows, rows * cols, [&](std::size_t begin, std::size_t end) {
+      float const* b = bias_row_as_float<bias_slot>(bias, cols);
+      float* y_row = bias_row_buffer<y_row_slot>(cols);
+      for (std::size_t r = begin; r < end; ++r) {
+        float const* xr = bias_row_as_float<x_row_slot>(x + r * cols, cols);
+        for (std::size_t j = 0; j < cols; ++j) y_row[j] = act.forward(xr[j] + b[j]);
+        round_span(y_row, y + r * cols, cols);
+      }
+    });
   }
 };
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/math.hpp>
 #include <mpx/exec/executor.hpp>
@@ -83,9 +84,9 @@ struct causal_softmax_row {
     auto const valid = static_cast<std::size_t>(i + 1 < length ? i + 1 : (length > 0 ? length : 0));
     S const* x = logits + r * keys;
     float const m = lanes.reduce(valid, max_float{}, [&](std::size_t j) { return cast<float>(x[j]); });
-    float const s = lanes.reduce(valid, sum_float{}, [&](std::size_t j) { return ::expf(cast<float>(x[j]) - m); });
+    float const s = lanes.reduce(valid, sum_float{}, [&](std::size_t j) { return exp_float(cast<float>(x[j]) - m); });
     lanes.for_each(keys, [&](std::size_t j) {
-      float const v = j < valid ? ::expf(cast<float>(x[j]) - m) / s : 0.0f;
+      float const v = j < valid ? exp_float(cast<float>(x[j]) - m) / s : 0.0f;
       p[r * keys + j] = v;
       p_store[r * keys + j] = cast<P>(v);
     });

@@ -24,15 +24,13 @@ namespace mpx {
 namespace detail {
 
 //! *slot = max(*slot, bits) on a float slot that holds a magnitude's bits while the
-//! maxima are folded: an atomic max on the GPU, a plain one (through memcpy: the slot
-//! is a float) on the host.
+//! maxima are folded: an atomic max on the GPU and on the host (exec/for_each.hpp's
+//! max_into: GCC's atomics act on the slot's bytes, whatever its declared type).
 MPX_HD inline void max_bits_into(float* slot, std::uint32_t bits) noexcept {
 #if MPX_DEVICE_PASS
   atomicMax(reinterpret_cast<unsigned*>(slot), bits);
 #else
-  std::uint32_t current = 0;
-  std::memcpy(&current, slot, sizeof current);
-  if (bits > current) std::memcpy(slot, &bits, sizeof bits);
+  max_into(reinterpret_cast<unsigned*>(slot), bits);
 #endif
 }
 

@@ -10,6 +10,7 @@
 
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/exec/host_threads.hpp>
 
 #include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -25,14 +26,13 @@ namespace mpx::detail {
 
 //! Whether this thread may run oneDNN now, making it so where it can. OpenMP's thread
 //! pool does not survive fork(): a child forked after the parent's first oneDNN product
-//! would wait forever for threads it does not have. The process that asks first owns
-//! oneDNN. In a forked child each thread asks OpenMP, once, for teams of one thread (its
+//! would wait forever for threads it does not have. The process the program started as
+//! owns oneDNN. In a forked child each thread asks OpenMP, once, for teams of one thread (its
 //! own), which stays so for the child's own OpenMP code in that thread; under a threading
 //! runtime other than OpenMP the child leaves its products to the next path.
 inline bool onednn_usable_here() {
-  static pid_t const owner = ::getpid();
+  if (!in_forked_child()) return true;
   pid_t const self = ::getpid();
-  if (self == owner) return true;
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
   thread_local pid_t narrowed_in = 0;
   if (narrowed_in != self) {

@@ -5,6 +5,7 @@
 
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
@@ -51,12 +52,12 @@ struct softmax_row {
     In const* xr = x + r * cols;
     Out* yr = y + r * cols;
     float const m = lanes.reduce(cols, max_float{}, [&](std::size_t c) { return cast<float>(xr[c]); });
-    float const s = lanes.reduce(cols, sum_float{}, [&](std::size_t c) { return ::expf(cast<float>(xr[c]) - m); });
+    float const s = lanes.reduce(cols, sum_float{}, [&](std::size_t c) { return exp_float(cast<float>(xr[c]) - m); });
     if constexpr (Log) {
       float const log_s = ::logf(s);
       lanes.for_each(cols, [&](std::size_t c) { yr[c] = cast<Out>((cast<float>(xr[c]) - m) - log_s); });
     } else {
-      lanes.for_each(cols, [&](std::size_t c) { yr[c] = cast<Out>(::expf(cast<float>(xr[c]) - m) / s); });
+      lanes.for_each(cols, [&](std::size_t c) { yr[c] = cast<Out>(exp_float(cast<float>(xr[c]) - m) / s); });
     }
   }
 };
@@ -79,7 +80,7 @@ struct softmax_backward_row {
     lanes.for_each(cols, [&](std::size_t c) {
       float const yv = cast<float>(y[base + c]);
       float const g = cast<float>(dy[base + c]);
-      dx[base + c] = cast<DX>(Log ? g - ::expf(yv) * dot : yv * (g - dot));
+      dx[base + c] = cast<DX>(Log ? g - exp_float(yv) * dot : yv * (g - dot));
     });
   }
 };

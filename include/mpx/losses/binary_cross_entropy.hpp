@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mpx/core/config.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -17,10 +18,10 @@ namespace ops {
 //! target z in [0, 1]; d/dx = sigmoid(x) - z, sigmoid in the form that cannot overflow.
 struct binary_cross_entropy_from_logits {
   MPX_HD float value(float x, float z) const noexcept {
-    return (x > 0.0f ? x : 0.0f) - x * z + ::log1pf(::expf(-::fabsf(x)));
+    return (x > 0.0f ? x : 0.0f) - x * z + ::log1pf(exp_float(-::fabsf(x)));
   }
   MPX_HD float gradient(float x, float z) const noexcept {
-    float const e = ::expf(-::fabsf(x));  // in (0, 1]: no overflow for any x
+    float const e = exp_float(-::fabsf(x));  // in (0, 1]: no overflow for any x
     float const s = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
     return s - z;
   }

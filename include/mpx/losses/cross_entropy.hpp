@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/elementary.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/core/policy.hpp>
 #include <mpx/core/shape.hpp>
@@ -89,10 +90,10 @@ struct cross_entropy_row {
     float const factor = gradient_factor(scale, rows);
     float const m = lanes.reduce(classes, max_float{}, [&](std::size_t c) { return cast<float>(xr[c]); });
     float const s =
-        lanes.reduce(classes, sum_float{}, [&](std::size_t c) { return ::expf(cast<float>(xr[c]) - m); });
+        lanes.reduce(classes, sum_float{}, [&](std::size_t c) { return exp_float(cast<float>(xr[c]) - m); });
     float const nan = dtype_traits<float>::quiet_nan();
     lanes.for_each(classes, [&](std::size_t c) {
-      float const p = ::expf(cast<float>(xr[c]) - m) / s;
+      float const p = exp_float(cast<float>(xr[c]) - m) / s;
       gr[c] = cast<G>(valid ? (c == static_cast<std::size_t>(label) ? p - 1.0f : p) * factor : nan);
     });
     if (!valid) return {nan, 0u, bad_label_key(r, label)};
