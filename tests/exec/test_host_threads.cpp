@@ -61,7 +61,7 @@ TEST_CASE("host threads: large passes are shared, small ones and forked children
   CHECK(host_threads_for(2 * host_elements_per_thread - 1) == 1);
 #if defined(_OPENMP)
   int const most = omp_get_max_threads();
-  CHECK(host_threads_for(std::size_t{1} << 26) == most);
+  CHECK(host_threads_for(std::size_t{1} << 26) == std::min(most, 2048));
   // Each thread records its range; Catch's assertions run after the join.
   std::vector<std::size_t> begins(static_cast<std::size_t>(most), 1), ends(static_cast<std::size_t>(most), 0);
   int team = 0;
@@ -82,7 +82,8 @@ TEST_CASE("host threads: large passes are shared, small ones and forked children
     expected_begin = ends[t];
   }
   CHECK(expected_begin == (std::size_t{1} << 20));
-  CHECK(team == most);  // OMP_DYNAMIC is off by default: the team is what was asked for
+  CHECK(team <= most);
+  CHECK((team > 1 || most == 1 || omp_get_dynamic()));  // shared, where there are threads to share with
   // The parent's OpenMP threads exist now; a child that waited for them would hang (the
   // alarm ends it then), so its passes must run on its calling thread.
   pid_t const child = ::fork();
@@ -140,6 +141,7 @@ TEST_CASE("host threads: shared passes give the bits of one thread", "[host_thre
     o.soft = mpx_test::download(exec, y);
     mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, bias, y16);
     o.act16 = mpx_test::download(exec, y16);
+    mpx::fill(exec, y, mpx_test::poison<float>());  // an element no range wrote stays NaN
     mpx::bias_activation_forward(exec, mpx::act::gelu{}, x, bias, y);
     o.act = mpx_test::download(exec, y);
     mpx::bias_activation_backward(exec, mpx::act::gelu{}, x, bias, dy, dx, db);

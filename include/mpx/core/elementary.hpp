@@ -43,7 +43,7 @@ MPX_HD inline float exp_float(float hi, float lo) noexcept {
   // result is chosen at the end. NaN stays NaN (every comparison is false).
   float const v = hi + lo;
   float const vc = v > 88.8f ? 88.8f : (v < -104.0f ? -104.0f : v);
-  float const n = (vc * log2e + round_magic) - round_magic;  // in [-150, 129]
+  float const n = (vc * log2e + round_magic) - round_magic;  // in [-150, 128]
   float const r = (hi - n * ln2_hi) - n * ln2_lo + lo;        // |r| <= ln2 / 2, about
   // e^r by its Taylor series to r^7 (the remainder is below 0.05 ulp for |r| <= ln2 / 2).
   float p = 1.0f / 5040.0f;

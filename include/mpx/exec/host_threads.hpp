@@ -10,7 +10,12 @@
 #include <cstddef>
 #include <exception>
 
+#if __has_include(<unistd.h>)
 #include <unistd.h>
+#define MPX_HAS_GETPID 1
+#else
+#define MPX_HAS_GETPID 0
+#endif
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -18,13 +23,18 @@
 
 namespace mpx::detail {
 
-//! The process this program started as, read when it loads: a forked child differs.
+#if MPX_HAS_GETPID
+//! The process this program started as, read when it loads (0 until then: another
+//! static initializer that runs mpx first is not taken for a forked child).
 inline pid_t const host_process_id = ::getpid();
 
 //! Whether this is a process forked from the one the program started as. OpenMP's
 //! threads (mpx's passes', oneDNN's) do not survive fork(): a child that used them
 //! would wait for them forever, so a forked child runs everything on its calling thread.
-inline bool in_forked_child() noexcept { return ::getpid() != host_process_id; }
+inline bool in_forked_child() noexcept { return host_process_id != 0 && ::getpid() != host_process_id; }
+#else
+inline bool in_forked_child() noexcept { return false; }
+#endif
 
 // Why a floor: waking a second thread and joining it costs a few microseconds, as much as
 // a pass over about 2^15 floats; below twice that a pass stays on the calling thread.
