@@ -8,6 +8,8 @@
 #   scripts/test.sh --no-cuda  host only, even with a GPU
 # Host: the host suite, the compile-failure snippets, the doc snippets, the examples'
 # smoke runs and the GPU kit's dry run. Ends with one line: N passed, N failed, N skipped.
+# The benchmarks and the every-header-alone checks are CI's (.ci/run), not built here:
+# -Dbenchmarks=true and -Dheader_checks=true turn them on in a build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/build_env.sh
@@ -37,14 +39,14 @@ if [ "$want" = cuda ] || { [ "$want" = auto ] && $have_nvcc && mpx_gpu_present; 
     archs=${MPX_GPU_ARCHS:-90}
     what="host suite; CUDA suite built for sm_$archs but not run: no GPU on this machine"
   fi
-  mpx_configure build -Dcuda=enabled -Dgpu_architectures="$archs"
+  mpx_configure build -Dcuda=enabled -Dgpu_architectures="$archs" -Dbenchmarks=false
 else
   if $have_nvcc; then
     what="host suite only: no GPU on this machine, so the CUDA suite is not built (scripts/test.sh --cuda builds it)"
   else
     what="host suite only: no nvcc on this machine"
   fi
-  mpx_configure build -Dcuda=disabled
+  mpx_configure build -Dcuda=disabled -Dbenchmarks=false
 fi
 echo "== mpx test: $what"
 

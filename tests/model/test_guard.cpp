@@ -3,7 +3,8 @@
 // one tier up, and the model then trains; one transient overflow moves nothing, nor do
 // the loss scaler's own overflows above its floor; a scale stuck at its floor moves the
 // layer whose gradients were first non-finite; a shadow error above the bound moves the
-// layer; and a checkpoint keeps the tiers.
+// layer; with move_down_after a quiet layer moves back down, its wait doubling each time
+// it fails there again; and a checkpoint keeps the tiers.
 #include "../support/testing.hpp"
 
 #include <mpx/data/tensor_batches.hpp>
@@ -128,6 +129,39 @@ TEMPLATE_LIST_TEST_CASE("a layer whose forward pass keeps overflowing moves one 
     }
   CHECK(after.back().loss < first_loss);
   CHECK(guard->moves().size() == 1);  // the top tier: nowhere further to go
+}
+
+TEMPLATE_LIST_TEST_CASE("with move_down_after, a quiet layer moves back down, and waits twice as long each time it fails "
+                        "there again",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  auto model = attention_model();
+  model.build(exec, {tokens}, 5);
+  grow_attention(exec, model, 512.0f);  // float16's logits overflow at every step; bfloat16's do not
+  auto const data = token_data(exec, 16);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard({.forward_overflows = 3, .window = 50, .review_every = 5, .move_down_after = 10});
+  train_steps(exec, trainer, data, 50);
+  auto const& moves = trainer.guard()->moves();
+  // Up at 5 (steps 1-5 overflowed); 10 quiet steps in bfloat16, down at 15; up again at 20,
+  // and now a wait of 20: down at 40, up at 45 (a wait of 40 from there).
+  std::vector<std::size_t> const steps = {5, 15, 20, 40, 45};
+  REQUIRE(moves.size() == steps.size());
+  for (std::size_t i = 0; i < moves.size(); ++i) {
+    INFO("move " << i << ": " << moves[i].text());
+    CHECK(moves[i].step == steps[i]);
+    CHECK(moves[i].layer == "residual/multi_head_attention");
+    bool const down = i % 2 == 1;
+    CHECK(moves[i].from == (down ? "mixed_bfloat16" : "mixed_float16"));
+    CHECK(moves[i].to == (down ? "mixed_float16" : "mixed_bfloat16"));
+  }
+  CHECK_THAT(moves[1].text(), Contains("no NaN, inf, fp8 saturation or shadow strike in its last 10 steps under "
+                                       "mixed_bfloat16") && Contains("now mixed_float16"));
+  CHECK_THAT(moves[3].text(), Contains("in its last 20 steps") && Contains("move_down_after 20"));
+  CHECK(attention_of(model).active_tier() == 1);
+  // Without the option (the default) a move is one-way: the first case's 45 steps make one.
 }
 
 TEMPLATE_LIST_TEST_CASE("one transient overflow moves nothing, nor do the scaler's overflows above its floor",

@@ -164,7 +164,22 @@ struct host_lanes {
     using T = typename Op::value_type;
     T slot[Lanes];
     for (int l = 0; l < Lanes; ++l) slot[l] = Op::identity();
-    for (std::size_t c = 0; c < n; ++c) slot[c % Lanes] = op(slot[c % Lanes], f(c));
+    // Whole rounds of Lanes columns first, each in two loops: the round's terms, which
+    // the compiler can compute with vector instructions (f is where the work is: casts,
+    // exponentials), then each slot folds its term in, as its lane does. The terms pass
+    // through memory the compiler cannot see through, so each is rounded to T before it
+    // is combined: no product in f is fused with the combining add (the GPU's order and
+    // bits; add_rn alone would keep the loop scalar).
+    std::size_t c = 0;
+    for (; c + Lanes <= n; c += Lanes) {
+      T term[Lanes];
+      for (int l = 0; l < Lanes; ++l) term[l] = f(c + static_cast<std::size_t>(l));
+#if !MPX_DEVICE_PASS && defined(__GNUC__)
+      __asm__ volatile("" : : "r"(term) : "memory");
+#endif
+      for (int l = 0; l < Lanes; ++l) slot[l] = op(slot[l], term[l]);
+    }
+    for (int l = 0; c < n; ++c, ++l) slot[l] = op(slot[l], f(c));
     return host_block_all_reduce<Lanes>(slot, op);
   }
   template <class F>

@@ -7,6 +7,7 @@
 #include <mpx/core/cast.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
@@ -108,14 +109,19 @@ struct combine_partials {
 
 template <class T, bool InPlace>
 void host_unscale_and_check(tensor_table<1> const& table, float inverse_scale, chunk_partial* partials) {
-  for (std::uint32_t b = 0; b < table.blocks(); ++b) {
-    chunk_location const loc = locate_chunk(table, b);
-    T* data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-    unscale_chunk_on_host<T, InPlace> const unscale{data, {inverse_scale}};
-    chunk_partial partial{0, 0};
-    for (std::size_t i = 0; i < loc.count; ++i) partial = combine_partials{}(partial, unscale(i));
-    partials[table.first_partial + b] = partial;
-  }
+  // Chunks are independent (each writes its own partial), so they are shared between
+  // the host's threads; each chunk still folds its elements in order.
+  host_parallel_ranges(table.blocks(), std::size_t{table.blocks()} * multi_tensor_chunk,
+                       [&](std::size_t first, std::size_t last) {
+                         for (std::size_t b = first; b < last; ++b) {
+                           chunk_location const loc = locate_chunk(table, static_cast<std::uint32_t>(b));
+                           T* data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
+                           unscale_chunk_on_host<T, InPlace> const unscale{data, {inverse_scale}};
+                           chunk_partial partial{0, 0};
+                           for (std::size_t i = 0; i < loc.count; ++i) partial = combine_partials{}(partial, unscale(i));
+                           partials[table.first_partial + b] = partial;
+                         }
+                       });
 }
 
 //! The summary's clipping fields, from its norm.

@@ -54,6 +54,7 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -83,6 +84,11 @@ struct guard_options {
   std::size_t shadow_strikes = 2;
   //! Steps between reviews of the evidence (each synchronises once).
   std::size_t review_every = 25;
+  //! > 0: a layer the guard moved up moves back down one tier once it has run this many
+  //! steps in its tier with no evidence of any kind above against it (the cheaper tier
+  //! is tried again); if it must then move up again, its wait doubles, so a layer that
+  //! only trains in the higher tier settles there. 0, the default: moves are one-way.
+  std::size_t move_down_after = 0;
 };
 
 //! One move, with its evidence.
@@ -380,6 +386,7 @@ class precision_guard {
         for (std::size_t i = 0; i < steps; ++i)
           kinds[k] += v[(k * steps + i) * owners + o] > 0 && !(k == 1 && forward_step[i]) ? 1 : 0;
       if (kinds[0] > 0 || kinds[1] > 0 || kinds[2] > 0) e.recent.push_back({step, kinds[0], kinds[1], kinds[2]});
+      if (kinds[0] > 0 || kinds[1] > 0 || kinds[2] > 0 || v[flags + owners + o] > 0) descents_[o].quiet_since = step;
       e.backward_overflows += v[flags + o];
       e.shadow_strikes += v[flags + owners + o];
       while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
@@ -387,7 +394,11 @@ class precision_guard {
     std::vector<guard_move> made;
     for (auto& tiers : detail::model_tiers(model)) {
       std::size_t const o = owner_of(tiers.name);
-      if (o == npos || *tiers.active + 1 >= tiers.policies.size()) continue;
+      if (o == npos) continue;
+      if (*tiers.active + 1 >= tiers.policies.size()) {
+        if (auto down = move_down(o, tiers, step)) made.push_back(std::move(*down));
+        continue;
+      }
       evidence& e = evidence_[o];
       double forward = 0, stuck = 0, saturated = 0;
       for (auto const& r : e.recent) {
@@ -414,11 +425,18 @@ class precision_guard {
               " on " + std::to_string(static_cast<long long>(e.shadow_strikes)) + " shadow steps under " + from +
               (worst_shadow_[o] > 0 ? " (worst " + detail::to_text(static_cast<float>(worst_shadow_[o])) + " here)" : "");
       }
-      if (why.empty()) continue;
+      if (why.empty()) {
+        if (auto down = move_down(o, tiers, step)) made.push_back(std::move(*down));
+        continue;
+      }
       *tiers.active += 1;
       made.push_back({step, tiers.name, from, tiers.policies[*tiers.active], why});
       e = evidence{};
       worst_shadow_[o] = 0;
+      descent& d = descents_[o];
+      if (d.came_down) d.wait = d.wait > std::numeric_limits<std::size_t>::max() / 2 ? d.wait : 2 * d.wait;
+      d.came_down = false;
+      d.quiet_since = step;
     }
     moves_.insert(moves_.end(), made.begin(), made.end());
     return made;
@@ -474,6 +492,14 @@ class precision_guard {
     double backward_overflows = 0;
     double shadow_strikes = 0;
   };
+  //! A layer's way back down (guard_options::move_down_after): the step since which no
+  //! evidence was held against it (its last move, or its last review with evidence), the
+  //! steps it must wait, and whether its last move was down.
+  struct descent {
+    std::size_t quiet_since = 0;
+    std::size_t wait = 0;
+    bool came_down = false;
+  };
 
   static guard_options checked(guard_options o) {
     if (o.forward_overflows == 0 || o.stuck_overflows == 0 || o.fp8_saturations == 0 || o.window == 0 || o.review_every == 0 ||
@@ -484,6 +510,23 @@ class precision_guard {
                                      "shadow_strikes must be positive, shadow_error finite and >= 0 (0: off), and "
                                      "fp8_saturation_factor finite and >= 1");
     return o;
+  }
+
+  //! guard_options::move_down_after: the move back down one tier of a layer above its
+  //! first tier that has waited its turn with no evidence against it, if due.
+  std::optional<guard_move> move_down(std::size_t o, layer_tiers_entry& tiers, std::size_t step) {
+    descent& d = descents_[o];
+    if (options_.move_down_after == 0 || *tiers.active == 0 || step - d.quiet_since < d.wait) return std::nullopt;
+    std::string const& from = tiers.policies[*tiers.active];
+    std::string why = "no NaN, inf, fp8 saturation or shadow strike in its last " +
+                      std::to_string(step - d.quiet_since) + " steps under " + from +
+                      " (guard_options::move_down_after " + std::to_string(d.wait) + ")";
+    *tiers.active -= 1;
+    evidence_[o] = evidence{};
+    worst_shadow_[o] = 0;
+    d.came_down = true;
+    d.quiet_since = step;
+    return guard_move{step, tiers.name, from, tiers.policies[*tiers.active], std::move(why)};
   }
 
   std::size_t owner_of(std::string const& name) const {
@@ -652,6 +695,7 @@ class precision_guard {
       evidence_.assign(names.size(), {});
       strikes_pending_.assign(names.size(), 0.0);
       worst_shadow_.assign(names.size(), 0.0);
+      descents_.assign(names.size(), descent{0, options_.move_down_after, false});
       marks_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>((3 * options_.review_every + 1) * names.size())});
       fill(exec, marks_.view(), 0u);
       slot_ = tensor<unsigned, Space>(exec, shape{2});
@@ -723,6 +767,7 @@ class precision_guard {
   std::vector<std::string> names_;  // the layers, in visit_in_flight's order (blocks too)
   std::vector<evidence> evidence_;
   std::vector<double> strikes_pending_, worst_shadow_;
+  std::vector<descent> descents_;
   std::vector<guard_move> moves_;
   std::vector<table> tables_;
   tensor<unsigned, Space> marks_, slot_;  // see detail::guard_marks
