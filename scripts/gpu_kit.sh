@@ -76,6 +76,9 @@ fi
 if [ "$only" != tests ]; then
   for e in "$build"/examples/*; do [ -f "$e" ] && [ -x "$e" ] && cp "$e" "$stage/bin/"; done
   for b in "$build"/bench/*_bench; do [ -f "$b" ] && [ -x "$b" ] && cp "$b" "$stage/bin/"; done
+  # (scripts/test.sh configures its build without benchmarks: the perf phase needs them)
+  compgen -G "$stage/bin/*_bench" >/dev/null ||
+    echo "gpu_kit: warning: $build has no benchmarks (configure it with -Dbenchmarks=true and build it): the perf phase will run none" >&2
 fi
 
 # gpu_probe: a device, an allocation, a kernel and a copy back, with the runtime linked

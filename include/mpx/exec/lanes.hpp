@@ -170,16 +170,17 @@ struct host_lanes {
     // through memory the compiler cannot see through, so each is rounded to T before it
     // is combined: no product in f is fused with the combining add (the GPU's order and
     // bits; add_rn alone would keep the loop scalar).
+    T term[Lanes];
     std::size_t c = 0;
     for (; c + Lanes <= n; c += Lanes) {
-      T term[Lanes];
       for (int l = 0; l < Lanes; ++l) term[l] = f(c + static_cast<std::size_t>(l));
-#if !MPX_DEVICE_PASS && defined(__GNUC__)
-      __asm__ volatile("" : : "r"(term) : "memory");
-#endif
+      opaque(term);
       for (int l = 0; l < Lanes; ++l) slot[l] = op(slot[l], term[l]);
     }
-    for (int l = 0; c < n; ++c, ++l) slot[l] = op(slot[l], f(c));
+    int const tail = static_cast<int>(n - c);  // the last, partial round
+    for (int l = 0; l < tail; ++l) term[l] = f(c + static_cast<std::size_t>(l));
+    opaque(term);
+    for (int l = 0; l < tail; ++l) slot[l] = op(slot[l], term[l]);
     return host_block_all_reduce<Lanes>(slot, op);
   }
   template <class F>
@@ -189,6 +190,16 @@ struct host_lanes {
   template <class F>
   MPX_HD void once(F&& f) const {
     f();
+  }
+
+ private:
+  //! The compiler must assume `terms` was read and changed here: each term is stored,
+  //! rounded, before it is combined.
+  template <class T>
+  MPX_HD static void opaque([[maybe_unused]] T* terms) {
+#if !MPX_DEVICE_PASS && defined(__GNUC__)
+    __asm__ volatile("" : : "r"(terms) : "memory");
+#endif
   }
 };
 

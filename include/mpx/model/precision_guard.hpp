@@ -30,7 +30,8 @@
 // The evidence is read every `review_every` steps (one synchronisation), as a flag per
 // step and layer that data-parallel replicas combine (a step counts once however many
 // saw it; every replica moves the same layers at the same step), and each move is kept
-// with its evidence in words. Layers not tiered are only reported; none is moved down.
+// with its evidence in words. Layers not tiered are only reported. Moves back down, to
+// try the cheaper tier again after a quiet spell, are optional (move_down_after).
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -84,10 +85,12 @@ struct guard_options {
   std::size_t shadow_strikes = 2;
   //! Steps between reviews of the evidence (each synchronises once).
   std::size_t review_every = 25;
-  //! > 0: a layer the guard moved up moves back down one tier once it has run this many
-  //! steps in its tier with no evidence of any kind above against it (the cheaper tier
-  //! is tried again); if it must then move up again, its wait doubles, so a layer that
-  //! only trains in the higher tier settles there. 0, the default: moves are one-way.
+  //! > 0: a layer above its first tier (moved there by the guard, by hand or by a
+  //! loaded checkpoint) moves back down one tier once it has run this many steps, since
+  //! the guard's first review, in its tier with no evidence of any kind above against it
+  //! (the cheaper tier is tried again); if it must then move up again, its wait doubles,
+  //! so a layer that only trains in the higher tier settles there. 0, the default:
+  //! moves are one-way.
   std::size_t move_down_after = 0;
 };
 
@@ -391,6 +394,10 @@ class precision_guard {
       e.shadow_strikes += v[flags + owners + o];
       while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
     }
+    if (!reviewed_) {  // the waits count from the steps this first review covers
+      reviewed_ = true;
+      for (descent& d : descents_) d.quiet_since = step > steps ? step - steps : 0;
+    }
     std::vector<guard_move> made;
     for (auto& tiers : detail::model_tiers(model)) {
       std::size_t const o = owner_of(tiers.name);
@@ -518,7 +525,7 @@ class precision_guard {
     descent& d = descents_[o];
     if (options_.move_down_after == 0 || *tiers.active == 0 || step - d.quiet_since < d.wait) return std::nullopt;
     std::string const& from = tiers.policies[*tiers.active];
-    std::string why = "no NaN, inf, fp8 saturation or shadow strike in its last " +
+    std::string why = "no forward overflow, overflow at the scale's floor, fp8 saturation or shadow strike in its last " +
                       std::to_string(step - d.quiet_since) + " steps under " + from +
                       " (guard_options::move_down_after " + std::to_string(d.wait) + ")";
     *tiers.active -= 1;
@@ -768,6 +775,7 @@ class precision_guard {
   std::vector<evidence> evidence_;
   std::vector<double> strikes_pending_, worst_shadow_;
   std::vector<descent> descents_;
+  bool reviewed_ = false;
   std::vector<guard_move> moves_;
   std::vector<table> tables_;
   tensor<unsigned, Space> marks_, slot_;  // see detail::guard_marks

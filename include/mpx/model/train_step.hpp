@@ -144,8 +144,9 @@ class classifier_trainer {
   //! Guards the model's tiered layers (mpx::tiered, mpx::precision_guard): after each
   //! step the scaler skips, the layer that wrote the first NaN or inf is counted on the
   //! executor; every options.review_every steps the counts (and any shadow step's errors)
-  //! are read and a failing layer moves one tier up from the next step on. As a replica,
-  //! each count is the maximum over the replicas, which move alike.
+  //! are read and a failing layer moves one tier up from the next step on (and, with
+  //! options.move_down_after, a quiet one back down). As a replica, each count is the
+  //! maximum over the replicas, which move alike.
   void guard(guard_options options) {
     if (replicas_.count > 1 && !replicas_.max_values)
       detail::fail<invalid_argument>("classifier_trainer::guard", "as a replica the guard needs the hooks' "
