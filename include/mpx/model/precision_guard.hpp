@@ -377,6 +377,10 @@ class precision_guard {
     for (std::size_t o = 0; o < owners; ++o) v[flags + owners + o] = strikes_pending_[o];
     if (max_values) max_values(std::span<double>(v));
     std::fill(strikes_pending_.begin(), strikes_pending_.end(), 0.0);
+    if (!reviewed_) {  // the waits count from the steps this first review covers
+      reviewed_ = true;
+      for (descent& d : descents_) d.quiet_since = step > steps ? step - steps : 0;
+    }
     // A step where some replica's forward pass overflowed is that pass's evidence: a
     // gradient overflow on it, on any replica, counts against no layer.
     std::vector<bool> forward_step(steps, false);
@@ -393,10 +397,6 @@ class precision_guard {
       e.backward_overflows += v[flags + o];
       e.shadow_strikes += v[flags + owners + o];
       while (!e.recent.empty() && e.recent.front().step + options_.window <= step) e.recent.erase(e.recent.begin());
-    }
-    if (!reviewed_) {  // the waits count from the steps this first review covers
-      reviewed_ = true;
-      for (descent& d : descents_) d.quiet_since = step > steps ? step - steps : 0;
     }
     std::vector<guard_move> made;
     for (auto& tiers : detail::model_tiers(model)) {
