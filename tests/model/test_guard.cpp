@@ -89,64 +89,61 @@ std::vector<mpx::step_record> train_steps(Exec const& exec, Trainer& trainer, Da
   return trainer.history(exec);
 }
 
+// `model` built with a grown attention (float16's logits overflow at every step,
+// bfloat16's do not), trained by `run(trainer, data, optimizer)` through a guarded classifier_trainer
+// with Adam under Keras's dynamic loss scale.
+template <class Exec, class Model, class Run>
+void with_grown_attention(Exec const& exec, Model& model, mpx::guard_options const& options, Run&& run) {
+  model.build(exec, {tokens}, 5);
+  grow_attention(exec, model, 512.0f);
+  auto const data = token_data(exec, 16);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer trainer(exec, model, optimizer);
+  trainer.guard(options);
+  run(trainer, data, optimizer);
+}
+
 TEMPLATE_LIST_TEST_CASE("a layer whose forward pass keeps overflowing moves one tier up, and the model trains",
                         "[model][guard]", mpx_test::executors) {
   TestType exec;
   auto model = attention_model();
-  model.build(exec, {tokens}, 5);
-  grow_attention(exec, model, 512.0f);
-  auto const data = token_data(exec, 16);
-  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
-                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
-  mpx::classifier_trainer trainer(exec, model, optimizer);
-  trainer.guard({.forward_overflows = 3, .window = 50, .review_every = 5});
-  auto const before = train_steps(exec, trainer, data, 5);
-  for (auto const& r : before) CHECK(r.skipped == 1);  // every step's logits overflowed float16
-  auto const* guard = trainer.guard();
-  REQUIRE(guard != nullptr);
-  REQUIRE(guard->moves().size() == 1);
-  auto const& move = guard->moves()[0];
-  CHECK(move.step == 5);
-  CHECK(move.layer == "residual/multi_head_attention");
-  CHECK(move.from == "mixed_float16");
-  CHECK(move.to == "mixed_bfloat16");
-  CHECK_THAT(move.text(), Contains("5 of its forward passes under mixed_float16") && Contains("now mixed_bfloat16"));
-  CHECK(attention_of(model).active_tier() == 1);
-  CHECK_THAT(guard->summary(), Contains("step 5: residual/multi_head_attention"));
+  with_grown_attention(exec, model, {.forward_overflows = 3, .window = 50, .review_every = 5},
+                       [&](auto& trainer, auto const& data, auto&) {
+    auto const before = train_steps(exec, trainer, data, 5);
+    for (auto const& r : before) CHECK(r.skipped == 1);  // every step's logits overflowed float16
+    auto const* guard = trainer.guard();
+    REQUIRE(guard != nullptr);
+    REQUIRE(guard->moves().size() == 1);
+    auto const& move = guard->moves()[0];
+    CHECK(move.step == 5);
+    CHECK(move.layer == "residual/multi_head_attention");
+    CHECK(move.from == "mixed_float16");
+    CHECK(move.to == "mixed_bfloat16");
+    CHECK_THAT(move.text(), Contains("5 of its forward passes under mixed_float16") && Contains("now mixed_bfloat16"));
+    CHECK(attention_of(model).active_tier() == 1);
+    CHECK_THAT(guard->summary(), Contains("step 5: residual/multi_head_attention"));
 
-  // In bfloat16 the logits fit: the steps are taken and the loss falls.
-  auto const after = train_steps(exec, trainer, data, 40);
-  std::size_t taken = 0;
-  for (auto const& r : after) taken += r.skipped == 0;
-  CHECK(taken >= 30);
-  REQUIRE(after.back().skipped == 0);
-  CHECK(std::isfinite(after.back().loss));
-  float first_loss = 0;
-  for (auto const& r : after)
-    if (!r.skipped) {
-      first_loss = r.loss;
-      break;
-    }
-  CHECK(after.back().loss < first_loss);
-  CHECK(guard->moves().size() == 1);  // the top tier: nowhere further to go
+    // In bfloat16 the logits fit: the steps are taken and the loss falls.
+    auto const after = train_steps(exec, trainer, data, 40);
+    std::size_t taken = 0;
+    for (auto const& r : after) taken += r.skipped == 0;
+    CHECK(taken >= 30);
+    REQUIRE(after.back().skipped == 0);
+    CHECK(std::isfinite(after.back().loss));
+    float first_loss = 0;
+    for (auto const& r : after)
+      if (!r.skipped) {
+        first_loss = r.loss;
+        break;
+      }
+    CHECK(after.back().loss < first_loss);
+    CHECK(guard->moves().size() == 1);  // the top tier: nowhere further to go
+                       });
 }
 
-// guard_options::move_down_after on a grown attention (float16's logits overflow at every
-// step, bfloat16's do not), in a model whose attention is `model`'s.
-template <class Exec, class Model>
-void check_moves_down(Exec const& exec, Model model) {
-  model.build(exec, {tokens}, 5);
-  grow_attention(exec, model, 512.0f);
-  auto const data = token_data(exec, 16);
-  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
-                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
-  mpx::classifier_trainer trainer(exec, model, optimizer);
-  trainer.guard({.forward_overflows = 3, .window = 50, .review_every = 5, .move_down_after = 10});
-  train_steps(exec, trainer, data, 50);
-  auto const& moves = trainer.guard()->moves();
-  // Up at 5 (steps 1-5 overflowed); 10 quiet steps in bfloat16, down at 15; up again at 20,
-  // and now a wait of 20: down at 40, up at 45 (a wait of 40 from there).
-  std::vector<std::size_t> const steps = {5, 15, 20, 40, 45};
+// The grown attention's moves: at `steps`, up from float16 and back down in turn.
+void check_up_and_down(std::vector<mpx::guard_move> const& moves, std::vector<std::size_t> const& steps) {
   REQUIRE(moves.size() == steps.size());
   for (std::size_t i = 0; i < moves.size(); ++i) {
     INFO("move " << i << ": " << moves[i].text());
@@ -156,6 +153,21 @@ void check_moves_down(Exec const& exec, Model model) {
     CHECK(moves[i].from == (down ? "mixed_bfloat16" : "mixed_float16"));
     CHECK(moves[i].to == (down ? "mixed_float16" : "mixed_bfloat16"));
   }
+}
+
+// guard_options::move_down_after on a grown attention (float16's logits overflow at every
+// step, bfloat16's do not), in a model whose attention is `model`'s.
+template <class Exec, class Model>
+void check_moves_down(Exec const& exec, Model model) {
+  std::vector<mpx::guard_move> moves;
+  with_grown_attention(exec, model, {.forward_overflows = 3, .window = 50, .review_every = 5, .move_down_after = 10},
+                       [&](auto& trainer, auto const& data, auto&) {
+                         train_steps(exec, trainer, data, 50);
+                         moves = trainer.guard()->moves();
+                       });
+  // Up at 5 (steps 1-5 overflowed); 10 quiet steps in bfloat16, down at 15; up again at 20,
+  // and now a wait of 20: down at 40, up at 45 (a wait of 40 from there).
+  check_up_and_down(moves, {5, 15, 20, 40, 45});
   CHECK_THAT(moves[1].text(), Contains("fp8 saturation or shadow strike in its last 10 steps under mixed_bfloat16") &&
                                   Contains("now mixed_float16"));
   CHECK_THAT(moves[3].text(), Contains("in its last 20 steps") && Contains("move_down_after 20"));
@@ -176,6 +188,32 @@ TEMPLATE_LIST_TEST_CASE("with move_down_after, a quiet layer moves back down, an
                                                          mpx::mixed_bfloat16, mpx::float32>(2, false)),
                                mpx::dense<>(vocab)));
   }
+}
+
+TEMPLATE_LIST_TEST_CASE("with move_down_after, a layer that held below longer than it had waited starts its wait "
+                        "afresh when it fails again",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  auto model = attention_model();
+  std::vector<mpx::guard_move> moves;
+  with_grown_attention(exec, model, {.forward_overflows = 3, .window = 50, .review_every = 5, .move_down_after = 10},
+                       [&](auto& trainer, auto const& data, auto& optimizer) {
+                         // The weights change under the optimizer: its float32 masters follow.
+                         auto grow = [&](float factor) {
+                           grow_attention(exec, model, factor);
+                           optimizer.optimizer().reload_master_weights(exec);
+                         };
+                         train_steps(exec, trainer, data, 15);  // up at 5, down at 15
+                         grow(1.0f / 512.0f);
+                         train_steps(exec, trainer, data, 30);  // float16 holds: 30 quiet steps below
+                         grow(512.0f);
+                         train_steps(exec, trainer, data, 20);
+                         moves = trainer.guard()->moves();
+                       });
+  // Up at 50 after 35 steps below (more than its wait of 10): the wait stays 10, so down
+  // at 60; float16 still fails it, so up again at 65.
+  check_up_and_down(moves, {5, 15, 50, 60, 65});
+  CHECK_THAT(moves[3].text(), Contains("move_down_after 10"));
 }
 
 TEMPLATE_LIST_TEST_CASE("one transient overflow moves nothing, nor do the scaler's overflows above its floor",

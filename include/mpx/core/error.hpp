@@ -116,7 +116,9 @@ template <class E = error>
   throw E(std::string(prefix) + std::string(op) + ": " + std::string(message) + " (at " + where(loc) + ")");
 }
 
-#if MPX_HAS_CUDA_RUNTIME
+// The wording of CUDA failures: plain strings, so the host suite checks them without
+// a GPU or the CUDA headers.
+
 //! Where the error a kernel launch check (MPX_CUDA_CHECK_LAUNCH) finds comes from. The
 //! check reads cudaGetLastError(), which returns the latest error of *any* runtime call
 //! of this thread, so the kernel just launched is not necessarily its cause.
@@ -126,6 +128,68 @@ enum class launch_failure {
   sticky_fault,  //!< the context is broken by an earlier asynchronous fault (an illegal address, a trap...)
 };
 
+//! The message of a failed launch check: names the kernel, CUDA's error, and which of
+//! the three it is, so an earlier kernel's fault is not read as this kernel's.
+inline std::string launch_failure_message(std::string_view kernel, launch_failure kind, std::string_view error_name,
+                                          std::string_view error_text, std::string_view file, int line) {
+  std::string const error = std::string(error_name) + " (" + std::string(error_text) + ")";
+  std::string const at = " [checked at " + std::string(file) + ":" + std::to_string(line) + "]";
+  std::string const k(kernel);
+  switch (kind) {
+    case launch_failure::this_launch:
+      return "mpx: the launch of " + k + " was refused: " + error +
+             ". This launch's own configuration or context is at fault (grid or block size, shared memory, "
+             "registers, no kernel image for this GPU, the stream's state)" + at;
+    case launch_failure::sticky_fault:
+      return "mpx: CUDA reported " + error + " when " + k +
+             " was launched, but this is a sticky error of an earlier asynchronous operation: a kernel or copy "
+             "enqueued before " + k + " (on any stream of this device) faulted, not the launch of " + k +
+             ". The CUDA context is unusable from here on. To find the operation that faulted, run with "
+             "CUDA_LAUNCH_BLOCKING=1 or under compute-sanitizer" + at;
+    case launch_failure::earlier_call:
+    default:
+      return "mpx: the launch check of " + k + " found " + error +
+             ", an error that no kernel launch returns: an earlier CUDA runtime call on this thread failed and "
+             "its status was not checked (cudaGetLastError reports the latest error of any call). The launch of " +
+             k + " itself may have succeeded" + at;
+  }
+}
+
+//! mpx's kernels need compute capability 8.0 or newer: bfloat16 arithmetic and
+//! cuBLASLt's bfloat16 products start there.
+inline constexpr int minimum_compute_capability = 80;
+
+//! nvcc's architecture list ("800,860,900") as users write it ("sm_80, sm_86, sm_90").
+inline std::string architecture_names(std::string_view built) {
+  std::string out;
+  while (!built.empty()) {
+    std::size_t const comma = built.find(',');
+    std::string_view const item = built.substr(0, comma);
+    int const value = std::atoi(std::string(item).c_str());
+    if (!out.empty()) out += ", ";
+    out += "sm_" + std::to_string(value / 10);
+    built = comma == std::string_view::npos ? std::string_view{} : built.substr(comma + 1);
+  }
+  return out;
+}
+
+//! What a launch that found no code for the GPU adds to its message: the device, what
+//! the program holds, and what to do (rebuild for it, or a GPU mpx cannot use).
+inline std::string missing_kernel_image_note(int device, std::string_view device_name, int major, int minor,
+                                             std::string_view built) {
+  int const capability = major * 10 + minor;
+  std::string note = ". GPU " + std::to_string(device) + " (" + std::string(device_name) +
+                     ") has compute capability " + std::to_string(major) + "." + std::to_string(minor);
+  if (!built.empty()) note += "; this program was compiled for " + architecture_names(built);
+  if (capability < minimum_compute_capability)
+    return note + ". mpx needs compute capability 8.0 or newer (bfloat16 arithmetic, cuBLASLt's bfloat16 "
+                  "products): this GPU cannot run it";
+  return note + ". Rebuild for it: meson configure -Dgpu_architectures=native (or a list with " +
+         std::to_string(capability) + "), or nvcc -gencode arch=compute_" + std::to_string(capability) +
+         ",code=sm_" + std::to_string(capability);
+}
+
+#if MPX_HAS_CUDA_RUNTIME
 //! The kind of a launch check's error, from its code alone. A sticky error can also be
 //! recognised at run time (it survives cudaGetLastError): check_launch does both, so a
 //! code this list does not know yet is still classified right.
@@ -186,33 +250,6 @@ constexpr launch_failure classify_launch_error(cudaError_t status) noexcept {
   }
 }
 
-//! The message of a failed launch check: names the kernel, CUDA's error, and which of
-//! the three it is, so an earlier kernel's fault is not read as this kernel's.
-inline std::string launch_failure_message(std::string_view kernel, launch_failure kind, std::string_view error_name,
-                                          std::string_view error_text, std::string_view file, int line) {
-  std::string const error = std::string(error_name) + " (" + std::string(error_text) + ")";
-  std::string const at = " [checked at " + std::string(file) + ":" + std::to_string(line) + "]";
-  std::string const k(kernel);
-  switch (kind) {
-    case launch_failure::this_launch:
-      return "mpx: the launch of " + k + " was refused: " + error +
-             ". This launch's own configuration or context is at fault (grid or block size, shared memory, "
-             "registers, no kernel image for this GPU, the stream's state)" + at;
-    case launch_failure::sticky_fault:
-      return "mpx: CUDA reported " + error + " when " + k +
-             " was launched, but this is a sticky error of an earlier asynchronous operation: a kernel or copy "
-             "enqueued before " + k + " (on any stream of this device) faulted, not the launch of " + k +
-             ". The CUDA context is unusable from here on. To find the operation that faulted, run with "
-             "CUDA_LAUNCH_BLOCKING=1 or under compute-sanitizer" + at;
-    case launch_failure::earlier_call:
-    default:
-      return "mpx: the launch check of " + k + " found " + error +
-             ", an error that no kernel launch returns: an earlier CUDA runtime call on this thread failed and "
-             "its status was not checked (cudaGetLastError reports the latest error of any call). The launch of " +
-             k + " itself may have succeeded" + at;
-  }
-}
-
 //! Whether `status` is one of the sticky errors that an asynchronous fault leaves (see
 //! launch_failure::sticky_fault).
 constexpr bool is_sticky_error(cudaError_t status) noexcept {
@@ -233,40 +270,6 @@ inline void check_cuda(cudaError_t status, char const* call, char const* file, i
                                           "compute-sanitizer names the operation)")
                             : std::string()),
                    static_cast<int>(status));
-}
-
-//! mpx's kernels need compute capability 8.0 or newer: bfloat16 arithmetic and
-//! cuBLASLt's bfloat16 products start there.
-inline constexpr int minimum_compute_capability = 80;
-
-//! nvcc's architecture list ("800,860,900") as users write it ("sm_80, sm_86, sm_90").
-inline std::string architecture_names(std::string_view built) {
-  std::string out;
-  while (!built.empty()) {
-    std::size_t const comma = built.find(',');
-    std::string_view const item = built.substr(0, comma);
-    int const value = std::atoi(std::string(item).c_str());
-    if (!out.empty()) out += ", ";
-    out += "sm_" + std::to_string(value / 10);
-    built = comma == std::string_view::npos ? std::string_view{} : built.substr(comma + 1);
-  }
-  return out;
-}
-
-//! What a launch that found no code for the GPU adds to its message: the device, what
-//! the program holds, and what to do (rebuild for it, or a GPU mpx cannot use).
-inline std::string missing_kernel_image_note(int device, std::string_view device_name, int major, int minor,
-                                             std::string_view built) {
-  int const capability = major * 10 + minor;
-  std::string note = ". GPU " + std::to_string(device) + " (" + std::string(device_name) +
-                     ") has compute capability " + std::to_string(major) + "." + std::to_string(minor);
-  if (!built.empty()) note += "; this program was compiled for " + architecture_names(built);
-  if (capability < minimum_compute_capability)
-    return note + ". mpx needs compute capability 8.0 or newer (bfloat16 arithmetic, cuBLASLt's bfloat16 "
-                  "products): this GPU cannot run it";
-  return note + ". Rebuild for it: meson configure -Dgpu_architectures=native (or a list with " +
-         std::to_string(capability) + "), or nvcc -gencode arch=compute_" + std::to_string(capability) +
-         ",code=sm_" + std::to_string(capability);
 }
 
 //! Whether a launch failed because the program holds no code this GPU can run.

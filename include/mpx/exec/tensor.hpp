@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -203,6 +204,15 @@ namespace detail {
 //! static_assert that names them.
 template <class... Views>
 inline constexpr bool all_writable = (!std::is_const_v<typename Views::element_type> && ...);
+
+//! An operation's tensor arguments as views, after the check every operation makes
+//! first: that Exec can reach each of them (a compile-time error naming the fix
+//! otherwise). `auto [xv, yv] = detail::views_for<Exec>(x, y);`
+template <class Exec, tensor_like... Xs>
+auto views_for(Xs&... xs) {
+  require_access<Exec, space_t<Xs>...>();
+  return std::tuple{mpx::view(xs)...};
+}
 
 //! Refuses an output whose memory overlaps an input's, for operations that read an
 //! input after writing the output (or whose kernels assume distinct pointers).

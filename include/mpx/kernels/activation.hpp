@@ -355,10 +355,7 @@ void activation_backward(Exec const& exec, Act act, X&& x, DY&& dy, DX&& dx) {
 //! cuda_executor. Shape mismatches throw mpx::shape_error naming both shapes.
 template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like Y>
 void bias_activation_forward(Exec const& exec, Act act, X&& x, B&& bias, Y&& y) {
-  auto xv = mpx::view(x);
-  auto bv = mpx::view(bias);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<X>, space_t<B>, space_t<Y>>();
+  auto [xv, bv, yv] = detail::views_for<Exec>(x, bias, y);
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::bias_activation_forward: y is const");
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_activation_forward", xv.shape(), bv.shape(), rows, cols);
@@ -377,12 +374,7 @@ void bias_activation_forward(Exec const& exec, Act act, X&& x, B&& bias, Y&& y) 
 template <activation_function Act, executor Exec, tensor_like X, tensor_like B, tensor_like DY, tensor_like DX,
           tensor_like DB>
 void bias_activation_backward(Exec const& exec, Act act, X&& x, B&& bias, DY&& dy, DX&& dx, DB&& db) {
-  auto xv = mpx::view(x);
-  auto bv = mpx::view(bias);
-  auto dyv = mpx::view(dy);
-  auto dxv = mpx::view(dx);
-  auto dbv = mpx::view(db);
-  detail::require_access<Exec, space_t<X>, space_t<B>, space_t<DY>, space_t<DX>, space_t<DB>>();
+  auto [xv, bv, dyv, dxv, dbv] = detail::views_for<Exec>(x, bias, dy, dx, db);
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type> &&
                     !std::is_const_v<typename decltype(dbv)::element_type>,
                 "mpx::bias_activation_backward: dx and db are outputs and cannot be const");
@@ -399,9 +391,7 @@ void bias_activation_backward(Exec const& exec, Act act, X&& x, B&& bias, DY&& d
 //! bias_activation_backward). Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like DY, tensor_like DB>
 void bias_gradient(Exec const& exec, DY&& dy, DB&& db) {
-  auto dyv = mpx::view(dy);
-  auto dbv = mpx::view(db);
-  detail::require_access<Exec, space_t<DY>, space_t<DB>>();
+  auto [dyv, dbv] = detail::views_for<Exec>(dy, db);
   static_assert(!std::is_const_v<typename decltype(dbv)::element_type>, "mpx::bias_gradient: db is const");
   std::size_t rows = 0, cols = 0;
   detail::bias_layout("bias_gradient", dyv.shape(), dbv.shape(), rows, cols);

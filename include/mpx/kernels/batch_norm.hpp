@@ -148,16 +148,8 @@ void batch_norm_forward_training(Exec const& exec, X&& x, G&& gamma, B&& beta, Y
                                  RV&& running_var, SM&& save_mean, SI&& save_invstd,
                                  batch_norm_options const& options = {}) {
   detail::require_float_norm<Policy>();
-  auto xv = mpx::view(x);
-  auto gv = mpx::view(gamma);
-  auto bv = mpx::view(beta);
-  auto yv = mpx::view(y);
-  auto rmv = mpx::view(running_mean);
-  auto rvv = mpx::view(running_var);
-  auto smv = mpx::view(save_mean);
-  auto siv = mpx::view(save_invstd);
-  detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<Y>, space_t<RM>, space_t<RV>,
-                         space_t<SM>, space_t<SI>>();
+  auto [xv, gv, bv, yv, rmv, rvv, smv, siv] =
+      detail::views_for<Exec>(x, gamma, beta, y, running_mean, running_var, save_mean, save_invstd);
   detail::require_float_tensors<decltype(gv), decltype(bv), decltype(rmv), decltype(rvv), decltype(smv),
                                 decltype(siv)>();
   static_assert(detail::all_writable<decltype(yv), decltype(rmv), decltype(rvv), decltype(smv), decltype(siv)>,
@@ -195,13 +187,7 @@ template <class Policy = float32, executor Exec, tensor_like X, tensor_like G, t
 void batch_norm_forward_inference(Exec const& exec, X&& x, G&& gamma, B&& beta, RM&& running_mean,
                                   RV&& running_var, Y&& y, float eps = batch_norm_options{}.eps) {
   detail::require_float_norm<Policy>();
-  auto xv = mpx::view(x);
-  auto gv = mpx::view(gamma);
-  auto bv = mpx::view(beta);
-  auto rmv = mpx::view(running_mean);
-  auto rvv = mpx::view(running_var);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<RM>, space_t<RV>, space_t<Y>>();
+  auto [xv, gv, bv, rmv, rvv, yv] = detail::views_for<Exec>(x, gamma, beta, running_mean, running_var, y);
   detail::require_float_tensors<decltype(gv), decltype(bv), decltype(rmv), decltype(rvv)>();
   static_assert(detail::all_writable<decltype(yv)>, "mpx::batch_norm_forward_inference: y is const");
   constexpr std::string_view op = "batch_norm_forward_inference";
@@ -227,16 +213,8 @@ template <class Policy = float32, executor Exec, tensor_like X, tensor_like DY, 
 void batch_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, SM&& save_mean, SI&& save_invstd, DX&& dx,
                          DG&& dgamma, DB&& dbeta) {
   detail::require_float_norm<Policy>();
-  auto xv = mpx::view(x);
-  auto dyv = mpx::view(dy);
-  auto gv = mpx::view(gamma);
-  auto smv = mpx::view(save_mean);
-  auto siv = mpx::view(save_invstd);
-  auto dxv = mpx::view(dx);
-  auto dgv = mpx::view(dgamma);
-  auto dbv = mpx::view(dbeta);
-  detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<G>, space_t<SM>, space_t<SI>, space_t<DX>,
-                         space_t<DG>, space_t<DB>>();
+  auto [xv, dyv, gv, smv, siv, dxv, dgv, dbv] =
+      detail::views_for<Exec>(x, dy, gamma, save_mean, save_invstd, dx, dgamma, dbeta);
   detail::require_float_tensors<decltype(gv), decltype(smv), decltype(siv), decltype(dgv), decltype(dbv)>();
   static_assert(detail::all_writable<decltype(dxv), decltype(dgv), decltype(dbv)>,
                 "mpx::batch_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");

@@ -23,9 +23,7 @@ template <class Policy = float32, executor Exec, tensor_like X, tensor_like Y>
 void column_sum(Exec const& exec, X&& x, Y&& y) {
   require_float_accumulation<Policy>();
   using acc_t = typename Policy::accumulate_type;
-  auto xv = mpx::view(x);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<X>, space_t<Y>>();
+  auto [xv, yv] = detail::views_for<Exec>(x, y);
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::column_sum: y is an output");
   shape const& xs = xv.shape();
   if (xs.rank() < 1 || yv.shape().rank() != 1 || yv.shape()[0] != xs[xs.rank() - 1])

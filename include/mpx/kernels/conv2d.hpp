@@ -451,6 +451,18 @@ V image_rows(V const& matrix, conv2d_geometry const& g, std::int64_t n0, std::in
       .reshape(shape{rows, cols});
 }
 
+//! Outputs are written while inputs are still read: an overlap is refused, not computed.
+//! The output against both inputs, the workspace against all three.
+template <class Out, class A, class B, class Cols>
+void require_conv2d_disjoint(std::string_view op, std::string_view out_name, Out const& out, std::string_view a_name,
+                             A const& a, std::string_view b_name, B const& b, Cols const& workspace) {
+  require_disjoint(op, out_name, out, a_name, a);
+  require_disjoint(op, out_name, out, b_name, b);
+  require_disjoint(op, "the workspace", workspace, a_name, a);
+  require_disjoint(op, "the workspace", workspace, b_name, b);
+  require_disjoint(op, "the workspace", workspace, out_name, out);
+}
+
 }  // namespace detail
 
 //! The shape of y = conv2d(x, w): [N, OH, OW, Cout] (see conv2d_options for OH, OW).
@@ -511,21 +523,12 @@ template <class Policy, executor Exec, tensor_like X, tensor_like W, tensor_like
 void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, conv2d_options const& options = {},
                     mpx::source_location loc = mpx::source_location::current(), Product&& product = {}) {
   detail::check_conv2d_types<Policy, value_t<X>, value_t<W>, value_t<Y>, value_t<Cols>>();
-  detail::require_access<Exec, space_t<X>, space_t<W>, space_t<Y>, space_t<Cols>>();
-  auto const xv = mpx::view(x);
-  auto const wv = mpx::view(w);
-  auto const yv = mpx::view(y);
-  auto const cv = mpx::view(workspace);
+  auto const [xv, wv, yv, cv] = detail::views_for<Exec>(x, w, y, workspace);
   static_assert(detail::all_writable<decltype(yv), decltype(cv)>,
                 "mpx::conv2d_forward: y and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_forward";
   auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
-  // Outputs are written while inputs are still read: an overlap is refused, not computed.
-  detail::require_disjoint(op, "y", yv, "x", xv);
-  detail::require_disjoint(op, "y", yv, "w", wv);
-  detail::require_disjoint(op, "the workspace", cv, "x", xv);
-  detail::require_disjoint(op, "the workspace", cv, "w", wv);
-  detail::require_disjoint(op, "the workspace", cv, "y", yv);
+  detail::require_conv2d_disjoint(op, "y", yv, "x", xv, "w", wv, cv);
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const out = yv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
@@ -548,21 +551,13 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
                           conv2d_options const& options = {},
                           mpx::source_location loc = mpx::source_location::current(), Product&& product = {}) {
   detail::check_conv2d_types<Policy, value_t<DY>, value_t<W>, value_t<DX>, value_t<Cols>>();
-  detail::require_access<Exec, space_t<DY>, space_t<W>, space_t<DX>, space_t<Cols>>();
-  auto const dyv = mpx::view(dy);
-  auto const wv = mpx::view(w);
-  auto const dxv = mpx::view(dx);
-  auto const cv = mpx::view(workspace);
+  auto const [dyv, wv, dxv, cv] = detail::views_for<Exec>(dy, w, dx, workspace);
   static_assert(detail::all_writable<decltype(dxv), decltype(cv)>,
                 "mpx::conv2d_backward_data: dx and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_data";
   auto const [g, chunk] = detail::plan_conv2d(op, dxv.shape(), wv.shape(), "dy", dyv.shape(), cv.shape(), options,
                                               loc, {"dx", "w"});
-  detail::require_disjoint(op, "dx", dxv, "dy", dyv);
-  detail::require_disjoint(op, "dx", dxv, "w", wv);
-  detail::require_disjoint(op, "the workspace", cv, "dy", dyv);
-  detail::require_disjoint(op, "the workspace", cv, "w", wv);
-  detail::require_disjoint(op, "the workspace", cv, "dx", dxv);
+  detail::require_conv2d_disjoint(op, "dx", dxv, "dy", dyv, "w", wv, cv);
   auto const weights = wv.reshape(shape{g.patch(), g.cout});
   auto const grad = dyv.reshape(shape{g.n * g.pixels(), g.cout});
   for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
@@ -592,21 +587,13 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
   static_assert(!policy_type<Policy> || std::is_same_v<value_t<DW>, typename Policy::storage_type> ||
                     std::is_same_v<value_t<DW>, float>,
                 "mpx::conv2d_backward_weights: dw must hold the policy's storage_type or float");
-  detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<DW>, space_t<Cols>>();
-  auto const xv = mpx::view(x);
-  auto const dyv = mpx::view(dy);
-  auto const dwv = mpx::view(dw);
-  auto const cv = mpx::view(workspace);
+  auto const [xv, dyv, dwv, cv] = detail::views_for<Exec>(x, dy, dw, workspace);
   static_assert(detail::all_writable<decltype(dwv), decltype(cv)>,
                 "mpx::conv2d_backward_weights: dw and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_weights";
   auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), dwv.shape(), "dy", dyv.shape(), cv.shape(), options,
                                               loc, {"x", "dw"});
-  detail::require_disjoint(op, "dw", dwv, "x", xv);
-  detail::require_disjoint(op, "dw", dwv, "dy", dyv);
-  detail::require_disjoint(op, "the workspace", cv, "x", xv);
-  detail::require_disjoint(op, "the workspace", cv, "dy", dyv);
-  detail::require_disjoint(op, "the workspace", cv, "dw", dwv);
+  detail::require_conv2d_disjoint(op, "dw", dwv, "x", xv, "dy", dyv, cv);
   bool const reuse = columns == conv2d_columns::reuse_forward;
   if (reuse && chunk < g.n)
     detail::fail<invalid_argument>(op,

@@ -176,9 +176,7 @@ inline bool dropout_keeps(dropout_options const& options, std::uint64_t index) {
 //! Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like X, tensor_like Y>
 void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&& y) {
-  auto xv = mpx::view(x);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<X>, space_t<Y>>();
+  auto [xv, yv] = detail::views_for<Exec>(x, y);
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
   detail::dropout_checked<detail::dropout_pass::forward>("dropout_forward", exec, options, xv, yv, nullptr, nullptr,
                                                         nullptr);
@@ -187,10 +185,7 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
 //! As above, and writes the mask (uint8 of x's shape) for dropout_backward.
 template <executor Exec, tensor_like X, tensor_like Y, tensor_like M>
 void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&& y, M&& mask) {
-  auto xv = mpx::view(x);
-  auto yv = mpx::view(y);
-  auto mv = mpx::view(mask);
-  detail::require_access<Exec, space_t<X>, space_t<Y>, space_t<M>>();
+  auto [xv, yv, mv] = detail::views_for<Exec>(x, y, mask);
   static_assert(std::is_same_v<typename decltype(mv)::element_type, std::uint8_t>,
                 "mpx::dropout_forward: the mask is a mutable tensor of std::uint8_t");
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::dropout_forward: y is const");
@@ -202,9 +197,7 @@ void dropout_forward(Exec const& exec, dropout_options const& options, X&& x, Y&
 //! forward pass's). dx may be dy. Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like DY, tensor_like DX>
 void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy, DX&& dx) {
-  auto dyv = mpx::view(dy);
-  auto dxv = mpx::view(dx);
-  detail::require_access<Exec, space_t<DY>, space_t<DX>>();
+  auto [dyv, dxv] = detail::views_for<Exec>(dy, dx);
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");
   detail::dropout_checked<detail::dropout_pass::backward_redrawn>("dropout_backward", exec, options, dyv, dxv,
                                                                  nullptr, nullptr, nullptr);
@@ -214,10 +207,7 @@ void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy,
 //! is used). dx may be dy. Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like DY, tensor_like DX, tensor_like M>
 void dropout_backward(Exec const& exec, dropout_options const& options, DY&& dy, DX&& dx, M&& mask) {
-  auto dyv = mpx::view(dy);
-  auto dxv = mpx::view(dx);
-  auto mv = mpx::view(mask);
-  detail::require_access<Exec, space_t<DY>, space_t<DX>, space_t<M>>();
+  auto [dyv, dxv, mv] = detail::views_for<Exec>(dy, dx, mask);
   static_assert(std::is_same_v<typename decltype(mv)::value_type, std::uint8_t>,
                 "mpx::dropout_backward: the mask is a tensor of std::uint8_t");
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::dropout_backward: dx is const");

@@ -148,10 +148,7 @@ void embedding_forward_impl(Exec const& exec, embedding_gather<I, W, P, Y> const
 //! cuda_executor.
 template <executor Exec, tensor_like I, tensor_like W, tensor_like Y>
 void embedding_forward(Exec const& exec, I&& ids, W&& table, Y&& y, int* invalid = nullptr) {
-  auto iv = mpx::view(ids);
-  auto wv = mpx::view(table);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<I>, space_t<W>, space_t<Y>>();
+  auto [iv, wv, yv] = detail::views_for<Exec>(ids, table, y);
   static_assert(std::is_same_v<value_t<I>, std::int32_t>, "mpx::embedding_forward: token ids are int32");
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::embedding_forward: y is an output");
   auto const l = detail::embedding_shapes("embedding_forward", iv.shape(), wv.shape(), yv.shape());
@@ -167,11 +164,7 @@ void embedding_forward(Exec const& exec, I&& ids, W&& table, Y&& y, int* invalid
 //! rounded once.
 template <executor Exec, tensor_like I, tensor_like W, tensor_like P, tensor_like Y>
 void embedding_forward(Exec const& exec, I&& ids, W&& table, P&& positions, Y&& y, int* invalid = nullptr) {
-  auto iv = mpx::view(ids);
-  auto wv = mpx::view(table);
-  auto pv = mpx::view(positions);
-  auto yv = mpx::view(y);
-  detail::require_access<Exec, space_t<I>, space_t<W>, space_t<P>, space_t<Y>>();
+  auto [iv, wv, pv, yv] = detail::views_for<Exec>(ids, table, positions, y);
   static_assert(std::is_same_v<value_t<I>, std::int32_t>, "mpx::embedding_forward: token ids are int32");
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::embedding_forward: y is an output");
   auto const l = detail::embedding_shapes("embedding_forward", iv.shape(), wv.shape(), yv.shape());
@@ -190,10 +183,7 @@ void embedding_forward(Exec const& exec, I&& ids, W&& table, P&& positions, Y&& 
 //! pass flagged it). Asynchronous on a cuda_executor.
 template <executor Exec, tensor_like I, tensor_like DY, tensor_like DW>
 void embedding_backward([[maybe_unused]] Exec const& exec, I&& ids, DY&& dy, DW&& d_table) {
-  auto iv = mpx::view(ids);
-  auto dyv = mpx::view(dy);
-  auto dwv = mpx::view(d_table);
-  detail::require_access<Exec, space_t<I>, space_t<DY>, space_t<DW>>();
+  auto [iv, dyv, dwv] = detail::views_for<Exec>(ids, dy, d_table);
   static_assert(std::is_same_v<value_t<I>, std::int32_t>, "mpx::embedding_backward: token ids are int32");
   static_assert(!std::is_const_v<typename decltype(dwv)::element_type>,
                 "mpx::embedding_backward: d_table is an output");
@@ -238,9 +228,7 @@ void embedding_backward([[maybe_unused]] Exec const& exec, I&& ids, DY&& dy, DW&
 //! cuda_executor.
 template <executor Exec, tensor_like DY, tensor_like DP>
 void position_embedding_backward(Exec const& exec, DY&& dy, DP&& d_positions) {
-  auto dyv = mpx::view(dy);
-  auto dpv = mpx::view(d_positions);
-  detail::require_access<Exec, space_t<DY>, space_t<DP>>();
+  auto [dyv, dpv] = detail::views_for<Exec>(dy, d_positions);
   constexpr std::string_view op = "position_embedding_backward";
   shape const& s = dyv.shape();
   if (s.rank() < 2 || dpv.shape().rank() != 2 || dpv.shape()[1] != s[s.rank() - 1] || dpv.shape()[0] < s[s.rank() - 2])

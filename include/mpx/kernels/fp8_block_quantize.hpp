@@ -221,10 +221,7 @@ void quantize_fp8_blocks(Exec const& exec, X&& x, bool k_contiguous, fp8_block_k
   static_assert(std::is_same_v<Scale, float> || std::is_same_v<Scale, float8_e8m0>,
                 "mpx::quantize_fp8_blocks: the inverse scales are floats (float8_e8m0 for vec32 blocks)");
   static_assert(!dtype8<value_t<X>>, "mpx::quantize_fp8_blocks: x holds half, bfloat16 or float");
-  detail::require_access<Exec, space_t<X>, space_t<Values>, space_t<Scales>>();
-  auto const xv = mpx::view(x);
-  auto const vv = mpx::view(values);
-  auto const sv = mpx::view(inverse_scales);
+  auto const [xv, vv, sv] = detail::views_for<Exec>(x, values, inverse_scales);
   if (xv.shape().rank() != 2)
     detail::fail<shape_error>("quantize_fp8_blocks", "x must be a matrix, got shape " + xv.shape().to_string(), loc);
   std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];

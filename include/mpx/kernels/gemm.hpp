@@ -589,10 +589,7 @@ template <class Policy, executor Exec, tensor_like A, tensor_like B, tensor_like
 void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options const& options = {},
           mpx::source_location loc = mpx::source_location::current()) {
   detail::check_gemm_types<Policy, value_t<A>, value_t<B>, value_t<C>>();
-  detail::require_access<Exec, space_t<A>, space_t<B>, space_t<C>>();
-  auto const av = mpx::view(a);
-  auto const bv = mpx::view(b);
-  auto const cv = mpx::view(c);
+  auto const [av, bv, cv] = detail::views_for<Exec>(a, b, c);
   static_assert(!std::is_const_v<typename decltype(cv)::element_type>, "mpx::gemm: C is const");
   detail::gemm_dims const d = detail::gemm_shapes(av.shape(), bv.shape(), cv.shape(), options, loc);
   // C is written while A and B are still being read (panel by panel, or by cuBLASLt):

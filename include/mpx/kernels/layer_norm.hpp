@@ -163,13 +163,7 @@ template <class Policy = float32, executor Exec, tensor_like X, tensor_like G, t
 void layer_norm_forward(Exec const& exec, X&& x, G&& gamma, B&& beta, Y&& y, M&& mean, R&& rstd,
                         float eps = 1e-5f) {
   detail::require_float_norm<Policy>();
-  auto xv = mpx::view(x);
-  auto gv = mpx::view(gamma);
-  auto bv = mpx::view(beta);
-  auto yv = mpx::view(y);
-  auto mv = mpx::view(mean);
-  auto rv = mpx::view(rstd);
-  detail::require_access<Exec, space_t<X>, space_t<G>, space_t<B>, space_t<Y>, space_t<M>, space_t<R>>();
+  auto [xv, gv, bv, yv, mv, rv] = detail::views_for<Exec>(x, gamma, beta, y, mean, rstd);
   detail::require_float_tensors<decltype(gv), decltype(bv), decltype(mv), decltype(rv)>();
   static_assert(detail::all_writable<decltype(yv), decltype(mv), decltype(rv)>,
                 "mpx::layer_norm_forward: y, mean and rstd are outputs and cannot be const");
@@ -200,16 +194,7 @@ template <class Policy = float32, executor Exec, tensor_like X, tensor_like DY, 
 void layer_norm_backward(Exec const& exec, X&& x, DY&& dy, G&& gamma, M&& mean, R&& rstd, DX&& dx,
                          DG&& dgamma, DB&& dbeta) {
   detail::require_float_norm<Policy>();
-  auto xv = mpx::view(x);
-  auto dyv = mpx::view(dy);
-  auto gv = mpx::view(gamma);
-  auto mv = mpx::view(mean);
-  auto rv = mpx::view(rstd);
-  auto dxv = mpx::view(dx);
-  auto dgv = mpx::view(dgamma);
-  auto dbv = mpx::view(dbeta);
-  detail::require_access<Exec, space_t<X>, space_t<DY>, space_t<G>, space_t<M>, space_t<R>, space_t<DX>,
-                         space_t<DG>, space_t<DB>>();
+  auto [xv, dyv, gv, mv, rv, dxv, dgv, dbv] = detail::views_for<Exec>(x, dy, gamma, mean, rstd, dx, dgamma, dbeta);
   detail::require_float_tensors<decltype(gv), decltype(mv), decltype(rv), decltype(dgv), decltype(dbv)>();
   static_assert(detail::all_writable<decltype(dxv), decltype(dgv), decltype(dbv)>,
                 "mpx::layer_norm_backward: dx, dgamma and dbeta are outputs and cannot be const");

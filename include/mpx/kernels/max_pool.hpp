@@ -320,9 +320,7 @@ template <executor Exec, tensor_like X, tensor_like Y>
 void max_pool2d_forward(Exec const& exec, X&& x, Y&& y, pool_options const& options = {},
                         mpx::source_location loc = mpx::source_location::current()) {
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_forward: x and y must hold the same dtype");
-  detail::require_access<Exec, space_t<X>, space_t<Y>>();
-  auto const xv = mpx::view(x);
-  auto const yv = mpx::view(y);
+  auto const [xv, yv] = detail::views_for<Exec>(x, y);
   static_assert(!std::is_const_v<typename decltype(yv)::element_type>, "mpx::max_pool2d_forward: y is const");
   constexpr std::string_view op = "max_pool2d_forward";
   auto const g = detail::pool_shapes(op, xv.shape(), options, loc);
@@ -349,11 +347,7 @@ void max_pool2d_backward(Exec const& exec, X&& x, Y&& y, DY&& dy, DX&& dx,
   static_assert(std::is_same_v<value_t<X>, value_t<Y>>, "mpx::max_pool2d_backward: x and y must hold the same dtype");
   static_assert(std::is_same_v<value_t<DY>, value_t<DX>>,
                 "mpx::max_pool2d_backward: dy and dx must hold the same dtype");
-  detail::require_access<Exec, space_t<X>, space_t<Y>, space_t<DY>, space_t<DX>>();
-  auto const xv = mpx::view(x);
-  auto const yv = mpx::view(y);
-  auto const dyv = mpx::view(dy);
-  auto const dxv = mpx::view(dx);
+  auto const [xv, yv, dyv, dxv] = detail::views_for<Exec>(x, y, dy, dx);
   static_assert(!std::is_const_v<typename decltype(dxv)::element_type>, "mpx::max_pool2d_backward: dx is const");
   constexpr std::string_view op = "max_pool2d_backward";
   auto const g = detail::pool_shapes(op, xv.shape(), options, loc);

@@ -288,11 +288,7 @@ void quantize_nvfp4(Exec const& exec, X&& x, bool k_contiguous, nvfp4_quantize_o
                 "mpx::quantize_nvfp4: the block scales are unsigned e4m3: float8_e4m3");
   static_assert(std::is_same_v<value_t<TensorScale>, float>, "mpx::quantize_nvfp4: the tensor scale is float");
   static_assert(!dtype8<value_t<X>>, "mpx::quantize_nvfp4: x holds half, bfloat16 or float");
-  detail::require_access<Exec, space_t<X>, space_t<Values>, space_t<Scales>, space_t<TensorScale>>();
-  auto const xv = mpx::view(x);
-  auto const vv = mpx::view(values);
-  auto const sv = mpx::view(block_scales);
-  auto const tv = mpx::view(tensor_scale);
+  auto const [xv, vv, sv, tv] = detail::views_for<Exec>(x, values, block_scales, tensor_scale);
   if (xv.shape().rank() != 2)
     detail::fail<shape_error>("quantize_nvfp4", "x must be a matrix, got shape " + xv.shape().to_string(), loc);
   std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];

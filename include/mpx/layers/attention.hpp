@@ -123,8 +123,7 @@ class causal_self_attention : public layer_base {
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
                bool training) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    std::int64_t const batch = check_input_and_reserve(*this, exec, x.shape(), y.shape());
     attention_dims const d = dims(batch);
     std::int64_t const bh = d.batch * d.heads;
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});

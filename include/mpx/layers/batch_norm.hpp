@@ -59,8 +59,7 @@ class batch_norm : public layer_base {
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
                bool training) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto v = [](auto const& t) { return t.template view<Space>(); };
     if (training)
       batch_norm_forward_training<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(), y,

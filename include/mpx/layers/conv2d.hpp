@@ -97,8 +97,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
 
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto const w = this->template kernel<Space>();
     auto const b = this->template bias<Space>();
     auto const cols = columns_.template view<Space>();

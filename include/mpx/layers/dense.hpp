@@ -87,8 +87,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
                bool /*training*/) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    std::int64_t const batch = check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto const [rows, in] = matrix_of(batch);
     auto const xm = x.reshape({rows, in});
     auto const ym = y.reshape({rows, config_.units});

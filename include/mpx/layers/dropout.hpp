@@ -57,8 +57,7 @@ class dropout : public layer_base {
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
                bool training) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    check_input_and_reserve(*this, exec, x.shape(), y.shape());
     if (!training || config_.rate == 0.0f) {
       copy(exec, x, y);
       last_forward_trained_ = false;

@@ -193,6 +193,14 @@ class layer_base {
                                            " hold different batches");
     return x[0];
   }
+  //! check_input, then grows the layer's workspace (self.reserve, the layer's own) when
+  //! the batch is larger than the one it holds; returns the batch.
+  template <class Layer, class Exec>
+  std::int64_t check_input_and_reserve(Layer& self, Exec const& exec, mpx::shape const& x, mpx::shape const& y) {
+    std::int64_t const batch = check_input(x, y);
+    if (batch > reserved_batch_) self.reserve(exec, batch);
+    return batch;
+  }
 
   std::string name_;
   mpx::shape input_shape_{0};

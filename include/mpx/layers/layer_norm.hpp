@@ -50,8 +50,7 @@ class layer_norm : public layer_base {
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
   void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
-    std::int64_t const batch = check_input(x.shape(), y.shape());
-    if (batch > reserved_batch_) reserve(exec, batch);
+    check_input_and_reserve(*this, exec, x.shape(), y.shape());
     std::int64_t const rows = rows_of(x.shape());
     layer_norm_forward<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(), y,
                                mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);

@@ -122,10 +122,7 @@ void sparse_categorical_cross_entropy(Exec const& exec, Logits&& logits, Labels&
   detail::require_float_loss<Policy>();
   static_assert(std::is_same_v<value_t<Labels>, std::int32_t>,
                 "mpx::sparse_categorical_cross_entropy: labels must be a tensor of std::int32_t class indices");
-  auto xv = mpx::view(logits);
-  auto lv = mpx::view(labels);
-  auto gv = mpx::view(gradient);
-  detail::require_access<Exec, space_t<Logits>, space_t<Labels>, space_t<Gradient>, Space>();
+  auto [xv, lv, gv] = detail::views_for<Exec>(logits, labels, gradient);
   static_assert(!std::is_const_v<typename decltype(gv)::element_type>,
                 "mpx::sparse_categorical_cross_entropy: the gradient is const");
   std::size_t rows = 0, classes = 0;

@@ -88,9 +88,10 @@ struct guard_options {
   //! > 0: a layer above its first tier (moved there by the guard, by hand or by a
   //! loaded checkpoint) moves back down one tier once it has run this many steps, since
   //! the guard's first review, in its tier with no evidence of any kind above against it
-  //! (the cheaper tier is tried again); if it must then move up again, its wait doubles,
-  //! so a layer that only trains in the higher tier settles there. 0, the default:
-  //! moves are one-way.
+  //! (the cheaper tier is tried again). If it must move up again within as many steps
+  //! as it waited, its wait doubles, so a layer that only trains in the higher tier
+  //! settles there; after a longer stay below, the wait starts again from this value.
+  //! 0, the default: moves are one-way.
   std::size_t move_down_after = 0;
 };
 
@@ -441,7 +442,10 @@ class precision_guard {
       e = evidence{};
       worst_shadow_[o] = 0;
       descent& d = descents_[o];
-      if (d.came_down) d.wait = d.wait > std::numeric_limits<std::size_t>::max() / 2 ? d.wait : 2 * d.wait;
+      if (d.came_down && step - d.came_down_at <= d.wait)  // the cheaper tier failed as soon as it was tried
+        d.wait = d.wait > std::numeric_limits<std::size_t>::max() / 2 ? d.wait : 2 * d.wait;
+      else if (d.came_down)  // it held there longer than it had waited above
+        d.wait = options_.move_down_after;
       d.came_down = false;
       d.quiet_since = step;
     }
@@ -501,11 +505,12 @@ class precision_guard {
   };
   //! A layer's way back down (guard_options::move_down_after): the step since which no
   //! evidence was held against it (its last move, or its last review with evidence), the
-  //! steps it must wait, and whether its last move was down.
+  //! steps it must wait, and whether its last move was down, at which step.
   struct descent {
     std::size_t quiet_since = 0;
     std::size_t wait = 0;
     bool came_down = false;
+    std::size_t came_down_at = 0;
   };
 
   static guard_options checked(guard_options o) {
@@ -532,6 +537,7 @@ class precision_guard {
     evidence_[o] = evidence{};
     worst_shadow_[o] = 0;
     d.came_down = true;
+    d.came_down_at = step;
     d.quiet_since = step;
     return guard_move{step, tiers.name, from, tiers.policies[*tiers.active], std::move(why)};
   }
@@ -702,7 +708,7 @@ class precision_guard {
       evidence_.assign(names.size(), {});
       strikes_pending_.assign(names.size(), 0.0);
       worst_shadow_.assign(names.size(), 0.0);
-      descents_.assign(names.size(), descent{0, options_.move_down_after, false});
+      descents_.assign(names.size(), descent{0, options_.move_down_after, false, 0});
       marks_ = tensor<unsigned, Space>(exec, shape{static_cast<std::int64_t>((3 * options_.review_every + 1) * names.size())});
       fill(exec, marks_.view(), 0u);
       slot_ = tensor<unsigned, Space>(exec, shape{2});
