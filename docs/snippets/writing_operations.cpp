@@ -26,9 +26,7 @@ struct clipped_relu_element {  // the body: pointers and sizes only
 // The declaration: what the arguments must be, checked once, then the dispatch.
 template <mpx::executor Exec, mpx::tensor_like X, mpx::tensor_like Y>
 void clipped_relu(Exec const& exec, X&& x, Y&& y, float ceiling) {
-  auto xv = mpx::view(x);
-  auto yv = mpx::view(y);
-  mpx::detail::require_access<Exec, mpx::space_t<X>, mpx::space_t<Y>>();  // a compile error otherwise
+  auto [xv, yv] = mpx::detail::views_for<Exec>(x, y);  // views, and a compile error if Exec cannot reach them
   mpx::detail::require_same_shape("clipped_relu", xv.shape(), yv.shape());
   mpx::for_each_index(exec, xv.size(),
                       clipped_relu_element<mpx::value_t<X>, mpx::value_t<Y>>{xv.data(), yv.data(), ceiling});
@@ -56,9 +54,7 @@ struct rms_norm_row {
 
 template <mpx::executor Exec, mpx::tensor_like X, mpx::tensor_like Y>
 void rms_norm(Exec const& exec, X&& x, Y&& y, float eps = 1e-6f) {
-  auto xv = mpx::view(x);
-  auto yv = mpx::view(y);
-  mpx::detail::require_access<Exec, mpx::space_t<X>, mpx::space_t<Y>>();
+  auto [xv, yv] = mpx::detail::views_for<Exec>(x, y);
   mpx::detail::require_same_shape("rms_norm", xv.shape(), yv.shape());
   auto const [rows, cols] = mpx::detail::last_axis_rows("rms_norm", xv.shape());
   mpx::for_each_row(exec, rows, cols, rms_norm_row<mpx::value_t<X>, mpx::value_t<Y>>{xv.data(), yv.data(), cols, eps});

@@ -102,8 +102,7 @@ class divide_by_row_sum : public mpx::layer_base {
   template <mpx::executor Exec, class Space = mpx::memory_space_t<Exec>>
   void forward(Exec const& exec, mpx::tensor_view<input_type const, Space> x, mpx::tensor_view<output_type, Space> y,
                bool) {
-    std::int64_t const rows = check_input(x.shape(), y.shape()), n = input_shape_[0];
-    if (rows > reserved_batch_) reserve(exec, rows);
+    std::int64_t const rows = check_input_and_reserve(*this, exec, x.shape(), y.shape()), n = input_shape_[0];
     float* const sums = sums_.template view<Space>({rows}).data();
     if constexpr (mpx::is_host_executor_v<Exec>) {
       for (std::int64_t r = 0; r < rows; ++r) divide_row(config_, x.data() + r * n, y.data() + r * n, sums + r, n);

@@ -203,17 +203,19 @@ TEMPLATE_LIST_TEST_CASE("with move_down_after, a layer that held below longer th
                            grow_attention(exec, model, factor);
                            optimizer.optimizer().reload_master_weights(exec);
                          };
-                         train_steps(exec, trainer, data, 15);  // up at 5, down at 15
+                         train_steps(exec, trainer, data, 40);  // up at 5, down at 15, up at 20, down at 40
                          grow(1.0f / 512.0f);
                          train_steps(exec, trainer, data, 30);  // float16 holds: 30 quiet steps below
                          grow(512.0f);
                          train_steps(exec, trainer, data, 20);
                          moves = trainer.guard()->moves();
                        });
-  // Up at 50 after 35 steps below (more than its wait of 10): the wait stays 10, so down
-  // at 60; float16 still fails it, so up again at 65.
-  check_up_and_down(moves, {5, 15, 50, 60, 65});
-  CHECK_THAT(moves[3].text(), Contains("move_down_after 10"));
+  // The wait doubled to 20 at step 20. Up at 75 after 35 steps below (more than that
+  // wait): it starts again from 10, so down at 85 (not 95); float16 still fails it, so up
+  // again at 90.
+  check_up_and_down(moves, {5, 15, 20, 40, 75, 85, 90});
+  CHECK_THAT(moves[3].text(), Contains("move_down_after 20"));
+  CHECK_THAT(moves[5].text(), Contains("in its last 10 steps") && Contains("move_down_after 10"));
 }
 
 TEMPLATE_LIST_TEST_CASE("one transient overflow moves nothing, nor do the scaler's overflows above its floor",

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mpx/core/convert_span.hpp>
+#include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/memory_space.hpp>
 
 #include <cstddef>
@@ -52,7 +53,9 @@ float const* host_floats_of(T const* x, std::size_t n) {
     return x;
   } else {
     float* out = host_scratch_floats<Tag, Slot>(n);
-    widen_span(x, out, n);
+    // Memory-bound: a large array (a product's operand) is widened by the host's threads.
+    host_parallel_ranges(n, n, [&](std::size_t begin, std::size_t end) { widen_span(x + begin, out + begin, end - begin); },
+                         16);
     return out;
   }
 }

@@ -207,7 +207,9 @@ inline constexpr bool all_writable = (!std::is_const_v<typename Views::element_t
 
 //! An operation's tensor arguments as views, after the check every operation makes
 //! first: that Exec can reach each of them (a compile-time error naming the fix
-//! otherwise). `auto [xv, yv] = detail::views_for<Exec>(x, y);`
+//! otherwise). `auto [xv, yv] = detail::views_for<Exec>(x, y);` (A lambda that needs
+//! one of the names takes it by an init-capture: clang before 16 cannot capture a
+//! structured binding.)
 template <class Exec, tensor_like... Xs>
 auto views_for(Xs&... xs) {
   require_access<Exec, space_t<Xs>...>();

@@ -123,13 +123,15 @@ void sparse_categorical_cross_entropy(Exec const& exec, Logits&& logits, Labels&
   static_assert(std::is_same_v<value_t<Labels>, std::int32_t>,
                 "mpx::sparse_categorical_cross_entropy: labels must be a tensor of std::int32_t class indices");
   auto [xv, lv, gv] = detail::views_for<Exec>(logits, labels, gradient);
+  detail::require_access<Exec, Space>();  // where the loss is written
   static_assert(!std::is_const_v<typename decltype(gv)::element_type>,
                 "mpx::sparse_categorical_cross_entropy: the gradient is const");
   std::size_t rows = 0, classes = 0;
   detail::cross_entropy_layout(xv.shape(), lv.shape(), rows, classes);
   detail::require_same_shape("sparse_categorical_cross_entropy", "logits", xv.shape(), "gradient", gv.shape());
   detail::require_disjoint("sparse_categorical_cross_entropy", "the gradient", gv, "the logits", xv);
-  detail::check_on_host(exec, [&] { detail::require_labels_in_range(lv.data(), rows, classes); });
+  // (A structured binding is not captured: clang before 16 refuses that.)
+  detail::check_on_host(exec, [&, ids = lv.data()] { detail::require_labels_in_range(ids, rows, classes); });
   detail::cross_entropy_row<value_t<Logits>, value_t<Gradient>> const body{xv.data(), lv.data(), gv.data(),
                                                                            rows,      classes,   scale};
   detail::reduce_items<detail::item_kind::row>(
