@@ -75,12 +75,13 @@ auto token_data(Exec const& exec, std::int64_t n) {
   return data{mpx_test::upload(exec, x, mpx::shape{n, tokens}), mpx_test::upload(exec, y, mpx::shape{n, tokens})};
 }
 
+// `steps` steps from step `from` on (the batches cycle through the data).
 template <class Exec, class Trainer, class Data>
 std::vector<mpx::step_record> train_steps(Exec const& exec, Trainer& trainer, Data const& data, std::size_t steps,
-                                          std::int64_t batch = 4) {
+                                          std::int64_t batch = 4, std::size_t from = 0) {
   using space = mpx::memory_space_t<Exec>;
   std::int64_t const n = data.inputs.shape()[0];
-  for (std::size_t s = 0; s < steps; ++s) {
+  for (std::size_t s = from; s < from + steps; ++s) {
     std::int64_t const first = static_cast<std::int64_t>(s) * batch % n;
     mpx::tensor_view<std::int32_t const, space> const x(data.inputs.data() + first * tokens, mpx::shape{batch, tokens});
     mpx::tensor_view<std::int32_t const, space> const y(data.targets.data() + first * tokens, mpx::shape{batch, tokens});
@@ -359,6 +360,68 @@ TEMPLATE_LIST_TEST_CASE("a shadow error above the guard's bound moves the layer"
   REQUIRE(reports.size() == 4);
   for (auto const& e : reports.back().layers)
     if (e.layer == "residual/multi_head_attention") CHECK(e.policy == "mixed_bfloat16");
+}
+
+TEMPLATE_LIST_TEST_CASE("a guarded run saved through its trainer resumes with the guard's evidence, waits and moves",
+                        "[model][guard]", mpx_test::executors) {
+  TestType exec;
+  mpx_test::scratch_dir const scratch("guard_resume");
+  mpx::guard_options const options{.forward_overflows = 3, .window = 50, .review_every = 5, .move_down_after = 10};
+  std::vector<mpx::guard_move> whole;  // the uninterrupted run: moves at 5, 15, 20, 40, 45
+  {
+    auto model = attention_model();
+    with_grown_attention(exec, model, options, [&](auto& trainer, auto const& data, auto&) {
+      train_steps(exec, trainer, data, 50);
+      whole = trainer.guard()->moves();
+    });
+  }
+  REQUIRE(whole.size() == 5);
+  // Saved after step 18, in the cheaper tier with three overflowed steps flagged since the
+  // review at 15, and after step 23, in the higher tier with a doubled wait running.
+  mpx_test::scratch_dir const at_18("guard_resume_18");
+  {
+    auto model = attention_model();
+    with_grown_attention(exec, model, options, [&](auto& trainer, auto const& data, auto&) {
+      train_steps(exec, trainer, data, 18);
+      mpx::save_training_state(exec, trainer, at_18.path);
+      train_steps(exec, trainer, data, 5, 4, 18);
+      mpx::save_training_state(exec, trainer, scratch.path);
+    });
+  }
+  auto const data = token_data(exec, 16);
+  for (std::size_t const saved : {18, 23}) {
+    INFO("resumed after step " << saved);
+    auto model = attention_model();
+    model.build(exec, {tokens}, 9);
+    auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 3e-3f),
+                                               mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.guard(options);
+    mpx::load_training_state(exec, trainer, saved == 18 ? at_18.path : scratch.path);
+    CHECK(trainer.steps_taken() == saved);
+    CHECK(attention_of(model).active_tier() == (saved == 18 ? 0u : 1u));
+    train_steps(exec, trainer, data, 50 - saved, 4, saved);
+    auto const& moves = trainer.guard()->moves();
+    REQUIRE(moves.size() == whole.size());
+    for (std::size_t i = 0; i < moves.size(); ++i) {
+      INFO("move " << i << ": " << moves[i].text() << " / " << whole[i].text());
+      CHECK(moves[i].step == whole[i].step);
+      CHECK(moves[i].text() == whole[i].text());
+    }
+  }
+
+  // A trainer without a guard cannot take a guarded save; nothing is loaded.
+  auto other = attention_model();
+  other.build(exec, {tokens}, 9);
+  auto other_optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, other.parameters(exec), 3e-3f),
+                                                   mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::classifier_trainer unguarded(exec, other, other_optimizer);
+  CHECK_THROWS_TYPE_WITH(mpx::load_training_state(exec, unguarded, scratch.path), mpx::checkpoint_error,
+                         Contains("saved by a trainer with a precision guard"));
+  CHECK(attention_of(other).active_tier() == 0);
+  // Loaded without the trainer, the guard's part is passed over.
+  mpx::load_training_state(exec, other, other_optimizer, scratch.path);
+  CHECK(attention_of(other).active_tier() == 1);
 }
 
 TEMPLATE_LIST_TEST_CASE("a checkpoint keeps the tiers", "[model][guard]", mpx_test::executors) {

@@ -35,6 +35,7 @@
 #pragma once
 
 #include <mpx/core/cast.hpp>
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/config.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
@@ -49,10 +50,13 @@
 #include <mpx/model/tiered.hpp>
 
 #include <algorithm>
+#include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -258,6 +262,16 @@ struct watched_fp8_scale {
   unsigned owner = 0;
 };
 
+//! A resumed run's first step: each watched scale as the saved run's last step left it
+//! (the scale it will cast with, loaded with the layer's fp8 state).
+struct resume_fp8_scales {
+  watched_fp8_scale* scales;
+  unsigned count;
+  MPX_HD void operator()() const {
+    for (unsigned i = 0; i < count; ++i) scales[i].previous_scale = scales[i].state->scale;
+  }
+};
+
 //! After each step (before tally_first_nonfinite ends it): marks the layers one of whose
 //! delayed fp8 casts saturated, then remembers each scale for the next step.
 struct tally_fp8_saturation {
@@ -286,6 +300,121 @@ class precision_guard {
   [[nodiscard]] guard_options const& options() const noexcept { return options_; }
   //! Every move so far, oldest first.
   [[nodiscard]] std::vector<guard_move> const& moves() const noexcept { return moves_; }
+
+  //! Its state, for save_training_state given the trainer: the evidence in each layer's
+  //! window, the flags of the steps since the last review, the waits of move_down_after
+  //! and the moves, under sections named `prefix`..., so that a run resumed with it
+  //! reviews and moves as the uninterrupted run would. Synchronises.
+  template <executor Exec>
+  void save(Exec const& exec, detail::checkpoint_writer& out, std::string const& prefix) const {
+    out.add_value(prefix + "review_every", static_cast<std::uint64_t>(options_.review_every));
+    out.add_value(prefix + "reviewed", static_cast<std::uint64_t>(reviewed_));
+    std::string names;
+    for (auto const& n : names_) names += n + "\n";
+    out.add(prefix + "layers", detail::text_bytes(names));
+    for (std::size_t o = 0; o < names_.size(); ++o) {
+      evidence const& e = evidence_[o];
+      descent const& d = descents_[o];
+      auto const whole = [](std::size_t n) { return std::bit_cast<double>(static_cast<std::uint64_t>(n)); };  // exact
+      std::vector<double> v = {e.backward_overflows, e.shadow_strikes, strikes_pending_[o], worst_shadow_[o],
+                               whole(d.quiet_since), whole(d.wait), whole(d.came_down), whole(d.came_down_at)};
+      for (auto const& r : e.recent) v.insert(v.end(), {whole(r.step), r.forward, r.stuck, r.saturated});
+      out.add(prefix + "layer/" + std::to_string(o), std::as_bytes(std::span<double const>(v)));
+    }
+    if (!names_.empty()) {
+      auto const marks = to_host(exec, marks_.view());
+      auto const slot = to_host(exec, slot_.view());
+      out.add(prefix + "marks", std::as_bytes(std::span<unsigned const>(marks.data(), marks.size())));
+      out.add(prefix + "slot", std::as_bytes(std::span<unsigned const>(slot.data(), slot.size())));
+    }
+    out.add_value(prefix + "moves", static_cast<std::uint64_t>(moves_.size()));
+    for (std::size_t i = 0; i < moves_.size(); ++i)
+      out.add(prefix + "move/" + std::to_string(i),
+              detail::text_bytes(std::to_string(moves_[i].step) + "\n" + moves_[i].layer + "\n" + moves_[i].from + "\n" +
+                                 moves_[i].to + "\n" + moves_[i].evidence));
+  }
+
+  //! Reads what save wrote, checks it (mpx::checkpoint_error through `in`, before
+  //! anything is kept) and returns what applies it: to this guard now, or, before its
+  //! first step has named the layers, at that step (which refuses layers other than the
+  //! saved ones with mpx::invalid_argument). A save of a guard that never ran a step
+  //! leaves the guard as it is.
+  [[nodiscard]] std::function<void()> read(detail::checkpoint_reader const& in, std::string const& prefix) {
+    if (!names_.empty())
+      detail::fail<invalid_argument>("mpx::precision_guard::read", "the guard has watched steps: load its state into "
+                                                                   "a new guard");
+    auto const every = in.value<std::uint64_t>(prefix + "review_every");
+    if (every != options_.review_every)
+      in.refuse("its precision guard reviewed every " + std::to_string(every) + " steps, this one every " +
+                std::to_string(options_.review_every) + "; nothing was loaded");
+    saved_state state;
+    state.reviewed = in.value<std::uint64_t>(prefix + "reviewed") != 0;
+    std::string const names = in.text(prefix + "layers");
+    for (std::size_t at = 0; at < names.size();) {
+      std::size_t const end = names.find('\n', at);
+      if (end == std::string::npos) in.refuse("its precision guard's layer list is damaged; nothing was loaded");
+      state.names.push_back(names.substr(at, end - at));
+      at = end + 1;
+    }
+    std::size_t const owners = state.names.size();
+    for (std::size_t o = 0; o < owners; ++o) {
+      auto const bytes = in.section(prefix + "layer/" + std::to_string(o));
+      std::size_t const n = bytes.size() / sizeof(double);
+      if (bytes.size() % sizeof(double) != 0 || n < 8 || (n - 8) % 4 != 0)
+        in.refuse("its precision guard's state of layer " + state.names[o] + " is damaged; nothing was loaded");
+      std::vector<double> v(n);
+      std::memcpy(v.data(), bytes.data(), bytes.size());
+      auto whole = [&](std::size_t i) { return static_cast<std::size_t>(std::bit_cast<std::uint64_t>(v[i])); };
+      auto count = [&](std::size_t i) {
+        if (!(v[i] >= 0.0) || !std::isfinite(v[i]))
+          in.refuse("its precision guard's state of layer " + state.names[o] + " holds a count of " +
+                    detail::to_text(v[i]) + "; nothing was loaded");
+        return v[i];
+      };
+      evidence e;
+      e.backward_overflows = count(0);
+      e.shadow_strikes = count(1);
+      for (std::size_t i = 8; i < n; i += 4) e.recent.push_back({whole(i), count(i + 1), count(i + 2), count(i + 3)});
+      state.windows.push_back(std::move(e));
+      state.strikes_pending.push_back(count(2));
+      state.worst_shadow.push_back(count(3));
+      state.waits.push_back({whole(4), whole(5), whole(6) != 0, whole(7)});
+    }
+    if (owners) {
+      std::size_t const marks = (3 * options_.review_every + 1) * owners;
+      auto const m = in.section(prefix + "marks", marks * sizeof(unsigned));
+      auto const sl = in.section(prefix + "slot", 2 * sizeof(unsigned));
+      state.marks.resize(marks);
+      state.slot.resize(2);
+      std::memcpy(state.marks.data(), m.data(), m.size());
+      std::memcpy(state.slot.data(), sl.data(), sl.size());
+    }
+    auto const moves = in.value<std::uint64_t>(prefix + "moves");
+    if (moves > in.unread_sections().size())
+      in.refuse("its precision guard claims " + std::to_string(moves) + " moves it does not hold; nothing was loaded");
+    for (std::uint64_t i = 0; i < moves; ++i) {
+      std::string const t = in.text(prefix + "move/" + std::to_string(i));
+      std::vector<std::string> parts;
+      for (std::size_t at = 0, k = 0; k < 4; ++k) {
+        std::size_t const end = t.find('\n', at);
+        if (end == std::string::npos) in.refuse("its precision guard's move " + std::to_string(i) + " is damaged; nothing was loaded");
+        parts.push_back(t.substr(at, end - at));
+        at = end + 1;
+        if (k == 3) parts.push_back(t.substr(at));
+      }
+      std::uint64_t step = 0;
+      auto const [end, error] = std::from_chars(parts[0].data(), parts[0].data() + parts[0].size(), step);
+      if (error != std::errc{} || end != parts[0].data() + parts[0].size())
+        in.refuse("its precision guard's move " + std::to_string(i) + " names no step; nothing was loaded");
+      state.moves.push_back({static_cast<std::size_t>(step), parts[1], parts[2], parts[3], parts[4]});
+    }
+    // Kept at the first watch, which names the layers (and refuses other ones).
+    return [this, state = std::move(state)]() mutable {
+      if (state.names.empty()) return;  // saved before its first step: nothing to carry
+      moves_ = std::move(state.moves);
+      pending_ = std::move(state);
+    };
+  }
 
   //! After a step's record is written (its `skipped` is the scan's gate): enqueues the
   //! scan of what the model's latest forward and backward wrote, and the tallies.
@@ -513,6 +642,32 @@ class precision_guard {
     std::size_t came_down_at = 0;
   };
 
+  //! A saved state read by read(), kept until the layers are named when the guard had
+  //! not run a step yet.
+  struct saved_state {
+    bool reviewed = false;
+    std::vector<std::string> names;
+    std::vector<evidence> windows;
+    std::vector<double> strikes_pending, worst_shadow;
+    std::vector<descent> waits;
+    std::vector<unsigned> marks, slot;
+    std::vector<guard_move> moves;
+  };
+
+  void take_host_state(saved_state& state) {
+    reviewed_ = state.reviewed;
+    evidence_ = std::move(state.windows);
+    strikes_pending_ = std::move(state.strikes_pending);
+    worst_shadow_ = std::move(state.worst_shadow);
+    descents_ = std::move(state.waits);
+  }
+  template <executor Exec>
+  void take_flags(Exec const& exec, saved_state const& state) {
+    copy(exec, tensor_view<unsigned const, host_space>(state.marks.data(), marks_.shape()), marks_.view());
+    copy(exec, tensor_view<unsigned const, host_space>(state.slot.data(), slot_.shape()), slot_.view());
+    exec.synchronize();  // the host vectors go
+  }
+
   static guard_options checked(guard_options o) {
     if (o.forward_overflows == 0 || o.stuck_overflows == 0 || o.fp8_saturations == 0 || o.window == 0 || o.review_every == 0 ||
         o.shadow_strikes == 0 || !(o.shadow_error >= 0) || !std::isfinite(o.shadow_error) ||
@@ -704,6 +859,9 @@ class precision_guard {
       detail::fail<invalid_argument>("mpx::precision_guard", "the model's layers changed: make one guard per model");
     if (fp8_generation_ != generation || !fp8_made_) watch_fp8_scales(exec, model, names);
     if (names_.empty()) {
+      if (pending_ && pending_->names != names)
+        detail::fail<invalid_argument>("mpx::precision_guard", "the loaded guard state names other layers than this "
+                                                               "model's");
       names_ = names;
       evidence_.assign(names.size(), {});
       strikes_pending_.assign(names.size(), 0.0);
@@ -713,6 +871,12 @@ class precision_guard {
       fill(exec, marks_.view(), 0u);
       slot_ = tensor<unsigned, Space>(exec, shape{2});
       fill(exec, slot_.view(), 0u);
+      if (pending_) {
+        saved_state state = *std::exchange(pending_, std::nullopt);
+        take_host_state(state);
+        take_flags(exec, state);
+        if (fp8_count_) run_once(exec, detail::resume_fp8_scales{fp8_.data(), fp8_count_});
+      }
     }
     tables_.push_back(std::move(t));
     if (!early_shadows_.empty()) {
@@ -796,6 +960,7 @@ class precision_guard {
   bool fp8_made_ = false;
   std::uint64_t fp8_generation_ = 0;  // the model's buffers when the fp8 scales were found (a rebuild moves them)
   std::vector<shadow_report> early_shadows_;  // reports before the first watch
+  std::optional<saved_state> pending_;  // a loaded state for the layers the first watch names
   own_gradients own_;                         // a replica's (see scan_own_gradients)
 };
 

@@ -10,6 +10,7 @@
 // ask (history()), so the host runs ahead of the GPU.
 #pragma once
 
+#include <mpx/core/checkpoint_file.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
 #include <mpx/dist/replica_hooks.hpp>
@@ -156,8 +157,42 @@ class classifier_trainer {
   }
   //! The guard, or nullptr when there is none.
   [[nodiscard]] precision_guard<Space> const* guard() const noexcept { return active_guard(); }
-  //! Steps taken since the trainer was made (a shadow report's step counts the same way).
+  //! Steps taken since the trainer was made (a shadow report's step counts the same way),
+  //! or since the run it resumed began (load_training_state(exec, trainer, directory)).
   [[nodiscard]] std::size_t steps_taken() const noexcept { return steps_; }
+  //! The model and the optimizer it trains.
+  [[nodiscard]] Model& model() const noexcept { return model_; }
+  [[nodiscard]] LossScaleOptimizer& optimizer() const noexcept { return optimizer_; }
+
+  //! The trainer's own part of a training state (save_training_state(exec, trainer,
+  //! directory)): its step count, and its precision guard's state. Synchronises.
+  void save_state(Exec const& exec, detail::checkpoint_writer& out) const {
+    out.add_value("trainer/steps", static_cast<std::uint64_t>(steps_));
+    out.add_value("trainer/guarded", static_cast<std::uint64_t>(active_guard() != nullptr));
+    if (precision_guard<Space> const* guard = active_guard()) guard->save(exec, out, "guard/");
+  }
+  //! Reads that part (load_training_state(exec, trainer, directory)) and returns what
+  //! keeps it. A save with a guard needs a trainer with one (given the same
+  //! review_every); a save without one leaves this trainer's guard fresh.
+  [[nodiscard]] std::function<void()> read_state(detail::checkpoint_reader const& in) {
+    if (steps_ != 0 || pending_ != 0)
+      detail::fail<invalid_argument>("mpx::load_training_state", "the trainer has run steps: load a training state "
+                                                                 "into a new trainer");
+    if (!in.contains("trainer/steps")) return {};  // saved from the model and optimizer alone
+    auto const steps = in.value<std::uint64_t>("trainer/steps");
+    std::function<void()> keep_guard;
+    if (in.value<std::uint64_t>("trainer/guarded") != 0) {
+      precision_guard<Space>* const guard = active_guard();
+      if (!guard)
+        in.refuse("it was saved by a trainer with a precision guard: give this trainer one (trainer.guard(options)) "
+                  "before loading; nothing was loaded");
+      keep_guard = guard->read(in, "guard/");
+    }
+    return [this, steps, keep_guard] {
+      steps_ = static_cast<std::size_t>(steps);
+      if (keep_guard) keep_guard();
+    };
+  }
 
   //! Runs each step as one replica of a data-parallel job (mpx::data_parallel::hooks):
   //! the gradients are averaged over the replicas between the backward pass and the

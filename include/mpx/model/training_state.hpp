@@ -137,16 +137,11 @@ void restore_model(Exec const& exec, Model& model, std::vector<std::vector<std::
   exec.synchronize();
 }
 
-}  // namespace detail
-
-//! Saves a training run to `directory` (created if needed): the model, the optimizer
-//! with its loss scaler, the layers' counters, seeds and fp8 scales, and `position`. Synchronises. A crash at
-//! any moment leaves the previous save loadable (see the top of this file); on an error
-//! (a full disk, no permission) mpx::checkpoint_error is thrown and the previous save
-//! stays.
+//! save_training_state, with `extra` adding sections of its own (a trainer's).
 template <executor Exec, class Model, class Optimizer>
-void save_training_state(Exec const& exec, Model& model, Optimizer const& optimizer,
-                         std::filesystem::path const& directory, training_position const& position = {}) {
+void save_training_state_with(Exec const& exec, Model& model, Optimizer const& optimizer,
+                              std::filesystem::path const& directory, training_position const& position,
+                              std::function<void(checkpoint_writer&)> const& extra) {
   using Space = memory_space_t<Exec>;
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
@@ -182,8 +177,21 @@ void save_training_state(Exec const& exec, Model& model, Optimizer const& optimi
   auto const tiers = detail::model_tiers(model);
   out.add_value("tiers", static_cast<std::uint64_t>(tiers.size()));
   for (auto const& t : tiers) out.add("tier/" + t.name, detail::text_bytes(t.policies[*t.active]));
+  if (extra) extra(out);
   out.commit(directory / detail::training_state_file);
   detail::remove_other_saves(directory, model_name, optimizer_name);
+}
+}  // namespace detail
+
+//! Saves a training run to `directory` (created if needed): the model, the optimizer
+//! with its loss scaler, the layers' counters, seeds and fp8 scales, and `position`. Synchronises. A crash at
+//! any moment leaves the previous save loadable (see the top of this file); on an error
+//! (a full disk, no permission) mpx::checkpoint_error is thrown and the previous save
+//! stays.
+template <executor Exec, class Model, class Optimizer>
+void save_training_state(Exec const& exec, Model& model, Optimizer const& optimizer,
+                         std::filesystem::path const& directory, training_position const& position = {}) {
+  detail::save_training_state_with(exec, model, optimizer, directory, position, {});
 }
 
 //! Whether `directory` holds a save of save_training_state (its training_state.mpx), for
@@ -194,14 +202,18 @@ inline bool has_training_state(std::filesystem::path const& directory) {
   return std::filesystem::is_regular_file(directory / detail::training_state_file, ec);
 }
 
-//! Restores what save_training_state wrote into a model built with the same layers and
-//! an optimizer over its parameters, and returns where the run was. Everything is checked
-//! before anything is kept: a missing, damaged or mismatched file is refused with
-//! mpx::checkpoint_error and the model, optimizer and scaler are as they were.
-//! Synchronises.
+namespace detail {
+//! What reads a trainer's own sections of a training state: checks them (refusing
+//! through the reader) and returns what keeps them, run once everything else is loaded.
+using training_state_extra = std::function<std::function<void()>(checkpoint_reader const&)>;
+
+//! load_training_state, with `extra` reading sections of its own; without it, a
+//! trainer's sections (its step count, its precision guard) are passed over: the
+//! run resumes with a fresh guard.
 template <executor Exec, class Model, class Optimizer>
-training_position load_training_state(Exec const& exec, Model& model, Optimizer& optimizer,
-                                      std::filesystem::path const& directory) {
+training_position load_training_state_with(Exec const& exec, Model& model, Optimizer& optimizer,
+                                           std::filesystem::path const& directory,
+                                           training_state_extra const& extra) {
   using Space = memory_space_t<Exec>;
   detail::checkpoint_reader const in(directory / detail::training_state_file, "mpx::training_state");
   auto file_name = [&](std::string const& section, std::string_view prefix) {
@@ -264,6 +276,7 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
 
   // Each fp8 state, then each file, checks itself before it writes; what was written
   // goes back if a later part is refused.
+  std::function<void()> keep_extra;
   std::vector<std::function<void()>> restore_fp8;
   auto undo_fp8 = [&] {
     for (auto& restore : restore_fp8) restore();
@@ -273,6 +286,10 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
       restore_fp8.push_back(entry.snapshot(exec));
       entry.load(exec, in, "fp8/" + entry.name);
     }
+    if (extra) keep_extra = extra(in);
+    else
+      for (auto const& name : in.unread_sections())
+        if (name.starts_with("trainer/") || name.starts_with("guard/")) static_cast<void>(in.section(name));
     in.refuse_unread_sections();  // a section this code does not read means another format
   } catch (...) {
     undo_fp8();
@@ -297,8 +314,45 @@ training_position load_training_state(Exec const& exec, Model& model, Optimizer&
          tensor_view<std::uint64_t, Space>(counters[i].second.data(), shape{1}));
   for (std::size_t i = 0; i < seeds.size(); ++i) *seeds[i].second = seed_values[i];
   for (std::size_t i = 0; i < tiers.size(); ++i) *tiers[i].active = *tiers[i].state_tier = tier_values[i];
+  if (keep_extra) keep_extra();
   exec.synchronize();
   return position;
+}
+}  // namespace detail
+
+//! Restores what save_training_state wrote into a model built with the same layers and
+//! an optimizer over its parameters, and returns where the run was. Everything is checked
+//! before anything is kept: a missing, damaged or mismatched file is refused with
+//! mpx::checkpoint_error and the model, optimizer and scaler are as they were.
+//! Synchronises.
+template <executor Exec, class Model, class Optimizer>
+training_position load_training_state(Exec const& exec, Model& model, Optimizer& optimizer,
+                                      std::filesystem::path const& directory) {
+  return detail::load_training_state_with(exec, model, optimizer, directory, {});
+}
+
+//! save_training_state for a run a trainer (mpx::classifier_trainer) drives: its model
+//! and optimizer as above, and the trainer's own state: its step count and its precision
+//! guard's (the evidence, the waits, the moves), so that a guarded run, resumed through
+//! load_training_state(exec, trainer, directory), reviews and moves its layers at the
+//! steps the uninterrupted run would. Synchronises.
+template <executor Exec, class Trainer>
+  requires requires(Trainer& t) { t.model(); t.optimizer(); t.read_state(std::declval<detail::checkpoint_reader const&>()); }
+void save_training_state(Exec const& exec, Trainer& trainer, std::filesystem::path const& directory,
+                         training_position const& position = {}) {
+  detail::save_training_state_with(exec, trainer.model(), trainer.optimizer(), directory, position,
+                                   [&](detail::checkpoint_writer& out) { trainer.save_state(exec, out); });
+}
+
+//! load_training_state into a trainer's model and optimizer, and the trainer's own
+//! state when the save holds it (saved through a trainer; else the trainer is left as it
+//! is). The trainer must not have run a step. Everything is checked before anything is
+//! kept. Synchronises.
+template <executor Exec, class Trainer>
+  requires requires(Trainer& t) { t.model(); t.optimizer(); t.read_state(std::declval<detail::checkpoint_reader const&>()); }
+training_position load_training_state(Exec const& exec, Trainer& trainer, std::filesystem::path const& directory) {
+  return detail::load_training_state_with(exec, trainer.model(), trainer.optimizer(), directory,
+                                          [&](detail::checkpoint_reader const& in) { return trainer.read_state(in); });
 }
 
 }  // namespace mpx
