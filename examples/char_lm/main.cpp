@@ -4,8 +4,8 @@
 // mixed_fp8 (the MLPs in fp8): the transformer workflow mixed-precision users train today.
 //
 //   embedding(256 bytes -> width, + learned positions)
-//   4 x [ residual(layer_norm, causal_self_attention(heads)),
-//         residual(layer_norm, dense(4 width, gelu), dense(width)) ]
+//   repeat(--layers, default 4) [ residual(layer_norm, causal_self_attention(heads)),
+//                                 residual(layer_norm, dense(4 width, gelu), dense(width)) ]
 //   layer_norm, dense(256), softmax (float32)
 //
 // Each policy trains from the same seed on the same windows; the run prints the loss and
@@ -15,9 +15,16 @@
 //
 //   char_lm [--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8|mixed_fp8_current|
 //            mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4] [--steps N] [--batch N]
-//           [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]
-//           [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]
-//           [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]
+//           [--context N] [--width N] [--heads N] [--layers N] [--preset gpt2-small] [--lr X]
+//           [--corpus PATH] [--seed N] [--sample N] [--log-every N] [--eval-batches N]
+//           [--executor auto|host|cuda] [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]
+//
+// --preset gpt2-small is GPT-2 small's shape on bytes, for a GPU: 12 layers, width 768,
+// 12 heads, 1,024 tokens of context, GPT-2's initialisation, batch 8, AdamW(6e-4) (the
+// flags given beside it win). The table reports tokens per second and the model's FLOP
+// rate (6 x parameters + 12 x layers x context x width per token: the forward's and
+// backward's products, attention's included), and on a GPU that rate as a fraction of the
+// device's dense bfloat16 tensor-core peak at its highest clock (model FLOP utilisation).
 //
 // --init chooses how the weights start: keras (the default: Keras's defaults, glorot
 // uniform kernels, zero biases, embeddings U(±0.05)), torch (what PyTorch's nn.Linear and
@@ -45,6 +52,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -71,6 +79,8 @@ struct settings {
   std::int64_t context = 64;
   std::int64_t width = 128;
   std::int64_t heads = 4;
+  std::int64_t layers = 4;  // transformer blocks (mpx::repeat's copies)
+  std::string preset;       // "gpt2-small", or none
   float lr = 3e-3f;
   std::string corpus = "/usr/share/games/fortunes";
   std::uint64_t seed = 1;
@@ -88,6 +98,7 @@ struct outcome {
   std::string policy;
   double validation_loss = 0;
   double tokens_per_second = 0;
+  double model_flops_per_second = 0;  // see model_flops_per_token
   std::size_t skipped = 0;
   float final_scale = 0;
   double peak_mib = 0;
@@ -95,21 +106,20 @@ struct outcome {
   std::string shadow_table;  // --shadow: the layers' errors against their float32 twins
 };
 
-constexpr std::size_t blocks = 4;
 
-initialisation initialisation_of(std::string const& init) {
+initialisation initialisation_of(std::string const& init, std::int64_t layers) {
   using mpx::initializer;
   if (init == "torch")
     return {initializer::torch_linear, initializer::torch_linear, initializer::torch_linear, initializer::normal(1.0),
             initializer::normal(1.0)};
   if (init == "gpt2")
-    return {initializer::normal(0.02), initializer::zeros, initializer::gpt2_residual(blocks), initializer::normal(0.02),
+    return {initializer::normal(0.02), initializer::zeros, initializer::gpt2_residual(layers), initializer::normal(0.02),
             initializer::normal(0.02)};
   return {initializer::glorot_uniform, initializer::zeros, initializer::glorot_uniform, initializer::random_uniform,
           initializer::random_uniform};
 }
 
-// One pre-norm transformer block: attention, then the MLP, each in a residual branch.
+// One pre-norm transformer block is attention, then the MLP, each in a residual branch.
 // Under mixed_fp8 the MLP's dense layers run in fp8 and attention stays in bfloat16
 // (mpx::without_fp8<P>, which is P under every other policy), as in Transformer Engine.
 // Guarded (--demo-overflow's second run): each attention layer is tiered, P then
@@ -128,31 +138,38 @@ auto attention_layer(settings const& s) {
     return mpx::causal_self_attention<mpx::without_fp8<P>>(c);
 }
 
-template <class P, bool Guarded>
-auto transformer_block(settings const& s) {
+// The model: an embedding, --layers copies of the pre-norm block, the output layer.
+// (mpx::repeat initialises as the copies written out would: the same seeds per layer.)
+template <class P, bool Guarded = false>
+auto make_gpt(settings const& s) {
   initialisation const& init = s.weights;
-  return std::make_tuple(
-      mpx::residual(mpx::layer_norm<>(), attention_layer<P, Guarded>(s)),
-      mpx::residual(mpx::layer_norm<>(),
-                    mpx::dense<>({.units = 4 * s.width, .activation = mpx::activation::gelu,
-                                  .kernel_initializer = init.kernel, .bias_initializer = init.bias}),
-                    mpx::dense<>({.units = s.width, .kernel_initializer = init.residual_kernel,
-                                  .bias_initializer = init.bias})));
+  return mpx::sequential<P>(
+      mpx::embedding<>({.vocab_size = 256, .width = s.width, .context = s.context,
+                        .embeddings_initializer = init.embeddings, .positions_initializer = init.positions}),
+      mpx::repeat(s.layers, mpx::residual(mpx::layer_norm<>(), attention_layer<P, Guarded>(s)),
+                  mpx::residual(mpx::layer_norm<>(),
+                                mpx::dense<>({.units = 4 * s.width, .activation = mpx::activation::gelu,
+                                              .kernel_initializer = init.kernel, .bias_initializer = init.bias}),
+                                mpx::dense<>({.units = s.width, .kernel_initializer = init.residual_kernel,
+                                              .bias_initializer = init.bias}))),
+      mpx::layer_norm<>(),
+      mpx::dense<mpx::without_fp8<P>>({.units = 256, .kernel_initializer = init.kernel, .bias_initializer = init.bias}),
+      mpx::softmax_layer<mpx::float32>());
 }
 
-template <class P, bool Guarded = false, std::size_t... I>
-auto make_gpt(settings const& s, std::index_sequence<I...>) {
-  initialisation const& init = s.weights;
-  auto layers = std::tuple_cat(
-      std::make_tuple(mpx::embedding<>({.vocab_size = 256, .width = s.width, .context = s.context,
-                                        .embeddings_initializer = init.embeddings,
-                                        .positions_initializer = init.positions})),
-      (static_cast<void>(I), transformer_block<P, Guarded>(s))...,
-      std::make_tuple(mpx::layer_norm<>(),
-                      mpx::dense<mpx::without_fp8<P>>({.units = 256, .kernel_initializer = init.kernel,
-                                                       .bias_initializer = init.bias}),
-                      mpx::softmax_layer<mpx::float32>()));
-  return std::apply([](auto&&... l) { return mpx::sequential<P>(std::move(l)...); }, std::move(layers));
+// The first block's attention layer (the demonstrations grow its weights).
+template <class Model>
+auto& first_attention(Model& model) {
+  return model.template layer<1>().block(0).template layer<0>().branch().template layer<1>();
+}
+
+// The model's training FLOPs per token, as PaLM's appendix B counts them: 6 per
+// parameter (a forward and two backward products, 2 FLOPs a multiply-add) and
+// attention's two [context x context] products, 12 x layers x context x width (the
+// masked half counted too).
+double model_flops_per_token(std::size_t parameters, settings const& s) {
+  return 6.0 * static_cast<double>(parameters) +
+         12.0 * static_cast<double>(s.layers) * static_cast<double>(s.context) * static_cast<double>(s.width);
 }
 
 // The first `limit` batches of a source each epoch (the validation score on a sample of
@@ -237,7 +254,7 @@ template <class P, class Exec>
 outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) {
   using storage = typename P::storage_type;
   reset_peak();
-  auto model = make_gpt<P>(s, std::make_index_sequence<blocks>{});
+  auto model = make_gpt<P>(s);
   model.build(exec, {s.context}, s.seed);
   std::printf("\n== %s on the %s executor: %zu parameters\n", std::string(P::name).c_str(),
               mpx::is_host_executor_v<Exec> ? "host" : "cuda", model.parameter_count());
@@ -279,6 +296,7 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
     exec.synchronize();
     o.tokens_per_second = static_cast<double>(tokens) /
                           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    o.model_flops_per_second = o.tokens_per_second * model_flops_per_token(model.parameter_count(), s);
     first_batches<mpx::text_batches<Exec>> sample{validation, s.eval_batches};
     o.validation_loss = mpx::evaluate(exec, model, sample).loss;
     o.final_scale = optimizer.scaler().scale(exec);
@@ -307,9 +325,9 @@ void demonstrate_overflow_once(Exec const& exec, settings s, mpx::text_split con
   auto const batch = batches.next();
   for (bool scaled : {false, true}) {
     s.scale_logits = scaled;
-    auto model = make_gpt<mpx::mixed_float16>(s, std::make_index_sequence<blocks>{});
+    auto model = make_gpt<mpx::mixed_float16>(s);
     model.build(exec, {s.context}, s.seed);
-    auto& attention = model.template layer<1>().branch().template layer<1>();  // block 1: residual(layer_norm, attention)
+    auto& attention = first_attention(model);
     mpx::scale(exec, attention.query_key_value().template kernel<space>(), 100.0f);
     model.forward(exec, batch->inputs, true);
     std::printf("\n== mixed_float16, attention weights grown 100x, logits %s\n",
@@ -337,9 +355,9 @@ template <bool Guarded, class Exec>
 demo_run demo_training(Exec const& exec, settings s, mpx::text_split const& text) {
   using space = mpx::memory_space_t<Exec>;
   s.scale_logits = false;
-  auto model = make_gpt<mpx::mixed_float16, Guarded>(s, std::make_index_sequence<blocks>{});
+  auto model = make_gpt<mpx::mixed_float16, Guarded>(s);
   model.build(exec, {s.context}, s.seed);
-  auto& attention = model.template layer<1>().branch().template layer<1>();
+  auto& attention = first_attention(model);
   if constexpr (Guarded) mpx::scale(exec, attention.template tier<0>().query_key_value().template kernel<space>(), 100.0f);
   else mpx::scale(exec, attention.query_key_value().template kernel<space>(), 100.0f);
   demo_run out;
@@ -408,14 +426,16 @@ void demonstrate_overflow(Exec const& exec, settings const& s, mpx::text_split c
 constexpr char const* usage_text =
     "[--policy all|float32|mixed_bfloat16|mixed_float16|bfloat16|mixed_fp8|mixed_fp8_current|mixed_fp8_block|mixed_fp8_rowwise|mixed_mxfp8|mixed_nvfp4]\n"
     "          [--steps N] [--batch N]\n"
-    "          [--context N] [--width N] [--heads N] [--lr X] [--corpus PATH] [--seed N]\n"
-    "          [--sample N] [--log-every N] [--eval-batches N] [--executor auto|host|cuda]\n"
-    "          [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]";
+    "          [--context N] [--width N] [--heads N] [--layers N] [--preset gpt2-small] [--lr X]\n"
+    "          [--corpus PATH] [--seed N] [--sample N] [--log-every N] [--eval-batches N]\n"
+    "          [--executor auto|host|cuda] [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]";
 
 settings parse(int argc, char** argv) {
   settings s;
   mpx_programs::command_line args(argc, argv, usage_text);
+  std::vector<std::string> given;  // the flags on the command line: a preset does not override them
   while (args.next()) {
+    given.push_back(args.flag());
     if (args.is("--policy"))
       s.policy = args.choice({"all", "float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "mixed_fp8",
                               "mixed_fp8_current", "mixed_fp8_block", "mixed_fp8_rowwise", "mixed_mxfp8",
@@ -426,6 +446,8 @@ settings parse(int argc, char** argv) {
       s.context = args.whole<std::int64_t>(1, 2048, " (each attention holds --batch x --heads x context^2 scores)");
     else if (args.is("--width")) s.width = args.whole<std::int64_t>(1, 4096);
     else if (args.is("--heads")) s.heads = args.whole<std::int64_t>(1, 64);
+    else if (args.is("--layers")) s.layers = args.whole<std::int64_t>(1, 256);
+    else if (args.is("--preset")) s.preset = args.choice({"gpt2-small"});
     else if (args.is("--lr")) s.lr = static_cast<float>(args.real(0, 1, true));
     else if (args.is("--corpus")) s.corpus = args.text();
     else if (args.is("--seed")) s.seed = args.whole<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
@@ -438,10 +460,22 @@ settings parse(int argc, char** argv) {
     else if (args.is("--init")) s.init = args.choice({"keras", "torch", "gpt2"});
     else args.unknown();
   }
+  if (s.preset == "gpt2-small") {
+    auto unless_given = [&](char const* flag, auto& field, auto value) {
+      if (std::find(given.begin(), given.end(), flag) == given.end()) field = value;
+    };
+    unless_given("--layers", s.layers, std::int64_t{12});
+    unless_given("--width", s.width, std::int64_t{768});
+    unless_given("--heads", s.heads, std::int64_t{12});
+    unless_given("--context", s.context, std::int64_t{1024});
+    unless_given("--batch", s.batch, std::size_t{8});
+    unless_given("--init", s.init, std::string("gpt2"));
+    unless_given("--lr", s.lr, 6e-4f);  // GPT-2 small's; 3e-3 is for the small default model
+  }
   if (s.width % s.heads != 0)
     throw mpx_programs::usage_error("--width " + std::to_string(s.width) + " must be a multiple of --heads " +
                                     std::to_string(s.heads));
-  s.weights = initialisation_of(s.init);
+  s.weights = initialisation_of(s.init, s.layers);
   return s;
 }
 
@@ -451,6 +485,28 @@ bool gpu_available() {
   return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
 #else
   return false;
+#endif
+}
+
+// The GPU's dense bfloat16 tensor-core peak in FLOP/s at its highest SM clock: SMs x that
+// clock x the FLOPs an SM does per clock (sm_80 2,048, sm_90 4,096, sm_100 8,192). The
+// vendor's figures use a lower boost clock (989 TFLOP/s for an H100 SXM, where this gives
+// about 1,070), so the MFU against it is the smaller, cautious one. 0 where unknown (the
+// host, other GPUs: sm_86 and sm_89 do fewer per clock).
+double dense_bf16_peak() {
+#if MPX_HAS_CUDA
+  int device = 0, major = 0, minor = 0, sms = 0, khz = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device) != cudaSuccess)
+    return 0;
+  int const sm = 10 * major + minor;
+  double const per_clock = sm == 80 ? 2048 : sm == 90 ? 4096 : sm == 100 ? 8192 : 0;
+  return per_clock * sms * khz * 1e3;
+#else
+  return 0;
 #endif
 }
 
@@ -476,9 +532,9 @@ int main(int argc, char** argv) try {
   mpx::text_split const text = mpx::split_text(corpus, 0.1);
   std::printf("corpus: %zu bytes from %zu file(s) under %s; %zu for training, %zu for validation\n", corpus.size(),
               corpus.files.size(), s.corpus.c_str(), text.train.size(), text.validation.size());
-  std::printf("model: %zu blocks, width %lld, %lld heads, context %lld; batch %zu, %zu steps, AdamW(%g); %s "
+  std::printf("model: %lld blocks, width %lld, %lld heads, context %lld; batch %zu, %zu steps, AdamW(%g); %s "
               "initialisation\n",
-              blocks, static_cast<long long>(s.width), static_cast<long long>(s.heads),
+              static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.heads),
               static_cast<long long>(s.context), s.batch, s.steps, static_cast<double>(s.lr), s.init.c_str());
   double const unigram = unigram_loss(text.train, text.validation);
   if (s.demo_overflow) {
@@ -501,11 +557,18 @@ int main(int argc, char** argv) try {
     results = train_policies(mpx::host_executor{}, s, text);
   }
 
-  std::printf("\n%-16s %16s %14s %10s %12s %14s\n", "policy", "validation loss", "tokens / s", "skipped",
-              "final scale", "peak memory");
-  for (auto const& r : results)
-    std::printf("%-16s %16.4f %14.0f %10zu %12g %10.0f MiB\n", r.policy.c_str(), r.validation_loss,
-                r.tokens_per_second, r.skipped, static_cast<double>(r.final_scale), r.peak_mib);
+  double const peak = use_gpu ? dense_bf16_peak() : 0;
+  std::printf("\n%-16s %16s %14s %14s %8s %10s %12s %14s\n", "policy", "validation loss", "tokens / s",
+              "model TFLOP/s", "MFU", "skipped", "final scale", "peak memory");
+  for (auto const& r : results) {
+    std::string const mfu = peak > 0 ? std::to_string(static_cast<int>(std::lround(100 * r.model_flops_per_second / peak))) + "%" : "-";
+    std::printf("%-16s %16.4f %14.0f %14.3f %8s %10zu %12g %10.0f MiB\n", r.policy.c_str(), r.validation_loss,
+                r.tokens_per_second, r.model_flops_per_second / 1e12, mfu.c_str(), r.skipped,
+                static_cast<double>(r.final_scale), r.peak_mib);
+  }
+  if (peak > 0)
+    std::printf("(MFU: the model's FLOP rate over this GPU's dense bfloat16 peak at its highest clock, %.0f TFLOP/s)\n",
+                peak / 1e12);
   std::printf("%-16s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
   for (auto const& r : results) std::printf("\n-- sampled from %s:\n%s\n", r.policy.c_str(), r.sample.c_str());
   for (auto const& r : results)

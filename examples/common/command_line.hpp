@@ -57,6 +57,8 @@ class command_line {
 
   //! Whether the current argument is `flag`.
   [[nodiscard]] bool is(std::string_view flag) const { return flag_ == flag; }
+  //! The current argument (the flag, before its value is read).
+  [[nodiscard]] std::string const& flag() const noexcept { return flag_; }
 
   //! The current flag's value: the argument after it.
   std::string text() {

@@ -728,25 +728,28 @@ lstm_result lstm_reference(lstm_dims dm, std::vector<ball> const& x, std::vector
         for (std::size_t col = 0; col < 4 * U; ++col) terms[col] = exact_product(dz[(t * N + n) * 4 * U + col], w[f * 4 * U + col]);
         out.dx[(n * T + t) * F + f] = store<S>(float_sum(terms));
       }
-  auto const over_steps = [&](auto const& operand, std::size_t col) {
+  // With accumulate, the kernel and recurrent kernel gradients are products with beta = 1:
+  // a BLAS may start its sum from the old value, so the old value is one more term of the
+  // float sum (its magnitude enters the bound even where the result cancels it). The bias
+  // gradient is summed apart and added once.
+  auto const over_steps = [&](auto const& operand, std::size_t col, ball const* old) {
     terms.resize(T * N);
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t n = 0; n < N; ++n) terms[t * N + n] = exact_product(operand(t, n), dz[(t * N + n) * 4 * U + col]);
+    if (old) terms.push_back(*old);
     return float_sum(terms);
   };
   out.dw.resize(F * 4 * U);
   out.dr.resize(U * 4 * U);
   out.db.resize(4 * U);
   for (std::size_t col = 0; col < 4 * U; ++col) {
-    for (std::size_t f = 0; f < F; ++f) {
-      ball const g = over_steps([&](std::size_t t, std::size_t n) { return x[(n * T + t) * F + f]; }, col);
-      out.dw[f * 4 * U + col] = old_dw ? (*old_dw)[f * 4 * U + col] + g : g;
-    }
-    for (std::size_t k = 0; k < U; ++k) {
-      ball const g = over_steps([&](std::size_t t, std::size_t n) { return h[(t * N + n) * U + k]; }, col);
-      out.dr[k * 4 * U + col] = old_dr ? (*old_dr)[k * 4 * U + col] + g : g;
-    }
-    ball const g = over_steps([](std::size_t, std::size_t) { return ball{1, 0}; }, col);
+    for (std::size_t f = 0; f < F; ++f)
+      out.dw[f * 4 * U + col] = over_steps([&](std::size_t t, std::size_t n) { return x[(n * T + t) * F + f]; }, col,
+                                           old_dw ? &(*old_dw)[f * 4 * U + col] : nullptr);
+    for (std::size_t k = 0; k < U; ++k)
+      out.dr[k * 4 * U + col] = over_steps([&](std::size_t t, std::size_t n) { return h[(t * N + n) * U + k]; }, col,
+                                           old_dr ? &(*old_dr)[k * 4 * U + col] : nullptr);
+    ball const g = over_steps([](std::size_t, std::size_t) { return ball{1, 0}; }, col, nullptr);
     out.db[col] = old_db ? (*old_db)[col] + g : g;
   }
   return out;

@@ -6,7 +6,9 @@
 #include <mpx/model/diagnostics.hpp>
 #include <mpx/model/fit.hpp>
 #include <mpx/model/model_file.hpp>
+#include <mpx/model/composite.hpp>
 #include <mpx/model/precision_guard.hpp>
+#include <mpx/model/repeat.hpp>
 #include <mpx/model/residual.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/shadow.hpp>

@@ -231,6 +231,35 @@ concept layer = std::move_constructible<L> && requires(L& l, L const& cl, host_e
   l.set_name(std::string{});
 };
 
+//! A layer made of whole models (mpx::residual's branch, mpx::repeat's copies): the
+//! model's walks (visit_in_flight, trace, the shadow, the guard) go into its parts
+//! through for_each_part(f), f(part, "<its name>/..."), rather than treating it as one
+//! (and for_each_part_model(f), f(part), where no name is needed).
+template <class L>
+concept composite_layer = requires { requires L::composite; };
+
+namespace detail {
+
+//! The same layer, not built: a composite copies its parts, any other layer is made
+//! again from its configuration (what mpx::repeat makes its copies with).
+template <class L>
+L unbuilt_copy(L const& layer) {
+  if constexpr (requires { layer.unbuilt_copy(); }) return layer.unbuilt_copy();
+  else return L(layer.config());
+}
+
+//! How many of a model's layer positions a layer takes when seeds are handed out (layer i
+//! of a model is initialised from seed + 1000 * i): one, or what the layer says. A repeat
+//! of n copies of a k-layer block takes n * k, so it initialises exactly as the n * k
+//! layers written out would.
+template <class L>
+std::size_t seed_slots(L const& layer) {
+  if constexpr (requires { layer.seed_slots(); }) return layer.seed_slots();
+  else return 1;
+}
+
+}  // namespace detail
+
 }  // namespace mpx
 
 namespace mpx::detail {

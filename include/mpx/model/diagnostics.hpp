@@ -169,7 +169,8 @@ struct nonfinite_finding {
 //! After model.forward (and model.backward or backward_from_logits), the first place a
 //! NaN or inf appears: the model's input; then each layer's parameters and output in
 //! forward order; then, going backwards from where backpropagation began, each layer's parameter
-//! gradients and input gradient. The first tensor that holds one names the layer that
+//! gradients and input gradient (a composite's, a residual block's or a repeat's, after its
+//! parts' layers). The first tensor that holds one names the layer that
 //! made it from finite numbers. nullopt when everything is finite. Synchronises.
 template <executor Exec, class Model>
 std::optional<nonfinite_finding> find_nonfinite(Exec const& exec, Model& model) {
@@ -213,26 +214,54 @@ std::optional<nonfinite_finding> find_nonfinite(Exec const& exec, Model& model) 
     previous_output = t.output.data();
   }
   std::optional<numerics_stats> above;  // the input gradient of the layer above, checked finite
+  // A layer's gradient of its output (dy is the layer above's input gradient, finite, or
+  // it would have been found, or the model's cast of it to this layer's dtype).
+  auto check_output_gradient = [&](auto const& t, std::optional<numerics_stats>& dy) -> std::optional<nonfinite_finding> {
+    if (t.output_gradient.size() == 0) return std::nullopt;
+    dy = detail::stats_of(exec, t.output_gradient);
+    if (!dy->all_finite() && above) return cast_found(t, "backward", "output gradient", t.output_gradient, *dy, *above);
+    return std::nullopt;
+  };
+  auto check_input_gradient = [&](auto const& t, std::optional<numerics_stats> const& dy) -> std::optional<nonfinite_finding> {
+    if (t.input_gradient.size() == 0) return std::nullopt;
+    numerics_stats const dx = detail::stats_of(exec, t.input_gradient);
+    if (!dx.all_finite()) return found(t, "backward", "input gradient", t.input_gradient, dx, dy);
+    above = dx;
+    return std::nullopt;
+  };
+  // Backwards: the layers in reverse, a composite's (a residual block's, a repeat's) dy
+  // before its parts' layers and its own input gradient (the skip path's sum, or copy
+  // 0's) after them, which ran inside it.
+  struct open_composite {
+    std::size_t index;
+    std::optional<numerics_stats> dy;
+  };
+  std::vector<open_composite> open;
+  auto close_composites = [&](std::string const* next) -> std::optional<nonfinite_finding> {
+    while (!open.empty() && (!next || !next->starts_with(layers[open.back().index].name + "/"))) {
+      open_composite const c = open.back();
+      open.pop_back();
+      if (auto f = check_input_gradient(layers[c.index], c.dy)) return f;
+    }
+    return std::nullopt;
+  };
   for (std::size_t i = layers.size(); i-- > 0;) {
     auto const& t = layers[i];
     if (!t.in_backward) continue;
+    if (auto f = close_composites(&t.name)) return f;
     std::optional<numerics_stats> dy;
-    if (t.output_gradient.size() != 0) {
-      dy = detail::stats_of(exec, t.output_gradient);
-      // dy is the layer above's input gradient (finite, or it would have been found),
-      // or the model's cast of it to this layer's dtype.
-      if (!dy->all_finite() && above) return cast_found(t, "backward", "output gradient", t.output_gradient, *dy, *above);
+    if (auto f = check_output_gradient(t, dy)) return f;
+    if (t.composite) {
+      open.push_back({i, dy});
+      continue;
     }
     for (auto const& p : t.parameters) {
       numerics_stats const g = detail::stats_of(exec, p.gradient);
       if (!g.all_finite()) return found(t, "backward", p.name + " gradient", p.gradient, g, dy);
     }
-    if (t.input_gradient.size() != 0) {
-      numerics_stats const dx = detail::stats_of(exec, t.input_gradient);
-      if (!dx.all_finite()) return found(t, "backward", "input gradient", t.input_gradient, dx, dy);
-      above = dx;
-    }
+    if (auto f = check_input_gradient(t, dy)) return f;
   }
+  if (auto f = close_composites(nullptr)) return f;
   return std::nullopt;
 }
 

@@ -741,9 +741,9 @@ class precision_guard {
   template <class Exec, class Model>
   table const& table_for(Exec const& exec, Model& model, void const* caller_input, bool replica) {
     std::uint64_t const generation = model.buffer_generation();
-    auto const in_flight = model.in_flight_state();
+    std::int64_t const batch = model.batch_in_flight();
     for (auto const& t : tables_)
-      if (t.generation == generation && t.batch == in_flight.batch && t.replica == replica) return t;
+      if (t.generation == generation && t.batch == batch && t.replica == replica) return t;
     refuse_capture(exec);
     if (replica) own_gradients_for(exec, model);
     // Tables of older buffers go (a graph that read one is captured again before it runs
@@ -751,7 +751,7 @@ class precision_guard {
     std::erase_if(tables_, [&](table const& old) { return old.generation != generation; });
     table t;
     t.generation = generation;
-    t.batch = in_flight.batch;
+    t.batch = batch;
     t.replica = replica;
     std::vector<std::string> names;
     struct backward_part {
@@ -783,7 +783,7 @@ class precision_guard {
       using DX = std::remove_const_t<typename decltype(dx)::value_type>;
       auto const owner = static_cast<std::uint32_t>(names.size());
       names.push_back(name);
-      if (first) {  // the model's first layer (or a first residual block's first branch layer)
+      if (first) {  // the model's first layer (or the first layer inside a first composite)
         t.input_size = x.size();
         first = false;
       }
@@ -800,10 +800,11 @@ class precision_guard {
       }
       if (!in_backward) return;
       backward_part part{owner, false, name, {}};
-      if constexpr (requires { layer.branch(); }) part.block = true;
+      using L = std::remove_cvref_t<decltype(layer)>;
+      if constexpr (composite_layer<L>) part.block = true;
       if constexpr (detail::guard_watchable<DY>)
         if (dy.size()) part.tensors.push_back(watched(dy, detail::guard_no_owner, true));
-      if constexpr (!requires { layer.branch(); }) {
+      if constexpr (!composite_layer<L>) {
         std::vector<parameter<Space>> ps;
         layer.template append_parameters<Space>(ps);
         for (auto const& p : ps) {

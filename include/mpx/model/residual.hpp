@@ -12,8 +12,8 @@
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/layers/layer.hpp>
 #include <mpx/layers/matrix_products.hpp>
+#include <mpx/model/composite.hpp>
 #include <mpx/model/sequential.hpp>
-#include <mpx/model/tiered.hpp>
 
 #include <array>
 #include <string>
@@ -25,7 +25,7 @@
 namespace mpx {
 
 template <class Policy, class... Layers>
-class residual_block : public layer_base {
+class residual_block : public layer_base, public detail::composite_parts<residual_block<Policy, Layers...>> {
  public:
   using policy = Policy;
   using input_type = typename Policy::storage_type;
@@ -83,73 +83,34 @@ class residual_block : public layer_base {
               tensor_view<input_type const, Space>(dx));
   }
 
-  //! The branch's parameters, named "<block>/<layer>/<tensor>" ("residual_1/dense/kernel").
-  template <memory_space Space>
-  void append_parameters(std::vector<parameter<Space>>& out) {
-    require_built("parameters");
-    for (auto p : branch_.template parameters<Space>()) {
-      p.name = name() + "/" + p.name;
-      out.push_back(std::move(p));
-    }
+  //! Calls f(branch, "<block>/"): the composite's one part (see model/composite.hpp).
+  template <class F>
+  void for_each_part(F&& f) {
+    f(branch_, name() + "/");
   }
-  [[nodiscard]] std::size_t parameter_count() const { return branch_.parameter_count(); }
-
-  //! The branch's layers' training state (dropout's counters and seeds, fp8 scales), named
-  //! like the parameters ("residual_1/dropout"), for save_training_state.
-  template <memory_space Space>
-  void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
-    append_prefixed(out, [&](auto& l) -> decltype(l.template append_counters<Space>(out)) {
-      l.template append_counters<Space>(out);
-    });
-  }
-  template <executor Exec>
-  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
-    append_prefixed(out, [&](auto& l) -> decltype(l.template append_fp8_scales<Exec>(out)) {
-      l.template append_fp8_scales<Exec>(out);
-    });
-  }
-  void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
-    append_prefixed(out, [&](auto& l) -> decltype(l.append_seeds(out)) { l.append_seeds(out); });
-  }
-  //! The branch's tiered layers (mpx::tiered), named "<block>/<layer>".
-  void append_tiers(std::vector<layer_tiers_entry>& out) {
-    append_prefixed(out, [&](auto& l) -> decltype(l.append_tiers(out)) { l.append_tiers(out); });
+  template <class F>
+  void for_each_part(F&& f) const {
+    f(branch_, name() + "/");
   }
 
-  //! The branch's rows for the model's summary, indented under the block.
-  [[nodiscard]] std::vector<std::array<std::string, 4>> branch_summary_rows() const {
-    auto rows = branch_.summary_rows();
-    for (auto& r : rows) r[0] = "  | " + r[0];
-    return rows;
+  //! f(branch), without making a name.
+  template <class F>
+  void for_each_part_model(F&& f) {
+    f(branch_);
   }
+  template <class F>
+  void for_each_part_model(F&& f) const {
+    f(branch_);
+  }
+
+  //! The same block, not built (mpx::repeat's copies).
+  [[nodiscard]] residual_block unbuilt_copy() const { return residual_block(branch_.unbuilt_copy()); }
 
   [[nodiscard]] branch_type& branch() noexcept { return branch_; }
   [[nodiscard]] branch_type const& branch() const noexcept { return branch_; }
 
  private:
-  //! Runs append(layer) for each branch layer that has it (append is SFINAE-friendly: its
-  //! return type names the call), then prefixes the new entries' names with this block's.
-  // The name of a (name, value) pair or of an fp8_scales_entry. (Overloads rather than an
-  // if constexpr on a requires-expression, which nvcc 13's front end instantiates whole.)
-  template <class First, class Second>
-  static std::string& entry_name(std::pair<First, Second>& entry) noexcept {
-    return entry.first;
-  }
-  template <class Exec>
-  static std::string& entry_name(fp8_scales_entry<Exec>& entry) noexcept {
-    return entry.name;
-  }
-  static std::string& entry_name(layer_tiers_entry& entry) noexcept { return entry.name; }
-  template <class Entries, class Append>
-  void append_prefixed(Entries& out, Append append) {
-    branch_.for_each_layer([&](auto& l) {
-      if constexpr (std::is_invocable_v<Append&, decltype(l)>) {
-        std::size_t const first = out.size();
-        append(l);
-        for (std::size_t i = first; i < out.size(); ++i) entry_name(out[i]) = name() + "/" + entry_name(out[i]);
-      }
-    });
-  }
+  explicit residual_block(branch_type&& branch) : branch_(std::move(branch)) {}
 
   branch_type branch_;
 };

@@ -28,6 +28,7 @@
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/tuple.hpp>
+#include <boost/hana/unpack.hpp>
 
 #include <algorithm>
 #include <array>
@@ -126,7 +127,29 @@ struct layer_trace {
   tensor_ref<Space> input_gradient;   //!< dL/d(input) it wrote; empty for the first layer
   std::vector<parameter<Space>> parameters;  //!< values, and gradients when in_backward
   bool in_backward = false;                  //!< the latest backward (since the forward) ran this layer
+  bool composite = false;  //!< a residual block or a repeat: its parts' layers are listed before it
 };
+
+//! What a model's latest forward and backward left behind for logits(), trace() and
+//! backward (the batch, the input's address, where backpropagation began), and the same
+//! of the models inside its composite layers (a residual's branch, a repeat's copies), in
+//! order. A replayed CUDA graph reruns them without the host, so classifier_trainer puts
+//! back the state its capture left after each replay.
+struct model_in_flight {
+  std::int64_t batch = 0;
+  void const* input = nullptr;
+  std::size_t backward_top = static_cast<std::size_t>(-1);
+  void const* top_gradient = nullptr;
+  void* input_gradient = nullptr;  //!< where the latest backward wrote dL/d(input), if the caller keeps it
+  bool training = false;           //!< the latest forward's mode (dropout and batch norm)
+  std::vector<model_in_flight> parts;
+};
+
+//! What backward_to_input's caller does with the input gradient it asked for: adds to it
+//! (a residual block adds the skip path's gradient, so the buffer is not the branch's to
+//! answer for) or keeps it as written (a repeat's copies pass it on to the previous copy,
+//! and the model's walks show it as the first layer's input gradient).
+enum class input_gradient_use { summed_by_caller, kept };
 
 template <class... Layers>
 class sequential_model {
@@ -164,7 +187,8 @@ class sequential_model {
 
   //! Names the layers like Keras ("conv2d", "conv2d_1", "dense"), computes every shape
   //! from the per-sample input shape, and allocates and initialises the parameters where
-  //! exec computes. Layer i is initialised from seed + 1000 * i. A shape a layer cannot
+  //! exec computes. Layer i is initialised from seed + 1000 * i (an mpx::repeat counts as
+  //! the layers it repeats). A shape a layer cannot
   //! take throws mpx::shape_error naming the layer and the shape.
   template <executor Exec>
   void build(Exec const& exec, shape const& sample_input, std::uint64_t seed) {
@@ -179,7 +203,7 @@ class sequential_model {
       node.layer.set_name(same ? base + "_" + std::to_string(same) : base);
       node.layer.build(exec, in, seed + 1000 * i);
       in = node.layer.output_shape();
-      ++i;
+      i += detail::seed_slots(node.layer);
     });
     input_shape_ = sample_input;
     built_with_ = std::remove_cvref_t<Exec>::name;
@@ -222,27 +246,30 @@ class sequential_model {
     }
   }
 
-  //! What the latest forward and backward left behind for logits(), trace() and
-  //! backward (the batch, the input's address, where backpropagation began). A replayed
-  //! CUDA graph reruns them without the host, so classifier_trainer puts back the state
-  //! its capture left after each replay.
-  struct in_flight {
-    std::int64_t batch = 0;
-    void const* input = nullptr;
-    std::size_t backward_top = static_cast<std::size_t>(-1);
-    void const* top_gradient = nullptr;
-    bool training = false;  //!< the latest forward's mode (dropout and batch norm)
-  };
-  [[nodiscard]] in_flight in_flight_state() const noexcept {
-    return {batch_in_flight_, first_input_, backward_top_, top_gradient_, training_in_flight_};
+  //! What the latest forward and backward left behind (see mpx::model_in_flight), the
+  //! composite layers' parts included.
+  using in_flight = model_in_flight;
+  [[nodiscard]] in_flight in_flight_state() const {
+    in_flight s{batch_in_flight_, first_input_, backward_top_, top_gradient_, kept_input_gradient_, training_in_flight_, {}};
+    for_each_part_model([&](auto const& part) { s.parts.push_back(part.in_flight_state()); });
+    return s;
   }
+  //! Puts back what in_flight_state() returned (after a CUDA graph's replay). Allocates nothing.
   void restore_in_flight_state(in_flight const& s) noexcept {
     batch_in_flight_ = s.batch;
     first_input_ = s.input;
     backward_top_ = s.backward_top;
     top_gradient_ = s.top_gradient;
+    kept_input_gradient_ = s.input_gradient;
     training_in_flight_ = s.training;
+    std::size_t i = 0;
+    for_each_part_model([&](auto& part) {
+      if (i < s.parts.size()) part.restore_in_flight_state(s.parts[i]);
+      ++i;
+    });
   }
+  //! The latest forward's batch (0 before the first).
+  [[nodiscard]] std::int64_t batch_in_flight() const noexcept { return batch_in_flight_; }
 
   //! The largest batch the buffers hold now (0 before the first reserve or forward).
   [[nodiscard]] std::int64_t reserved_batch() const noexcept { return batch_; }
@@ -261,6 +288,7 @@ class sequential_model {
     std::int64_t const batch = x.shape()[0];
     if (batch > batch_) reserve(exec, batch);
     backward_top_ = no_backward;  // the gradients no longer belong to these activations
+    kept_input_gradient_ = nullptr;
     training_in_flight_ = training;
     forward_from<0>(exec, x, batch, training);
     auto& last = boost::hana::at_c<count - 1>(nodes_);
@@ -314,6 +342,7 @@ class sequential_model {
   void backward(Exec const& exec, tensor_view<G const, Space> d_output) {
     require_built_for<Exec>("backward");
     begin_backward("backward", count - 1);
+    kept_input_gradient_ = nullptr;
     backward_into<count - 1>(exec, d_output);
   }
   //! Backpropagates dL/d(logits) (see logits()): a model ending in a softmax skips its
@@ -322,13 +351,17 @@ class sequential_model {
   void backward_from_logits(Exec const& exec, tensor_view<G const, Space> d_logits) {
     require_built_for<Exec>("backward_from_logits");
     begin_backward("backward_from_logits", ends_in_softmax ? count - 2 : count - 1);
+    kept_input_gradient_ = nullptr;
     if constexpr (ends_in_softmax) backward_into<count - 2>(exec, d_logits);
     else backward_into<count - 1>(exec, d_logits);
   }
   //! Lets a backward follow a backward with no forward between them, for code that
   //! backpropagates one batch several times on purpose (probe_loss_scales does, one
   //! loss scale after another). Returns the previous setting.
-  bool allow_backward_without_forward(bool allow) noexcept { return std::exchange(repeat_backward_allowed_, allow); }
+  bool allow_backward_without_forward(bool allow) noexcept {
+    for_each_part_model([&](auto& part) { part.allow_backward_without_forward(allow); });  // (they run inside ours)
+    return std::exchange(repeat_backward_allowed_, allow);
+  }
   template <executor Exec, class G, class Space>
     requires(!std::is_const_v<G>)
   void backward(Exec const& exec, tensor_view<G, Space> d_output) {
@@ -341,9 +374,12 @@ class sequential_model {
   }
 
   //! backward, also writing dL/d(input) into dx (the first layer's input dtype, the
-  //! input's shape): what a residual block needs of its branch.
+  //! input's shape): what a residual block needs of its branch, and a repeat of each copy.
+  //! With input_gradient_use::kept, visit_in_flight and trace show dx as the first
+  //! layer's input gradient until the next forward.
   template <executor Exec, class G, class Space>
-  void backward_to_input(Exec const& exec, tensor_view<G const, Space> d_output, tensor_view<input_type, Space> dx) {
+  void backward_to_input(Exec const& exec, tensor_view<G const, Space> d_output, tensor_view<input_type, Space> dx,
+                         input_gradient_use use = input_gradient_use::summed_by_caller) {
     input_gradient_ = dx.data();
     try {
       backward(exec, d_output);
@@ -351,6 +387,7 @@ class sequential_model {
       input_gradient_ = nullptr;
       throw;
     }
+    kept_input_gradient_ = use == input_gradient_use::kept ? input_gradient_ : nullptr;
     input_gradient_ = nullptr;
   }
 
@@ -368,7 +405,8 @@ class sequential_model {
     return parameters<memory_space_t<Exec>>();
   }
 
-  //! Calls `f(first)` after each layer's backward, where `first` is that layer's first
+  //! Calls `f(first)` after each layer's backward (and inside a composite layer, after
+  //! each of its parts' layers), where `first` is that layer's first
   //! parameter in parameters() order: from it on, every gradient is final for this
   //! backward pass (a data-parallel job starts averaging them while the earlier layers
   //! still run backward). An empty function removes it. Space: the model's memory.
@@ -379,6 +417,12 @@ class sequential_model {
     std::size_t n = 0;
     boost::hana::for_each(nodes_, [&](auto& node) {
       layer_first_parameter_.push_back(n);
+      // A composite's parts say so after each of their layers, not only after the whole.
+      if constexpr (composite_layer<std::remove_cvref_t<decltype(node.layer)>>) {
+        std::function<void(std::size_t)> from_part;
+        if (f) from_part = [f, n](std::size_t first) { f(n + first); };
+        node.layer.template on_part_gradients_final<Space>(std::move(from_part));
+      }
       std::vector<parameter<Space>> counted;  // only counted
       node.layer.template append_parameters<Space>(counted);
       n += counted.size();
@@ -424,7 +468,7 @@ class sequential_model {
   }
 
   //! summary()'s rows (layer, output shape, policy, parameters), casts and the layers of
-  //! a residual block's branch included (indented).
+  //! a composite's parts (a residual block's branch, a repeat's copies) included (indented).
   using summary_row = std::array<std::string, 4>;
   [[nodiscard]] std::vector<summary_row> summary_rows() const {
     require_built("summary");
@@ -438,8 +482,8 @@ class sequential_model {
       shp = "(None, " + shp.substr(1, shp.size() - 2) + ")";
       rows.push_back({node.layer.name() + " (" + std::string(L::kind) + ")", shp, std::string(L::policy::name),
                       std::to_string(node.layer.parameter_count())});
-      if constexpr (requires { node.layer.branch_summary_rows(); })
-        for (auto const& r : node.layer.branch_summary_rows()) rows.push_back(r);
+      if constexpr (composite_layer<L>)
+        for (auto const& r : node.layer.part_summary_rows()) rows.push_back(r);
     });
     return rows;
   }
@@ -472,8 +516,9 @@ class sequential_model {
       t.output = tensor_view<Out, Space>(const_cast<Out*>(y.data()), y.shape());
       if (dy.data() && !began_here) t.output_gradient = tensor_view<Out, Space>(const_cast<Out*>(dy.data()), dy.shape());
       t.in_backward = ran_backward;
-      // A residual block's parameters are its branch's layers', listed with them.
-      if constexpr (!requires { layer.branch(); }) layer.template append_parameters<Space>(t.parameters);
+      // A composite's parameters are its parts' layers', listed with them.
+      if constexpr (!composite_layer<L>) layer.template append_parameters<Space>(t.parameters);
+      t.composite = composite_layer<L>;
       out.push_back(std::move(t));
     });
     return out;
@@ -484,10 +529,10 @@ class sequential_model {
   //! y what it wrote; dy the gradient of y it read and dx the gradient of x it wrote in
   //! the latest backward (empty where it did not: the first layer writes no dx of its own;
   //! a residual block's branch writes it into the block's buffer, which then adds the
-  //! skip connection's). Where
+  //! skip connection's; a repeat's copies keep theirs, and show it). Where
   //! the backward began, dy is the caller's gradient (or the model's cast of it): valid
-  //! only while the caller's buffer is. A residual block's branch layers come before the
-  //! block, named "<block>/<layer>". Otherwise the views are valid as trace()'s are.
+  //! only while the caller's buffer is. A composite's parts' layers come before it: a
+  //! residual block's named "<block>/<layer>", a repeat's "<repeat>/<copy>/<layer>". Otherwise the views are valid as trace()'s are.
   //! model_shadow uses it.
   template <memory_space Space, class F>
   void visit_in_flight(F&& f, std::string const& prefix = {}) {
@@ -495,6 +540,20 @@ class sequential_model {
     if (batch_in_flight_ == 0)
       detail::fail<invalid_argument>("sequential::visit_in_flight", "no forward has run yet");
     visit_from<0, Space>(f, prefix);
+  }
+
+  //! How many layer positions this model's layers take when seeds are handed out
+  //! (detail::seed_slots): a residual branch or a repeat's block counts its own.
+  [[nodiscard]] std::size_t seed_slots() const {
+    std::size_t n = 0;
+    boost::hana::for_each(nodes_, [&](auto const& node) { n += detail::seed_slots(node.layer); });
+    return n;
+  }
+
+  //! The same model, not built (its layers made again from their configurations): what
+  //! mpx::repeat makes its copies of a block with.
+  [[nodiscard]] sequential_model unbuilt_copy() const {
+    return boost::hana::unpack(nodes_, [](auto const&... node) { return sequential_model(detail::unbuilt_copy(node.layer)...); });
   }
 
   //! Visits every layer in order (for save/load, diagnostics, a user's own walk).
@@ -508,6 +567,21 @@ class sequential_model {
   }
 
  private:
+  //! f(part) for each model inside the composite layers, in order (no names made: a
+  //! CUDA graph's replay restores the parts' state through it).
+  template <class F>
+  void for_each_part_model(F&& f) const {
+    for_each_layer([&](auto const& layer) {
+      if constexpr (composite_layer<std::remove_cvref_t<decltype(layer)>>) layer.for_each_part_model(f);
+    });
+  }
+  template <class F>
+  void for_each_part_model(F&& f) {
+    for_each_layer([&](auto& layer) {
+      if constexpr (composite_layer<std::remove_cvref_t<decltype(layer)>>) layer.for_each_part_model(f);
+    });
+  }
+
   template <std::size_t... I>
   void check_neighbours(std::index_sequence<I...>) {
     ((boost::hana::at_c<I + 1>(nodes_).casts_input = detail::neighbouring_layers<layer_at<I>, layer_at<I + 1>>::needs_cast),
@@ -670,9 +744,13 @@ class sequential_model {
       }
     }
     if (ran_backward && I > 0) dx = node.input_grad.template view<Space>(in_shape);
-    // A residual block: its branch's layers first (they ran inside it, before the sum).
-    if constexpr (requires { node.layer.branch().template visit_in_flight<Space>(f, name); })
-      node.layer.branch().template visit_in_flight<Space>(f, name + "/");
+    if constexpr (I == 0)  // the caller's buffer, when it keeps what the first layer wrote there
+      if (ran_backward && kept_input_gradient_) dx = tensor_view<In const, Space>(static_cast<In const*>(kept_input_gradient_), in_shape);
+    // A composite (a residual block, a repeat): its parts' layers first (they ran inside it).
+    if constexpr (composite_layer<L>)
+      node.layer.for_each_part([&](auto& part, std::string const& part_prefix) {
+        part.template visit_in_flight<Space>(f, prefix + part_prefix);
+      });
     f(name, node.layer, input_of<I, Space>(batch),
       tensor_view<Out const, Space>(node.output.template view<Space>(out_shape)), dy, dx, ran_backward, began_here);
     if constexpr (I + 1 < count) visit_from<I + 1, Space>(f, prefix);
@@ -691,6 +769,7 @@ class sequential_model {
   bool training_in_flight_ = false;         // the latest forward's mode
   std::function<void(std::size_t)> gradients_final_;  // see on_gradients_final
   void* input_gradient_ = nullptr;                     // where backward_to_input wants dL/d(input)
+  void* kept_input_gradient_ = nullptr;                // where the latest backward_to_input wrote it, if kept
   std::vector<std::size_t> layer_first_parameter_;
   detail::layer_tensor<float> logits_gradient_;  // see logits_gradient
   std::shared_ptr<backward_count> backward_passes_ = std::make_shared<backward_count>();  // see parameter::written_by

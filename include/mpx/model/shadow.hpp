@@ -188,12 +188,15 @@ struct shadow_twin final : shadow_twin_base {
   std::int64_t reserved = 0;
 };
 
-//! The names of a model's layers in visit_in_flight's order, a residual block's branch
-//! layers ("<block>/<layer>") in place of the block.
+//! The names of a model's layers in visit_in_flight's order, a composite's parts' layers
+//! ("<block>/<layer>", "<repeat>/<i>/<layer>") in place of the composite.
 template <class Model>
 void shadowed_layer_names(Model const& model, std::vector<std::string>& out, std::string const& prefix = {}) {
   model.for_each_layer([&](auto const& layer) {
-    if constexpr (requires { layer.branch(); }) shadowed_layer_names(layer.branch(), out, prefix + layer.name() + "/");
+    if constexpr (composite_layer<std::remove_cvref_t<decltype(layer)>>)
+      layer.for_each_part([&](auto const& part, std::string const& part_prefix) {
+        shadowed_layer_names(part, out, prefix + part_prefix);
+      });
     else out.push_back(prefix + layer.name());
   });
 }
@@ -226,8 +229,8 @@ class model_shadow {
         [&](std::string const& name, auto& layer, auto x, auto y, auto dy, auto dx, bool /*in_backward*/,
             bool /*backward_began_here*/) {
           using L = std::remove_cvref_t<decltype(layer)>;
-          if constexpr (requires { layer.branch(); }) {
-            return;  // a residual block: its layers were measured one by one
+          if constexpr (composite_layer<L>) {
+            return;  // a residual block, a repeat: their layers were measured one by one
           } else {
             layer_error e;
             e.layer = name;
