@@ -404,6 +404,12 @@ extra=1
 if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then
   step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside layer_bench's attention rows
 fi
+# GPT-2 small's shape (12 layers, width 768, 1,024 tokens) in bfloat16: tokens per second,
+# MFU, and which attention ran (cuDNN's fused SDPA where the kit's char_lm links it).
+if [ -n "$planning" ] || [ -d "$kit/data/fortunes" ]; then
+  mpx_step char_lm_gpt2_small 40 char_lm --executor cuda --preset gpt2-small --policy mixed_bfloat16 --steps 30 \
+    --log-every 10 --eval-batches 2 --sample 1 --corpus "$kit/data/fortunes"
+fi
 for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
   mpx_step "$e" 10 "$e" --executor cuda
 done

@@ -7,7 +7,8 @@
 # (optional: gzip-compressed IDX files), Fashion-MNIST (for the examples and the test
 # that loads the real data set), CMake (the CMake package's test), fortunes (the plain-text
 # corpus examples/char_lm trains on), Open MPI (data-parallel training on the host, tested
-# with mpirun -np 2 and 3) and matplotlib (scripts/plot_run.py).
+# with mpirun -np 2 and 3), matplotlib (scripts/plot_run.py) and, where nvcc is, NVIDIA's
+# cudnn-frontend headers (cuDNN's fused attention; Meson's -Dcudnn finds them).
 set -euo pipefail
 cuda=${MPX_CUDA:-/usr/local/cuda}
 if [ ! -f "$cuda/include/cuda_fp16.h" ]; then
@@ -27,3 +28,9 @@ fi
 # matplotlib draws scripts/plot_run.py's figures (fashion_mnist --plot); pip, not apt:
 # python3 here may be another interpreter than Debian's.
 python3 -c 'import matplotlib' 2>/dev/null || python3 -m pip install --quiet matplotlib
+# cudnn-frontend: header-only, from PyPI (the wheel's include/ lands in site-packages/include).
+# Only CUDA builds use it (<mpx/kernels/cudnn_attention.hpp>, with the toolkit's cuDNN 9).
+if [ -x "$cuda/bin/nvcc" ] && [ -f "$cuda/include/cudnn.h" ]; then
+  python3 -c 'import sys, pathlib; sys.exit(not any((pathlib.Path(p) / "include" / "cudnn_frontend.h").exists() for p in sys.path if p))' ||
+    python3 -m pip install --quiet nvidia-cudnn-frontend
+fi

@@ -282,6 +282,8 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
         if (!b) break;
         trainer.step(exec, b->inputs, b->targets);
         tokens += b->targets.size();
+        if (step == 0 && !mpx::is_host_executor_v<Exec>)  // (why not fused: on stderr, once)
+          std::printf("attention: %s\n", first_attention(model).fused() ? mpx::fused_attention()->name() : "unfused");
         if (++step % s.log_every == 0 || step == s.steps) {
           auto const records = trainer.history(exec);
           for (auto& r : trainer.take_shadow_reports()) shadows.push_back(std::move(r));

@@ -43,6 +43,20 @@ if [ "$seen" != "$expected" ]; then
   exit 1
 fi
 echo "   defines as in mpx.pc: ${seen:-none}"
+# cuDNN's fused attention: mpx-cudnn.pc and mpx::cudnn both, or neither.
+has_pc=no has_target=no
+[ -n "$(find "$tmp/prefix" -name mpx-cudnn.pc)" ] && has_pc=yes
+grep -q 'mpx::cudnn: cuDNN fused attention available' "$tmp/host-cmake.log" && has_target=yes
+if [ "$has_pc" != "$has_target" ]; then
+  echo "mpx-cudnn.pc installed: $has_pc, but CMake's mpx::cudnn: $has_target" >&2
+  exit 1
+fi
+if [ "$has_pc" = yes ]; then
+  cudnn_flags=$(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs mpx-cudnn)
+  [[ "$cudnn_flags" == *-lcudnn* && "$cudnn_flags" == *-DMPX_HAS_CUDNN=1* ]] ||
+    { echo "mpx-cudnn.pc gives '$cudnn_flags'" >&2; exit 1; }
+fi
+echo "   cuDNN fused attention (mpx-cudnn.pc, mpx::cudnn): $has_pc"
 
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)

@@ -106,7 +106,7 @@ TEST_CASE("host threads: an exception in one range reaches the caller", "[host_t
   // The last range: another thread's where the pass is shared.
   std::size_t const n = std::size_t{1} << 20;
   CHECK_THROWS_AS(mpx::detail::host_parallel_ranges(n, n << 6,
-                                                    [n](std::size_t, std::size_t end) {
+                                                    [&](std::size_t, std::size_t end) {
                                                       if (end == n) throw mpx::allocation_error("mpx: test scratch");
                                                     }),
                   mpx::allocation_error);

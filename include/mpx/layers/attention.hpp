@@ -16,10 +16,18 @@
 // far from float16's 65504. Without that scaling (options.scale_logits = false) large
 // activations overflow them to inf, and the softmax turns the row into NaN: the
 // transformer failure docs/transformers.md shows and find_nonfinite names.
+//
+// On the CUDA executor, with half or bfloat16 storage and no attention dropout, the
+// three middle lines run as one fused kernel where the program has one
+// (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float, no [tokens,
+// tokens] tensor in memory); otherwise, and on the host executor always, as written
+// above. fused() says which path the latest forward took.
 #pragma once
 
+#include <mpx/exec/step_executor.hpp>
 #include <mpx/kernels/attention.hpp>
 #include <mpx/kernels/dropout.hpp>
+#include <mpx/kernels/fused_attention.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/layers/initializers.hpp>
@@ -106,17 +114,22 @@ class causal_self_attention : public layer_base {
     out_.reserve(exec, d.rows());
     std::int64_t const bh = d.batch * d.heads;
     qkv_tokens_.ensure(exec, shape{d.rows(), 3 * width_});
-    qkv_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
-    logits_.ensure(exec, shape{bh, d.tokens, d.tokens});
-    p_.ensure(exec, shape{bh, d.tokens, d.tokens});
-    p_store_.ensure(exec, shape{bh, d.tokens, d.tokens});
-    o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});
+    o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});  // fused: dO
     o_tokens_.ensure(exec, shape{d.rows(), width_});
-    dp_.ensure(exec, shape{bh, d.tokens, d.tokens});
     // The backward pass's own buffers, made here with the others (on the caller's
     // executor, counted by the model's buffer_generation), never inside a step.
     d_tokens_.ensure(exec, shape{d.rows(), 3 * width_});
-    d_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
+    // The path is chosen here, once per reserve, never inside a step: a fused layer runs
+    // the plan for this batch (a smaller batch's rows past its own are computed and
+    // ignored, since each sequence attends only to itself), so no plan is built and no
+    // [tokens, tokens] buffer made inside a step or a CUDA-graph capture.
+    fused_batch_ = 0;
+    if (fusable(exec, d)) {
+      statistics_.ensure(exec, shape{bh, d.tokens});  // memory linear in the tokens
+      fused_batch_ = batch;
+    } else {
+      reserve_unfused(exec, d);
+    }
     reserved_batch_ = batch;
   }
 
@@ -125,28 +138,20 @@ class causal_self_attention : public layer_base {
                bool training) {
     std::int64_t const batch = check_input_and_reserve(*this, exec, x.shape(), y.shape());
     attention_dims const d = dims(batch);
-    std::int64_t const bh = d.batch * d.heads;
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     qkv_.forward(exec, x.reshape(shape{d.rows(), width_}), qkv, training);
-    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
-    permute_heads(exec, qkv, heads, d, 3, true);
-    auto const [q, k, v] = split_qkv(heads, d);
-    auto const s = logits_.template view<Space>(shape{bh, d.tokens, d.tokens});
-    gemm<Policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
-    auto const p = p_.template view<Space>(s.shape());
-    auto const ps = p_store_.template view<Space>(s.shape());
-    causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
-    dropped_ = training && config_.dropout > 0.0f;
-    if (dropped_) {  // on the weights P V reads; p keeps the softmax for its backward pass
-      auto const step = dropout_step_.template view<Space>();
-      advance_dropout_step(exec, step);
-      dropout_options_ = dropout_options{config_.dropout, dropout_seed_, 0, step.data()};
-      dropout_forward(exec, dropout_options_, ps, ps);
-    }
-    auto const o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
-    gemm<Policy>(exec, ps, v, o);
     auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
-    permute_heads(exec, merged, o, d, 1, false);
+    fused_ = fused_batch_ > 0;
+    if (fused_) {  // (never on the host executor) Q, K, V read in place; O straight into merged
+      attention_dims const planned = dims(fused_batch_);
+      input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      fused_attention()->forward(fused_shape(planned),
+                                 {q, q + width_, q + 2 * width_, merged.data(), statistics<Space>(planned).data()},
+                                 step_executor(exec).stream());
+      dropped_ = false;
+    } else {
+      attend_unfused(exec, qkv, merged, d, training);
+    }
     out_.forward(exec, tensor_view<input_type const, Space>(merged), y.reshape(shape{d.rows(), width_}), training);
   }
 
@@ -155,32 +160,24 @@ class causal_self_attention : public layer_base {
                 tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
     std::int64_t const batch = check_input(x.shape(), dy.shape());
     attention_dims const d = dims(batch);
-    std::int64_t const bh = d.batch * d.heads;
     shape const tokens{d.rows(), width_};
-    // Buffers are reused once read: d_tokens_ holds dO, then d(QKV); o_heads_ holds dO
-    // per head; logits_ holds d(logits).
     auto const merged = o_tokens_.template view<Space>(tokens);
-    auto const d_merged = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_}).flat(0, tokens.size()).reshape(tokens);
-    out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens), d_merged);
-    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
-    auto const [q, k, v] = split_qkv(heads, d);
-    auto const d_o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
-    permute_heads(exec, d_merged, d_o, d, 1, true);
-    auto const d_heads = d_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
-    auto const [dq, dk, dv] = split_qkv(d_heads, d);
-    auto const ps = p_store_.template view<Space>(shape{bh, d.tokens, d.tokens});
-    gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
-    auto const dp = dp_.template view<Space>(ps.shape());
-    gemm<Policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
-    if (dropped_) dropout_backward(exec, dropout_options_, dp, dp);  // through the same mask
-    auto const ds = logits_.template view<Space>(ps.shape());  // the logits are no longer needed
-    causal_softmax_backward(exec, tensor_view<float const, Space>(p_.template view<Space>(ps.shape())),
-                            tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
-    gemm<Policy>(exec, ds, k, dq);                         // dQ = dS K
-    gemm<Policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
-    auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});  // dO is spent
-    permute_heads(exec, d_qkv, d_heads, d, 3, false);
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
+    auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
+    if (fused_) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
+      attention_dims const planned = dims(fused_batch_);
+      auto const d_o = o_heads_.template view<Space>(shape{planned.rows(), width_});
+      out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
+                    d_o.flat(0, tokens.size()).reshape(tokens));
+      input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      input_type* const dq = d_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      fused_attention()->backward(fused_shape(planned),
+                                  {q, q + width_, q + 2 * width_, merged.data(), d_o.data(),
+                                   statistics<Space>(planned).data(), dq, dq + width_, dq + 2 * width_},
+                                  step_executor(exec).stream());
+    } else {
+      backward_unfused(exec, merged, y.reshape(tokens), dy.reshape(tokens), d_qkv, d);
+    }
     qkv_.backward(exec, x.reshape(tokens), tensor_view<input_type const, Space>(qkv), tensor_view<input_type const, Space>(d_qkv),
                   dx.size() ? dx.reshape(tokens) : tensor_view<input_type, Space>{});
   }
@@ -218,16 +215,120 @@ class causal_self_attention : public layer_base {
   //! Where the backward pass's buffers are (dO / d(QKV), the per-head gradients;
   //! nullptr before reserve), for tests that no step moves them.
   [[nodiscard]] std::array<void const*, 2> gradient_buffers() const noexcept {
-    return {d_tokens_.address(), d_heads_.address()};
+    return {d_tokens_.address(), fused_batch_ > 0 ? statistics_.address() : d_heads_.address()};
   }
   //! The latest forward's attention probabilities [batch * heads, tokens, tokens] (float).
+  //! The unfused path only: the fused one keeps none (fused()).
   template <memory_space Space>
   [[nodiscard]] tensor_view<float const, Space> probabilities(std::int64_t batch) const {
+    if (fused_)
+      detail::fail<invalid_argument>(name(), "probabilities: the latest forward ran fused, which keeps no "
+                                             "[tokens, tokens] probabilities");
     attention_dims const d = dims(batch);
     return p_.template view<Space>(shape{d.batch * d.heads, d.tokens, d.tokens});
   }
 
+  //! Whether the latest forward ran the fused attention (CUDA executor only).
+  [[nodiscard]] bool fused() const noexcept { return fused_; }
+
  private:
+  template <executor Exec, class Space>
+  void attend_unfused(Exec const& exec, tensor_view<input_type, Space> qkv, tensor_view<input_type, Space> merged,
+                      attention_dims const& d, bool training) {
+    std::int64_t const bh = d.batch * d.heads;
+    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
+    permute_heads(exec, qkv, heads, d, 3, true);
+    auto const [q, k, v] = split_qkv(heads, d);
+    auto const s = logits_.template view<Space>(shape{bh, d.tokens, d.tokens});
+    gemm<Policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
+    auto const p = p_.template view<Space>(s.shape());
+    auto const ps = p_store_.template view<Space>(s.shape());
+    causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
+    dropped_ = training && config_.dropout > 0.0f;
+    if (dropped_) {  // on the weights P V reads; p keeps the softmax for its backward pass
+      auto const step = dropout_step_.template view<Space>();
+      advance_dropout_step(exec, step);
+      dropout_options_ = dropout_options{config_.dropout, dropout_seed_, 0, step.data()};
+      dropout_forward(exec, dropout_options_, ps, ps);
+    }
+    auto const o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
+    gemm<Policy>(exec, ps, v, o);
+    permute_heads(exec, merged, o, d, 1, false);
+  }
+
+  template <executor Exec, class Space>
+  void backward_unfused(Exec const& exec, tensor_view<input_type, Space> merged, tensor_view<output_type const, Space> y,
+                        tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> d_qkv,
+                        attention_dims const& d) {
+    std::int64_t const bh = d.batch * d.heads;
+    shape const tokens{d.rows(), width_};
+    // Buffers are reused once read: d_tokens_ holds dO, then d(QKV); o_heads_ holds dO
+    // per head; logits_ holds d(logits).
+    auto const d_merged = d_qkv.flat(0, tokens.size()).reshape(tokens);
+    out_.backward(exec, tensor_view<input_type const, Space>(merged), y, dy, d_merged);
+    auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
+    auto const [q, k, v] = split_qkv(heads, d);
+    auto const d_o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
+    permute_heads(exec, d_merged, d_o, d, 1, true);
+    auto const d_heads = d_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
+    auto const [dq, dk, dv] = split_qkv(d_heads, d);
+    auto const ps = p_store_.template view<Space>(shape{bh, d.tokens, d.tokens});
+    gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
+    auto const dp = dp_.template view<Space>(ps.shape());
+    gemm<Policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
+    if (dropped_) dropout_backward(exec, dropout_options_, dp, dp);  // through the same mask
+    auto const ds = logits_.template view<Space>(ps.shape());  // the logits are no longer needed
+    causal_softmax_backward(exec, tensor_view<float const, Space>(p_.template view<Space>(ps.shape())),
+                            tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
+    gemm<Policy>(exec, ds, k, dq);                         // dQ = dS K
+    gemm<Policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
+    permute_heads(exec, d_qkv, d_heads, d, 3, false);      // dO is spent
+  }
+
+  // The fused path, where it can run this attention (else the reason, on stderr once).
+  template <executor Exec>
+  [[nodiscard]] bool fusable(Exec const& exec, attention_dims const& d) const {
+    if constexpr (!is_cuda_executor_v<Exec>) {
+      return false;
+    } else {
+      std::string why;
+      if constexpr (!std::is_same_v<input_type, half> && !std::is_same_v<input_type, bfloat16>)
+        why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
+              " (the fused attention takes half and bfloat16)";
+      else if (config_.dropout > 0.0f)
+        why = "dropout on the attention weights (the fused attention has none)";
+      else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
+        why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
+      else if (fused_attention() == nullptr)
+        why = "this program has no fused attention (include <mpx/kernels/cudnn_attention.hpp> in one C++ source file "
+              "and link cuDNN: docs/transformers.md)";
+      else
+        why = fused_attention()->prepare(fused_shape(d), step_executor(exec).stream());
+      if (why.empty()) return true;
+      detail::note_unfused_attention(why);
+      return false;
+    }
+  }
+  [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d) const {
+    return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_,
+            std::is_same_v<input_type, half> ? fused_attention_io::half : fused_attention_io::bfloat16, logit_scale(d)};
+  }
+  template <class Space>
+  [[nodiscard]] tensor_view<float, Space> statistics(attention_dims const& d) const {
+    return statistics_.template view<Space>(shape{d.batch * d.heads, d.tokens});
+  }
+  // What the unfused path adds: the head-major copies and the [tokens, tokens] tensors.
+  template <executor Exec>
+  void reserve_unfused(Exec const& exec, attention_dims const& d) {
+    std::int64_t const bh = d.batch * d.heads;
+    qkv_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
+    logits_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    p_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    p_store_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    dp_.ensure(exec, shape{bh, d.tokens, d.tokens});
+    d_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
+  }
+
   [[nodiscard]] attention_dims dims(std::int64_t batch) const {
     return {batch, input_shape_[0], config_.heads, width_ / config_.heads};
   }
@@ -251,11 +352,14 @@ class causal_self_attention : public layer_base {
   dense<Policy> out_{1};
   detail::layer_tensor<input_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
   detail::layer_tensor<float> p_, dp_;
+  detail::layer_tensor<float> statistics_;  // fused: each row's log-sum-exp, [batch * heads, tokens]
   detail::layer_tensor<input_type> d_tokens_, d_heads_;  // dO, then d(QKV); the per-head gradients
   std::uint64_t dropout_seed_ = 0;
   detail::layer_tensor<std::uint64_t> dropout_step_;  // training forwards with dropout, where the executor computes
   dropout_options dropout_options_{};
   bool dropped_ = false;  // the latest forward dropped weights
+  bool fused_ = false;    // the latest forward ran the fused attention
+  std::int64_t fused_batch_ = 0;  // the batch the fused attention's plan is for (0: unfused)
 };
 
 }  // namespace mpx

@@ -1,0 +1,310 @@
+// cuDNN's fused scaled-dot-product attention (flash attention: softmax statistics in
+// float, causal mask, no [tokens, tokens] tensor in memory), forward and backward,
+// through NVIDIA's header-only cudnn-frontend, as mpx's fused attention for the CUDA
+// executor (<mpx/kernels/fused_attention.hpp> says how the layer uses it).
+//
+// Include this header in ONE host source file of a program (a .cpp compiled by the C++
+// compiler: cudnn-frontend costs nvcc minutes) and link cuDNN 9 and NVRTC (-lcudnn
+// -lnvrtc: cudnn-frontend's run-time compiled engines call it); it registers
+// itself at start-up. Meson's mpx_cudnn_dep and CMake's mpx::cudnn carry the include
+// folder and the library (docs/transformers.md).
+//
+// Plans (cuDNN graphs, forward and backward) are built once per shape and device, when
+// the layer reserves its buffers (never inside a CUDA-graph capture), and kept until the
+// program ends, with a workspace per stream. The backward pass is cuDNN's deterministic
+// one: the same inputs give the same bits.
+#pragma once
+
+#if !__has_include(<cudnn_frontend.h>)
+#error "<mpx/kernels/cudnn_attention.hpp> needs NVIDIA's cudnn-frontend headers (pip install nvidia-cudnn-frontend; mpx's scripts/setup.sh installs them) and cuDNN 9"
+#endif
+
+#include <mpx/core/error.hpp>
+#include <mpx/kernels/fused_attention.hpp>
+
+#include <cuda_runtime.h>
+#include <cudnn_frontend.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace mpx::detail {
+
+class cudnn_attention final : public fused_attention_backend {
+ public:
+  cudnn_attention() = default;
+  cudnn_attention(cudnn_attention const&) = delete;
+  cudnn_attention& operator=(cudnn_attention const&) = delete;
+  // Never destroyed (cudnn_attention_instance): freeing cuDNN's handles and workspaces
+  // at exit would race the CUDA runtime's own teardown, as cuBLASLt's would.
+  ~cudnn_attention() override = default;
+
+  [[nodiscard]] char const* name() const noexcept override { return "cuDNN SDPA"; }
+
+  [[nodiscard]] std::string prepare(fused_attention_shape const& s, void* stream) override {
+    std::lock_guard lock(mutex_);
+    int device = 0;
+    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::string("cudaGetDevice failed: ") + cudaGetErrorString(status);
+    }
+    auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    plan* p = find(device, s);
+    if (!p) {
+      if (std::string const* why = refused(device, s)) return *why;
+      // Building a plan allocates and loads kernels: not inside a CUDA-graph capture.
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(cuda_stream, &capturing) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "the stream's capture status is unknown (another thread capturing in global mode?)";
+      }
+      if (capturing != cudaStreamCaptureStatusNone)
+        return "a shape first seen inside a CUDA-graph capture (reserve the layer before capturing)";
+      std::string why = build_plan(device, s, cuda_stream);
+      if (!why.empty()) {
+        refused_.emplace_back(key{device, s}, why);  // not retried: each try costs a full build
+        return why;
+      }
+      p = find(device, s);
+    }
+    return workspace_for(device, cuda_stream, p->workspace_bytes) ? "" : "no memory for cuDNN's workspace";
+  }
+
+  void forward(fused_attention_shape const& s, fused_attention_forward_args const& a, void* stream) override {
+    std::unordered_map<std::int64_t, void*> pack = {
+        {q_uid, const_cast<void*>(a.q)}, {k_uid, const_cast<void*>(a.k)}, {v_uid, const_cast<void*>(a.v)},
+        {o_uid, a.o}, {stats_uid, a.stats}};
+    run(s, stream, pack, true);
+  }
+
+  void backward(fused_attention_shape const& s, fused_attention_backward_args const& a, void* stream) override {
+    std::unordered_map<std::int64_t, void*> pack = {
+        {q_uid, const_cast<void*>(a.q)},   {k_uid, const_cast<void*>(a.k)},      {v_uid, const_cast<void*>(a.v)},
+        {o_uid, const_cast<void*>(a.o)},   {d_o_uid, const_cast<void*>(a.d_o)}, {stats_uid, const_cast<float*>(a.stats)},
+        {d_q_uid, a.d_q},                  {d_k_uid, a.d_k},                     {d_v_uid, a.d_v}};
+    run(s, stream, pack, false);
+  }
+
+ private:
+  enum : std::int64_t { q_uid = 1, k_uid, v_uid, o_uid, stats_uid, d_o_uid, d_q_uid, d_k_uid, d_v_uid };
+  using graph = cudnn_frontend::graph::Graph;
+  using attributes = cudnn_frontend::graph::Tensor_attributes;
+  struct key {
+    int device;
+    fused_attention_shape shape;
+    [[nodiscard]] bool is(int d, fused_attention_shape const& s) const { return device == d && shape == s; }
+  };
+  struct plan {
+    std::shared_ptr<graph> forward, backward;
+    std::int64_t workspace_bytes = 0;
+  };
+  // A stream's workspace: streams that run at once cannot share one (as cuBLASLt's).
+  struct workspace {
+    int device;
+    cudaStream_t stream;
+    void* data = nullptr;
+    std::int64_t bytes = 0;
+  };
+
+  std::string build_plan(int device, fused_attention_shape const& s, cudaStream_t stream) {
+    cudnnHandle_t handle = nullptr;
+    if (std::string why = handle_for(device, handle); !why.empty()) return why;
+    if (cudnnStatus_t const status = cudnnSetStream(handle, stream); status != CUDNN_STATUS_SUCCESS)
+      return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status);
+    auto p = std::make_unique<plan>();
+    try {  // cudnn-frontend also throws (no implementation for a shape, a missing library)
+      p->forward = forward_graph(s);
+      p->backward = backward_graph(s);
+      if (std::string why = build(*p->forward, handle); !why.empty()) return "cuDNN refused the forward pass: " + why;
+      if (std::string why = build(*p->backward, handle); !why.empty()) return "cuDNN refused the backward pass: " + why;
+    } catch (std::exception const& e) {
+      return std::string("cuDNN: ") + e.what();
+    }
+    std::int64_t forward_bytes = 0, backward_bytes = 0;
+    if (!p->forward->get_workspace_size(forward_bytes).is_good() || !p->backward->get_workspace_size(backward_bytes).is_good())
+      return "cuDNN could not size its workspace";
+    p->workspace_bytes = std::max(forward_bytes, backward_bytes);
+    plans_.emplace_back(key{device, s}, std::move(p));
+    return "";
+  }
+
+  // Gives the stream a workspace of at least `bytes` (only outside a capture: prepare's
+  // caller); false when there is no memory for it.
+  bool workspace_for(int device, cudaStream_t stream, std::int64_t bytes) {
+    workspace* w = nullptr;
+    for (auto& candidate : workspaces_)
+      if (candidate.device == device && candidate.stream == stream) w = &candidate;
+    if (!w) w = &workspaces_.emplace_back(workspace{device, stream});
+    if (w->bytes >= bytes) return true;
+    // Work already queued on this stream may still read the old one: freed in stream order.
+    if (w->data && cudaFreeAsync(w->data, stream) != cudaSuccess) (void)cudaGetLastError();
+    w->data = nullptr;
+    w->bytes = 0;
+    if (cudaMallocAsync(&w->data, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      w->data = nullptr;
+      return false;
+    }
+    w->bytes = bytes;
+    return true;
+  }
+
+  // Enqueues one pass: under the lock from setting the handle's stream to the launch,
+  // so no other thread redirects it (execute only enqueues work).
+  void run(fused_attention_shape const& s, void* stream, std::unordered_map<std::int64_t, void*>& pack, bool forward) {
+    char const* const pass = forward ? "forward" : "backward";
+    std::lock_guard lock(mutex_);
+    int device = 0;
+    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
+    }
+    auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    plan* const p = find(device, s);
+    auto const h = handles_.find(device);
+    workspace const* w = nullptr;
+    for (auto const& candidate : workspaces_)
+      if (candidate.device == device && candidate.stream == cuda_stream) w = &candidate;
+    if (!p || h == handles_.end() || !w || w->bytes < p->workspace_bytes)
+      fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
+                             "no plan or workspace for this shape on this device and stream: the layer was not "
+                             "reserved on this executor");
+    if (cudnnStatus_t const status = cudnnSetStream(h->second, cuda_stream); status != CUDNN_STATUS_SUCCESS)
+      fail_in(pass, std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status));
+    check((forward ? p->forward : p->backward)->execute(h->second, pack, w->data), pass);
+  }
+
+  // [batch, heads, tokens, head_width] in the layer's token-major buffers.
+  static std::vector<std::int64_t> dims(fused_attention_shape const& s) { return {s.batch, s.heads, s.tokens, s.head_width}; }
+  static std::vector<std::int64_t> strides(fused_attention_shape const& s, std::int64_t row) {
+    return {s.tokens * row, s.head_width, row, 1};
+  }
+  static std::vector<std::int64_t> stats_dims(fused_attention_shape const& s) { return {s.batch, s.heads, s.tokens, 1}; }
+  static std::vector<std::int64_t> stats_strides(fused_attention_shape const& s) {
+    return {s.heads * s.tokens, s.tokens, 1, 1};
+  }
+
+  static std::shared_ptr<graph> new_graph(fused_attention_shape const& s) {
+    namespace fe = cudnn_frontend;
+    auto g = std::make_shared<graph>();
+    g->set_io_data_type(s.io == fused_attention_io::half ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    return g;
+  }
+  static std::shared_ptr<attributes> input(graph& g, char const* name, std::int64_t uid, std::vector<std::int64_t> dim,
+                                           std::vector<std::int64_t> stride) {
+    return g.tensor(attributes().set_name(name).set_uid(uid).set_dim(std::move(dim)).set_stride(std::move(stride)));
+  }
+
+  static std::shared_ptr<graph> forward_graph(fused_attention_shape const& s) {
+    namespace fe = cudnn_frontend;
+    auto g = new_graph(s);
+    auto const qkv = strides(s, s.qkv_row_stride);
+    auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
+         v = input(*g, "V", v_uid, dims(s), qkv);
+    auto options =
+        fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_attn_scale(s.scale).set_causal_mask(true);
+    auto [o, stats] = g->sdpa(q, k, v, options);
+    o->set_output(true).set_uid(o_uid).set_dim(dims(s)).set_stride(strides(s, s.o_row_stride));
+    stats->set_output(true).set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT).set_dim(stats_dims(s)).set_stride(stats_strides(s));
+    return g;
+  }
+
+  static std::shared_ptr<graph> backward_graph(fused_attention_shape const& s) {
+    namespace fe = cudnn_frontend;
+    auto g = new_graph(s);
+    auto const qkv = strides(s, s.qkv_row_stride), o_strides = strides(s, s.o_row_stride);
+    auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
+         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_strides),
+         d_o = input(*g, "dO", d_o_uid, dims(s), o_strides);
+    auto stats = g->tensor(attributes().set_name("stats").set_uid(stats_uid).set_dim(stats_dims(s)).set_stride(stats_strides(s))
+                               .set_data_type(fe::DataType_t::FLOAT));
+    // Deterministic: dQ summed in a fixed order, not with atomics (mpx's runs repeat bit
+    // for bit); a cuDNN that cannot do it on this GPU refuses, and the layer runs unfused.
+    auto options = fe::graph::SDPA_backward_attributes()
+                       .set_name("attention_backward")
+                       .set_attn_scale(s.scale)
+                       .set_causal_mask(true)
+                       .set_deterministic_algorithm(true);
+    auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, options);
+    d_q->set_output(true).set_uid(d_q_uid).set_dim(dims(s)).set_stride(qkv);
+    d_k->set_output(true).set_uid(d_k_uid).set_dim(dims(s)).set_stride(qkv);
+    d_v->set_output(true).set_uid(d_v_uid).set_dim(dims(s)).set_stride(qkv);
+    return g;
+  }
+
+  // Validation, cuDNN's heuristics, the support check and the plan build: "" or cuDNN's message.
+  static std::string build(graph& g, cudnnHandle_t handle) {
+    namespace fe = cudnn_frontend;
+    for (auto const& step : {std::function<fe::error_t()>([&] { return g.validate(); }),
+                             std::function<fe::error_t()>([&] { return g.build_operation_graph(handle); }),
+                             std::function<fe::error_t()>([&] { return g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}); }),
+                             std::function<fe::error_t()>([&] { return g.check_support(handle); }),
+                             std::function<fe::error_t()>([&] { return g.build_plans(handle); })}) {
+      fe::error_t status = step();
+      if (!status.is_good()) return status.get_message();
+    }
+    return "";
+  }
+
+  std::string handle_for(int device, cudnnHandle_t& handle) {
+    if (auto it = handles_.find(device); it != handles_.end()) {
+      handle = it->second;
+      return "";
+    }
+    cudnnStatus_t const status = cudnnCreate(&handle);
+    if (status != CUDNN_STATUS_SUCCESS) return std::string("cudnnCreate failed: ") + cudnnGetErrorString(status);
+    handles_.emplace(device, handle);
+    return "";
+  }
+
+  plan* find(int device, fused_attention_shape const& s) {
+    for (auto& [k, p] : plans_)
+      if (k.is(device, s)) return p.get();
+    return nullptr;
+  }
+  std::string const* refused(int device, fused_attention_shape const& s) const {
+    for (auto const& [k, why] : refused_)
+      if (k.is(device, s)) return &why;
+    return nullptr;
+  }
+
+  static void check(cudnn_frontend::error_t status, char const* pass) {
+    if (!status.is_good()) fail_in(pass, status.get_message());
+  }
+  // A cuDNN failure as mpx::cuda_error (its code() is cudaErrorUnknown: cuDNN's own
+  // status is in the message).
+  [[noreturn]] static void fail_in(char const* pass, std::string const& message) {
+    throw cuda_error("mpx::causal_self_attention (cuDNN " + std::string(pass) + "): " + message,
+                     static_cast<int>(cudaErrorUnknown));
+  }
+
+  std::mutex mutex_;
+  std::vector<std::pair<key, std::unique_ptr<plan>>> plans_;  // a handful of shapes: a list is enough
+  std::vector<std::pair<key, std::string>> refused_;          // shapes cuDNN refused, and why
+  std::vector<workspace> workspaces_;                          // one per (device, stream)
+  std::map<int, cudnnHandle_t> handles_;                       // one per device
+};
+
+inline cudnn_attention& cudnn_attention_instance() {
+  static cudnn_attention* const instance = new cudnn_attention;  // never destroyed: see ~cudnn_attention
+  return *instance;
+}
+
+// Registers cuDNN's SDPA as the fused attention when the program starts (an inline
+// variable: once per program, however many files include this header).
+inline bool const cudnn_attention_registered = [] {
+  fused_attention_slot() = &cudnn_attention_instance();
+  return true;
+}();
+
+}  // namespace mpx::detail
