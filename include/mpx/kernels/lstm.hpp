@@ -508,7 +508,8 @@ void lstm_backward(Exec const& exec, DH&& dh, W&& kernel, R&& recurrent_kernel, 
   float* const dc = ws_base + l.dc;
   shape const state{e.n, e.u};
 
-  for (std::size_t step = t_count; step-- > 0;) {
+  // (No sequences: nothing flows back through the steps, and dh has no address to offset.)
+  for (std::size_t step = n > 0 ? t_count : 0; step-- > 0;) {
     S* const dgates_t = dgates.data() + step * n * 4 * u;
     for_each_index(exec, n * u,
                            detail::lstm_backward_cell<S, value_t<DH>>{

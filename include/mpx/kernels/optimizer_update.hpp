@@ -131,7 +131,8 @@ struct optimizer_update_chunk {
     float* slot[slots > 0 ? slots : 1];
     bool aligned = vector_aligned<width>(value, gradient, master);
     for (int j = 0; j < slots; ++j) {
-      slot[j] = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]) + loc.begin;
+      float* const list = static_cast<float*>(table.data[fixed_lists + j][loc.tensor]);
+      slot[j] = list ? list + loc.begin : nullptr;  // (a tensor without this slot: nothing to offset)
       aligned = aligned && vector_aligned<width>(slot[j]);
     }
     rounding_position const at{step, rounding.first_stream + loc.tensor, loc.begin};
