@@ -277,7 +277,7 @@ TEMPLATE_LIST_TEST_CASE("16-bit attention with heads of 64 and 128 matches float
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, or in float32, runs unfused and says why",
+TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, or in float32, runs unfused and keeps its probabilities",
                         "[attention][layers][fused]", mpx_test::executors) {
   TestType exec;
   mpx::causal_self_attention<mpx::mixed_bfloat16> dropped(2, true, 0.1f);

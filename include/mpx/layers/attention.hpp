@@ -17,8 +17,8 @@
 // activations overflow them to inf, and the softmax turns the row into NaN: the
 // transformer failure docs/transformers.md shows and find_nonfinite names.
 //
-// On the CUDA executor, with half or bfloat16 storage and no attention dropout, the
-// three middle lines run as one fused kernel where the program has one
+// On the CUDA executor, with half or bfloat16 storage, scaled logits and no attention
+// dropout, the three middle lines run as one fused kernel where the program has one
 // (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float, no [tokens,
 // tokens] tensor in memory); otherwise, and on the host executor always, as written
 // above. fused() says which path the latest forward took.
