@@ -16,6 +16,7 @@
 #include <mpx/mpx.hpp>
 
 #include "executors.hpp"
+#include "tensors.hpp"
 #include "timing.hpp"
 
 #include <algorithm>
@@ -33,6 +34,8 @@
 #endif
 
 namespace {
+
+using mpx_bench::policy_for;
 
 struct options {
   std::string executor = "all";
@@ -112,21 +115,6 @@ void spot_check(shape_case const& c, std::vector<T> const& a, std::vector<T> con
                        std::to_string(g) + ", float64 says " + std::to_string(exact));
   }
 }
-
-template <class T>
-struct policy_for;
-template <>
-struct policy_for<float> {
-  using type = mpx::float32;
-};
-template <>
-struct policy_for<mpx::half> {
-  using type = mpx::mixed_float16;
-};
-template <>
-struct policy_for<mpx::bfloat16> {
-  using type = mpx::mixed_bfloat16;
-};
 
 mpx::shape operand_shape(std::int64_t batch, std::int64_t rows, std::int64_t cols) {
   return batch > 1 ? mpx::shape{batch, rows, cols} : mpx::shape{rows, cols};

@@ -6,7 +6,7 @@
 // sequence pass and backpropagation through time in time per step and TFLOP/s.
 //
 //   layer_bench [--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]
-//               [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]
+//               [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm]
 //
 // Sizes depend on the executor (large on the GPU, a few seconds' worth on the host) and
 // --small shrinks them for CI. Every output is checked to be finite and not all zero
@@ -16,6 +16,7 @@
 #include <mpx/mpx.hpp>
 
 #include "executors.hpp"
+#include "tensors.hpp"
 #include "timing.hpp"
 
 #include <algorithm>
@@ -33,7 +34,11 @@
 
 namespace {
 
+using mpx_bench::check_output;
 using mpx_bench::median_seconds;
+using mpx_bench::policy_for;
+using mpx_bench::random_tensor;
+using mpx_bench::shape_text;
 
 struct options {
   std::string executor = "all";
@@ -41,7 +46,7 @@ struct options {
   bool small = false;
   std::int64_t rows = 0, cols = 0;  // 0: the executor's default
   std::vector<std::int64_t> lstm_steps, lstm_units;
-  std::string only = "norm,dropout,pool,conv,lstm,attention";
+  std::string only = "norm,dropout,pool,conv,lstm";
   [[nodiscard]] bool wants(std::string_view part) const { return only.find(part) != std::string::npos; }
 };
 
@@ -72,72 +77,10 @@ sizes sizes_for(options const& opt, bool gpu) {
   return s;
 }
 
-template <class T>
-struct policy_for;
-template <>
-struct policy_for<float> {
-  using type = mpx::float32;
-};
-template <>
-struct policy_for<mpx::half> {
-  using type = mpx::mixed_float16;
-};
-template <>
-struct policy_for<mpx::bfloat16> {
-  using type = mpx::mixed_bfloat16;
-};
-
-//! A tensor of T in the executor's space, seeded values in [-scale, scale): generated on
-//! the host in float, copied over and rounded by mpx::cast.
-template <class T, class Exec>
-auto random_tensor(Exec const& exec, mpx::shape const& shape, std::uint64_t seed, float scale = 1.0f) {
-  std::vector<float> host(shape.size());
-  std::uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
-  for (float& v : host) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    v = scale * static_cast<float>(static_cast<std::int64_t>(s >> 40) - (1 << 23)) * 0x1p-23f;
-  }
-  auto out = mpx::make_tensor<T>(exec, shape);
-  if constexpr (std::is_same_v<T, float>) {
-    mpx::copy(exec, mpx::tensor_view<float const>(host.data(), shape), out);
-  } else {
-    auto staged = mpx::make_tensor<float>(exec, shape);
-    mpx::copy(exec, mpx::tensor_view<float const>(host.data(), shape), staged);
-    mpx::cast(exec, staged, out);
-  }
-  exec.synchronize();  // the host vector goes out of scope
-  return out;
-}
-
 template <class Exec>
 auto filled(Exec const& exec, mpx::shape const& shape, float value) {
   auto out = mpx::make_tensor<float>(exec, shape);
   mpx::fill(exec, out, value);
-  return out;
-}
-
-//! Throws mpx::error unless x (up to 2^20 elements sampled evenly) is finite and not all
-//! zero.
-template <class Exec, class X>
-void check_output(Exec const& exec, X const& x, std::string_view what) {
-  auto const host = mpx::to_host(exec, x);
-  std::size_t const n = host.size(), step = std::max<std::size_t>(1, n / (1u << 20));
-  bool nonzero = false;
-  for (std::size_t i = 0; i < n; i += step) {
-    float const v = mpx::cast<float>(host.data()[i]);
-    if (!std::isfinite(v))
-      throw mpx::error(std::string(what) + " holds " + std::to_string(v) + " at " + std::to_string(i));
-    nonzero |= v != 0.0f;
-  }
-  if (!nonzero && n > 0) throw mpx::error(std::string(what) + " is all zero");
-}
-
-std::string shape_text(std::initializer_list<std::int64_t> extents) {
-  std::string out;
-  for (auto e : extents) {
-    if (!out.empty()) out.push_back('x');
-    out.append(std::to_string(e));
-  }
   return out;
 }
 
@@ -435,59 +378,6 @@ void bench_lstm(Exec const& exec, options const& opt, sizes const& s) {
     }
 }
 
-// ---- causal self-attention (layers/attention.hpp) ----
-
-// Forward: the QKV and output projections (2 N D 3D + 2 N D D flops), the logits and
-// P V (2 B T T D each: the full T x T products, the causal half included). Backward is
-// about twice that. N = B T tokens.
-template <class Exec>
-void bench_attention(Exec const& exec, options const& opt) {
-  bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
-  using space = mpx::memory_space_t<Exec>;
-  char const* const unit = gpu ? "TFLOP/s" : "GFLOP/s";
-  std::printf("\n%-6s %-14s %-9s %-18s %10s %9s %10s %9s\n", std::string(Exec::name).c_str(), "attention", "dtype",
-              "B x T x D / heads", "fwd (us)", unit, "bwd (us)", unit);
-  struct size {
-    std::int64_t b, t, d, h;
-  };
-  std::vector<size> const sizes = opt.small ? std::vector<size>{{2, 16, 32, 2}}
-                                  : gpu     ? std::vector<size>{{16, 256, 512, 8}, {8, 1024, 1024, 16}, {4, 2048, 1024, 16}}
-                                            : std::vector<size>{{4, 64, 128, 4}, {4, 128, 128, 4}, {2, 256, 256, 8}};
-  for (auto const z : sizes) {
-    auto for_type = [&](auto tag) {
-      using T = decltype(tag);
-      using P = typename policy_for<T>::type;
-      mpx::causal_self_attention<P> layer(z.h);
-      layer.set_name("attention");
-      layer.build(exec, {z.t, z.d}, 1);
-      layer.reserve(exec, z.b);
-      auto x = random_tensor<T>(exec, {z.b, z.t, z.d}, 21);
-      auto dy = random_tensor<T>(exec, {z.b, z.t, z.d}, 22, 0.01f);
-      auto y = mpx::make_tensor<T>(exec, {z.b, z.t, z.d});
-      auto dx = mpx::make_tensor<T>(exec, {z.b, z.t, z.d});
-      auto const xv = mpx::tensor_view<T const, space>(mpx::view(x));
-      double const n = static_cast<double>(z.b * z.t), d = static_cast<double>(z.d);
-      double const fwd_flops = 8 * n * d * d + 4 * static_cast<double>(z.b) * static_cast<double>(z.t) * static_cast<double>(z.t) * d;
-      double const scale = gpu ? 1e12 : 1e9;
-      double const fwd = median_seconds(exec, opt.repeat, [&] { layer.forward(exec, xv, mpx::view(y), true); });
-      check_output(exec, y, "attention forward");
-      double const bwd = median_seconds(exec, opt.repeat, [&] {
-        layer.backward(exec, xv, mpx::tensor_view<T const, space>(mpx::view(y)), mpx::tensor_view<T const, space>(mpx::view(dy)),
-                       mpx::view(dx));
-      });
-      check_output(exec, dx, "attention backward dx");
-      std::printf("%-6s %-14s %-9s %-18s %10.1f %9.3f %10.1f %9.3f\n", std::string(Exec::name).c_str(), "attention",
-                  std::string(mpx::dtype_name<T>).c_str(),
-                  (shape_text({z.b, z.t, z.d}) + " / " + std::to_string(z.h)).c_str(), fwd * 1e6,
-                  fwd_flops / fwd / scale, bwd * 1e6, 2 * fwd_flops / bwd / scale);
-      std::fflush(stdout);
-    };
-    for_type(mpx::half{});
-    for_type(mpx::bfloat16{});
-    for_type(float{});
-  }
-}
-
 template <class Exec>
 void run_all(Exec const& exec, options const& opt) {
   bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
@@ -537,7 +427,6 @@ void run_all(Exec const& exec, options const& opt) {
   }
   if (opt.wants("conv")) bench_conv(exec, opt, s);
   if (opt.wants("lstm")) bench_lstm(exec, opt, s);
-  if (opt.wants("attention")) bench_attention(exec, opt);
 }
 
 }  // namespace
@@ -547,7 +436,7 @@ int main(int argc, char** argv) try {
   mpx_programs::command_line args(
       argc, argv,
       "[--executor host|cuda|all] [--repeat R] [--small] [--rows R] [--cols C]\n"
-      "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm,attention]");
+      "          [--lstm-steps T[,T...]] [--lstm-units U[,U...]] [--only norm,dropout,pool,conv,lstm]");
   while (args.next()) {
     if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
     else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
@@ -561,10 +450,9 @@ int main(int argc, char** argv) try {
       std::stringstream in(opt.only);
       bool known = !opt.only.empty() && opt.only.back() != ',';
       for (std::string part; std::getline(in, part, ',');)
-        known = known && (part == "norm" || part == "dropout" || part == "pool" || part == "conv" || part == "lstm" ||
-                          part == "attention");
+        known = known && (part == "norm" || part == "dropout" || part == "pool" || part == "conv" || part == "lstm");
       if (!known)
-        throw mpx_programs::usage_error("--only expects parts among norm, dropout, pool, conv, lstm, attention, got '" +
+        throw mpx_programs::usage_error("--only expects parts among norm, dropout, pool, conv, lstm, got '" +
                                         opt.only + "'");
     } else args.unknown();
   }

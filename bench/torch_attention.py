@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's causal self-attention at layer_bench's attention sizes, timed the same way.
+"""PyTorch's causal self-attention at transformer_bench's sizes, timed the same way.
 
 The layer is mpx::causal_self_attention's: a packed QKV projection (Linear(D, 3D)), H heads
 of width D/H, a causal softmax over the logits, P V, and an output projection (Linear(D,
@@ -7,16 +7,15 @@ D)). Two PyTorch forms of it, forward and forward + backward, median of --repeat
 after a warm-up, timed with CUDA events:
 
   * unfused: q k^T / sqrt(d) as a batched matmul, a causal mask, softmax in float32, P V:
-    the same products mpx issues (mpx stores the logits in the storage dtype; PyTorch's
-    autocast does too);
+    the same products mpx's unfused path issues (mpx stores the logits in the storage
+    dtype; PyTorch's autocast does too);
   * sdpa: torch.nn.functional.scaled_dot_product_attention(is_causal=True), which picks a
-    fused kernel (FlashAttention or memory-efficient) that never writes the T x T matrix:
-    what a fused mpx kernel would have to beat.
+    fused kernel (FlashAttention, cuDNN's or the memory-efficient one) that never writes
+    the T x T matrix: what mpx's fused path (cuDNN's SDPA) runs beside.
 
-GFLOP/s counts what layer_bench counts (8 N D^2 + 4 B T^2 D forward, twice that backward):
-the forward column compares directly with layer_bench's; the second column is forward +
-backward (3 times the forward's flops), to set against layer_bench's fwd + bwd times. --device cpu runs a
-small smoke on the host (the test command does); its times mean nothing.
+TFLOP/s counts what transformer_bench counts: the projections (8 N D^2 for N = B T tokens)
+and the causal half of the two [T, T] products (2 B T^2 D) forward, backward twice that.
+--device cpu runs a small smoke on the host (CI does); its times mean nothing.
 
   python3 bench/torch_attention.py [--repeat R] [--device cuda|cpu] [--small]
 """
@@ -25,7 +24,9 @@ import argparse
 import statistics
 import time
 
-GPU_SIZES = [(16, 256, 512, 8), (8, 1024, 1024, 16), (4, 2048, 1024, 16)]
+# transformer_bench's GPU rows: GPT-2 small's width and heads, and width 1,024 with heads
+# of 128, at 1,024 to 4,096 tokens, 16,384 tokens a batch.
+GPU_SIZES = [(16384 // t, t, d, h) for d, h in ((768, 12), (1024, 8)) for t in (1024, 2048, 4096)]
 SMALL_SIZES = [(2, 16, 32, 2)]
 
 
@@ -61,10 +62,10 @@ def timed(torch, device, repeat, fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="PyTorch's counterpart of layer_bench's attention rows.")
+    parser = argparse.ArgumentParser(description="PyTorch's counterpart of transformer_bench's rows.")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--small", action="store_true", help="one small size (as layer_bench --small)")
+    parser.add_argument("--small", action="store_true", help="one small size (as transformer_bench --small)")
     args = parser.parse_args()
     try:
         import torch
@@ -79,17 +80,17 @@ def main():
     unit, scale = ("TFLOP/s", 1e12) if device.type == "cuda" else ("GFLOP/s", 1e9)
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU'}; "
           f"median of {args.repeat} runs")
-    print(f"{'form':<10} {'dtype':<9} {'B x T x D / heads':<18} {'fwd (us)':>10} {unit:>9} {'fwd+bwd (us)':>13} {unit:>9}")
+    print(f"{'form':<10} {'dtype':<9} {'B x T x D / heads':<22} {'fwd (ms)':>10} {unit:>9} {'fwd+bwd (ms)':>13} {unit:>9}")
     torch.manual_seed(0)
     for b, t, d, h in sizes:
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float16):
             if device.type == "cpu" and dtype == torch.float16:
                 continue  # slow and partial on CPUs; the GPU rows are the point
             qkv = torch.nn.Linear(d, 3 * d, device=device, dtype=dtype)
             out = torch.nn.Linear(d, d, device=device, dtype=dtype)
             x = torch.randn(b, t, d, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn(b, t, d, device=device, dtype=dtype) * 0.01
-            flops = 8 * b * t * d * d + 4 * b * t * t * d
+            flops = 8 * b * t * d * d + 2 * b * t * t * d
             for fused in (False, True):
                 def forward():
                     with torch.no_grad():
@@ -102,8 +103,8 @@ def main():
                 fwd = timed(torch, device, args.repeat, forward)
                 both = timed(torch, device, args.repeat, forward_backward)
                 name = "sdpa" if fused else "unfused"
-                print(f"{name:<10} {str(dtype).removeprefix('torch.'):<9} {f'{b}x{t}x{d} / {h}':<18} "
-                      f"{fwd * 1e6:>10.1f} {flops / fwd / scale:>9.3f} {both * 1e6:>13.1f} {3 * flops / both / scale:>9.3f}")
+                print(f"{name:<10} {str(dtype).removeprefix('torch.'):<9} {f'{b}x{t}x{d} / {h}':<22} "
+                      f"{fwd * 1e3:>10.3f} {flops / fwd / scale:>9.1f} {both * 1e3:>13.3f} {3 * flops / both / scale:>9.1f}")
     return 0
 
 

@@ -377,38 +377,42 @@ if [ "$phase" != tests ]; then
 data=$kit/data/fashion-mnist
 if [ -n "$planning" ] || [ -f "$data/train-images-idx3-ubyte.gz" ]; then
   mpx_step fashion_mnist 40 fashion_mnist --executor cuda --policy all --epochs 1 --data "$data" --probe
-  mpx_step fashion_mnist_graph 30 fashion_mnist --executor cuda --policy all --epochs 1 --data "$data" --cuda-graph
+  mpx_step fashion_mnist_graph 25 fashion_mnist --executor cuda --policy all --epochs 1 --data "$data" --cuda-graph
 else
   record fashion_mnist "not run: no Fashion-MNIST in the kit"
 fi
 mpx_step gemm_bench 20 gemm_bench --executor cuda --repeat 5 --shapes all
-mpx_step layer_bench 20 layer_bench --executor cuda --repeat 10
+mpx_step layer_bench 15 layer_bench --executor cuda --repeat 10
+# Attention at 1,024 to 4,096 tokens, cuDNN's fused SDPA beside the unfused path.
+mpx_step transformer_bench 25 transformer_bench --executor cuda --repeat 5
+# GPT-2 small's shape (12 layers, width 768, 1,024 tokens) in bfloat16: tokens per second,
+# MFU, and which attention ran (cuDNN's fused SDPA where the kit's char_lm links it); then
+# the same model and step in PyTorch eager on the same GPU, and the ratio of the two.
+if [ -n "$planning" ] || [ -d "$kit/data/fortunes" ]; then
+  mpx_step char_lm_gpt2_small 35 char_lm --executor cuda --preset gpt2-small --policy mixed_bfloat16 --steps 30 \
+    --log-every 10 --eval-batches 2 --sample 1 --corpus "$kit/data/fortunes"
+else
+  record char_lm_gpt2_small "not run: no fortunes corpus in the kit"
+fi
+# PyTorch's counterparts, where the machine has PyTorch; python3 runs with the machine's
+# own LD_LIBRARY_PATH, never mpx's.
+has_torch=''
+if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then has_torch=1; fi
+if [ -n "$has_torch" ]; then
+  step torch_gpt2 25 env PYTHONUNBUFFERED=1 python3 bench/torch_gpt2.py --mpx-log "$logs/char_lm_gpt2_small.log"
+else
+  record torch_gpt2 "not run: no PyTorch here"
+fi
+# Extras: run in whatever the budget has left, never counted in the plan.
+extra=1
+[ -z "$has_torch" ] || step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside transformer_bench's rows
 mpx_step scaling_bench 15 scaling_bench --executor cuda --tensors 100,1000 --repeat 10
+[ -z "$has_torch" ] || step torch_compare 20 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,1000
 mpx_step numerics_bench 10 numerics_bench --executor cuda --repeat 10
 mpx_step activation_bench 10 activation_bench --executor cuda --repeat 10
 # The transformer: three policies, 200 steps each, on the kit's copy of the fortunes.
 if [ -n "$planning" ] || [ -d "$kit/data/fortunes" ]; then
   mpx_step char_lm 20 char_lm --executor cuda --steps 200 --corpus "$kit/data/fortunes"
-else
-  record char_lm "not run: no fortunes corpus in the kit"
-fi
-# PyTorch's counterparts of scaling_bench's rows, where the machine has PyTorch; python3
-# runs with the machine's own LD_LIBRARY_PATH, never mpx's.
-if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then
-  step torch_compare 20 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,1000
-else
-  record torch_compare "not run: no PyTorch here"
-fi
-# Extras: run in whatever the budget has left, never counted in the plan.
-extra=1
-if [ -n "$planning" ] || python3 -c "import torch" 2> /dev/null; then
-  step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside layer_bench's attention rows
-fi
-# GPT-2 small's shape (12 layers, width 768, 1,024 tokens) in bfloat16: tokens per second,
-# MFU, and which attention ran (cuDNN's fused SDPA where the kit's char_lm links it).
-if [ -n "$planning" ] || [ -d "$kit/data/fortunes" ]; then
-  mpx_step char_lm_gpt2_small 40 char_lm --executor cuda --preset gpt2-small --policy mixed_bfloat16 --steps 30 \
-    --log-every 10 --eval-batches 2 --sample 1 --corpus "$kit/data/fortunes"
 fi
 for e in binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
   mpx_step "$e" 10 "$e" --executor cuda

@@ -277,13 +277,16 @@ TEMPLATE_LIST_TEST_CASE("16-bit attention with heads of 64 and 128 matches float
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, or in float32, runs unfused and keeps its probabilities",
+TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, in float32, or told not to fuse, runs unfused and keeps "
+                        "its probabilities",
                         "[attention][layers][fused]", mpx_test::executors) {
   TestType exec;
   mpx::causal_self_attention<mpx::mixed_bfloat16> dropped(2, true, 0.1f);
   mpx::causal_self_attention<mpx::float32> wide(2);
+  mpx::causal_self_attention<mpx::mixed_float16> told({.heads = 2, .fused = false});
   dropped.build(exec, {9, 128}, 1);
   wide.build(exec, {9, 128}, 1);
+  told.build(exec, {9, 128}, 1);
   auto run = [&](auto& layer) {
     using T = typename std::remove_reference_t<decltype(layer)>::input_type;
     using space = mpx::memory_space_t<TestType>;
@@ -296,6 +299,7 @@ TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, or in float32, r
   };
   run(dropped);
   run(wide);
+  run(told);
 }
 
 TEMPLATE_LIST_TEST_CASE("the causal softmax masks the future and leaves a row with no key all zeros, never NaN",

@@ -61,6 +61,7 @@ PROGRAMS = {
         "more": [(["--only", "norm,bogus"], "--only"), (["--only", ""], "--only")],
     },
     "numerics_bench": {"whole": ["--elements", "--repeat"], "choice": ["--executor"]},
+    "transformer_bench": {"whole": ["--repeat"], "list": ["--tokens"], "choice": ["--executor", "--path"]},
     "scaling_bench": {
         "whole": ["--elements", "--repeat"],
         "list": ["--tensors"],

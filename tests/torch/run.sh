@@ -47,7 +47,9 @@ fi
 
 PYTHONPATH="$root/build-torch/lib${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider tests/torch "$@"
 
-# bench/torch_attention.py's GPU rows sit beside layer_bench's on a GPU machine; here, a
-# CPU smoke that it still runs against this PyTorch.
+# bench/torch_attention.py's and torch_gpt2.py's GPU rows sit beside transformer_bench's
+# and char_lm's on a GPU machine; here, CPU smokes that they still run against this PyTorch.
 python3 bench/torch_attention.py --device cpu --repeat 1 > /dev/null
 echo "bench/torch_attention.py: runs (CPU smoke)"
+python3 bench/torch_gpt2.py --device cpu --small > /dev/null
+echo "bench/torch_gpt2.py: runs (CPU smoke)"

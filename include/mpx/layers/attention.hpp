@@ -17,11 +17,11 @@
 // activations overflow them to inf, and the softmax turns the row into NaN: the
 // transformer failure docs/transformers.md shows and find_nonfinite names.
 //
-// On the CUDA executor, with half or bfloat16 storage, scaled logits and no attention
-// dropout, the three middle lines run as one fused kernel where the program has one
-// (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float, no [tokens,
-// tokens] tensor in memory); otherwise, and on the host executor always, as written
-// above. fused() says which path the latest forward took.
+// On the CUDA executor, with half or bfloat16 storage, scaled logits, no attention
+// dropout and config.fused left on, the three middle lines run as one fused kernel where
+// the program has one (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in
+// float, no [tokens, tokens] tensor in memory); otherwise, and on the host executor
+// always, as written above. fused() says which path the latest forward took.
 #pragma once
 
 #include <mpx/exec/step_executor.hpp>
@@ -57,6 +57,10 @@ struct causal_self_attention_config {
   initializer kernel_initializer = initializer::glorot_uniform;
   initializer output_kernel_initializer = initializer::glorot_uniform;
   initializer bias_initializer = initializer::zeros;
+  //! Run the fused attention where it can run (see above). false keeps the unfused path,
+  //! as PyTorch's enable_flash_sdp(False) does: to compare the two, or to read
+  //! probabilities(), which the fused path never stores.
+  bool fused = true;
 };
 
 template <class Policy = model_policy>
@@ -291,6 +295,7 @@ class causal_self_attention : public layer_base {
     if constexpr (!is_cuda_executor_v<Exec>) {
       return false;
     } else {
+      if (!config_.fused) return false;  // the user's choice: nothing to note
       std::string why;
       if constexpr (!std::is_same_v<input_type, half> && !std::is_same_v<input_type, bfloat16>)
         why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +

@@ -1,0 +1,178 @@
+// Causal self-attention at a transformer's sizes (1,024 to 4,096 tokens on the GPU),
+// forward and forward + backward, through both of its paths in half and bfloat16:
+//
+//   fused    the fused attention the program registered (cuDNN's SDPA: the causal mask,
+//            the scale and the softmax inside one kernel, the statistics in float, no
+//            [tokens, tokens] tensor in memory); CUDA executor only;
+//   unfused  two batched cuBLASLt products around the causal softmax, the logits and
+//            probabilities written to memory: what the host executor always runs.
+//
+// Each row is the whole layer (query/key/value projection, attention, output projection),
+// at a fixed 16,384 tokens a batch on the GPU (the batch shrinks as the sequence grows),
+// with the device memory the layer holds after reserving for that batch: linear in the
+// sequence when fused, quadratic when not.
+//
+//   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
+//                     [--path fused|unfused|both]
+//
+// TFLOP/s counts the model's products once, as FlashAttention's papers do: the two
+// projections (8 N D^2 for N tokens of width D) and, under the causal mask, half of each
+// [T, T] product (2 B T^2 D for QK^T and P V together); backward twice the forward.
+// bench/torch_attention.py times PyTorch's same layer (unfused and through
+// scaled_dot_product_attention) at the same sizes; bench/NOTES.md has the predictions and
+// results. Every output is checked finite and not all zero before its row prints.
+#include <mpx/mpx.hpp>
+
+#include "executors.hpp"
+#include "tensors.hpp"
+#include "timing.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct options {
+  std::string executor = "all";
+  int repeat = 5;
+  bool small = false;
+  std::vector<std::int64_t> tokens;  // empty: the executor's default
+  bool fused = true, unfused = true;
+};
+
+struct attention_size {
+  std::int64_t batch, tokens, width, heads;
+};
+
+//! GPT-2 small's width and heads (head width 64) and a width-1,024 model with heads of
+//! 128, each at every sequence length, 16,384 tokens a batch on the GPU.
+std::vector<attention_size> sizes_for(options const& opt, bool gpu) {
+  if (opt.small) return {{2, 16, 32, 2}};
+  std::vector<std::int64_t> const tokens =
+      !opt.tokens.empty() ? opt.tokens : gpu ? std::vector<std::int64_t>{1024, 2048, 4096} : std::vector<std::int64_t>{128, 256};
+  std::int64_t const tokens_per_batch = gpu ? 16384 : 512;
+  std::vector<attention_size> out;
+  for (auto const& [width, heads] : {std::pair<std::int64_t, std::int64_t>{768, 12}, {1024, 8}})
+    for (auto const t : tokens)
+      out.push_back({std::max<std::int64_t>(1, tokens_per_batch / t), t, gpu ? width : width / 4, gpu ? heads : heads / 2});
+  return out;
+}
+
+#if MPX_HAS_CUDA
+//! Bytes in use from the device's stream-ordered pool (where every mpx tensor lives).
+std::uint64_t device_pool_bytes_in_use() {
+  int device = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  cudaMemPool_t pool{};
+  MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  std::uint64_t used = 0;
+  MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  return used;
+}
+#endif
+
+//! The device memory a layer holds (MiB): its weights, gradients and the buffers it
+//! reserved (the first fused row also counts the fused attention's workspace, which the
+//! program keeps for the stream). 0 on the host (not measured there).
+template <class Exec, class Make>
+double held_mib([[maybe_unused]] Exec const& exec, Make&& make) {
+#if MPX_HAS_CUDA
+  if constexpr (mpx::is_cuda_executor_v<Exec>) {
+    exec.synchronize();
+    std::uint64_t const before = device_pool_bytes_in_use();
+    make();
+    exec.synchronize();
+    return static_cast<double>(device_pool_bytes_in_use() - before) / (1 << 20);
+  }
+#endif
+  make();
+  return 0;
+}
+
+template <class T, class Exec>
+void bench_attention(Exec const& exec, options const& opt, attention_size const z, bool fused) {
+  using space = mpx::memory_space_t<Exec>;
+  using P = typename mpx_bench::policy_for<T>::type;
+  mpx::causal_self_attention<P> layer(mpx::causal_self_attention_config{.heads = z.heads, .fused = fused});
+  layer.set_name("attention");
+  double const mib = held_mib(exec, [&] {
+    layer.build(exec, {z.tokens, z.width}, 1);
+    layer.reserve(exec, z.batch);
+  });
+  auto x = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 21);
+  auto dy = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 22, 0.01f);
+  auto y = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
+  auto dx = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
+  auto const xv = mpx::tensor_view<T const, space>(mpx::view(x));
+  auto const yv = mpx::tensor_view<T const, space>(mpx::view(y));
+  auto const dyv = mpx::tensor_view<T const, space>(mpx::view(dy));
+  double const n = static_cast<double>(z.batch * z.tokens), d = static_cast<double>(z.width),
+               t = static_cast<double>(z.tokens);
+  double const forward_flops = 8 * n * d * d + 2 * n * t * d;
+  double const forward = mpx_bench::median_seconds(exec, opt.repeat, [&] { layer.forward(exec, xv, mpx::view(y), true); });
+  mpx_bench::check_output(exec, y, "attention forward");
+  double const both = mpx_bench::median_seconds(exec, opt.repeat, [&] {
+    layer.forward(exec, xv, mpx::view(y), true);
+    layer.backward(exec, xv, yv, dyv, mpx::view(dx));
+  });
+  mpx_bench::check_output(exec, dx, "attention backward dx");
+  bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
+  double const unit = gpu ? 1e12 : 1e9;
+  std::string const mib_text = gpu ? std::to_string(static_cast<long long>(mib + 0.5)) : std::string("-");
+  std::printf("%-6s %-9s %-22s %-8s %10.3f %9.1f %12.3f %9.1f %11s\n", std::string(Exec::name).c_str(),
+              std::string(mpx::dtype_name<T>).c_str(),
+              (mpx_bench::shape_text({z.batch, z.tokens, z.width}) + " / " + std::to_string(z.heads)).c_str(),
+              layer.fused() ? "fused" : "unfused", forward * 1e3, forward_flops / forward / unit, both * 1e3,
+              3 * forward_flops / both / unit, mib_text.c_str());
+  std::fflush(stdout);
+}
+
+template <class Exec>
+void run_all(Exec const& exec, options const& opt) {
+  bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
+  if (gpu && opt.fused)
+    std::printf("fused attention: %s\n", mpx::fused_attention() ? std::string(mpx::fused_attention()->name()).c_str()
+                                                                : "none registered: the fused rows run unfused (stderr says why)");
+  std::printf("\n%-6s %-9s %-22s %-8s %10s %9s %12s %9s %11s\n", std::string(Exec::name).c_str(), "dtype",
+              "B x T x D / heads", "path", "fwd (ms)", gpu ? "TFLOP/s" : "GFLOP/s", "fwd+bwd (ms)",
+              gpu ? "TFLOP/s" : "GFLOP/s", "memory MiB");
+  for (auto const z : sizes_for(opt, gpu)) {
+    auto for_type = [&](auto tag) {
+      using T = decltype(tag);
+      if (opt.fused && gpu) bench_attention<T>(exec, opt, z, true);  // (the host has no fused path)
+      if (opt.unfused || !gpu) bench_attention<T>(exec, opt, z, false);
+    };
+    for_type(mpx::bfloat16{});
+    for_type(mpx::half{});
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  options opt;
+  mpx_programs::command_line args(argc, argv,
+                                  "[--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]\n"
+                                  "          [--path fused|unfused|both]");
+  while (args.next()) {
+    if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
+    else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
+    else if (args.is("--small")) opt.small = true;
+    else if (args.is("--tokens")) opt.tokens = args.wholes<std::int64_t>(1, 65'536);
+    else if (args.is("--path")) {
+      std::string const path = args.choice({"fused", "unfused", "both"});
+      opt.fused = path != "unfused";
+      opt.unfused = path != "fused";
+    } else args.unknown();
+  }
+  std::printf("median of %d runs%s; causal model FLOPs (the masked half of each [T, T] product not counted)\n",
+              opt.repeat, opt.small ? ", --small sizes" : "");
+  return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
+} catch (...) {
+  return mpx_programs::report_failure("transformer_bench");
+}
