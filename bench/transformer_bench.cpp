@@ -10,7 +10,8 @@
 // Each row is the whole layer (query/key/value projection, attention, output projection),
 // at a fixed 16,384 tokens a batch on the GPU (the batch shrinks as the sequence grows),
 // with the device memory the layer holds after reserving for that batch: linear in the
-// sequence when fused, quadratic when not.
+// sequence when fused, quadratic when not (the fused attention's workspace, which the
+// program keeps per stream, is reported once, apart).
 //
 //   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
 //                     [--path fused|unfused|both]
@@ -28,6 +29,7 @@
 #include "timing.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -63,72 +65,87 @@ std::vector<attention_size> sizes_for(options const& opt, bool gpu) {
   return out;
 }
 
-#if MPX_HAS_CUDA
-//! Bytes in use from the device's stream-ordered pool (where every mpx tensor lives).
-std::uint64_t device_pool_bytes_in_use() {
-  int device = 0;
-  MPX_CUDA_CHECK(cudaGetDevice(&device));
-  cudaMemPool_t pool{};
-  MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  std::uint64_t used = 0;
-  MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
-  return used;
-}
-#endif
-
-//! The device memory a layer holds (MiB): its weights, gradients and the buffers it
-//! reserved (the first fused row also counts the fused attention's workspace, which the
-//! program keeps for the stream). 0 on the host (not measured there).
-template <class Exec, class Make>
-double held_mib([[maybe_unused]] Exec const& exec, Make&& make) {
+//! Bytes in use from the device's current stream-ordered pool, where every mpx tensor
+//! lives (cudaMallocAsync); 0 on the host (not measured there). cuBLASLt's workspace is
+//! plain cudaMalloc, outside it.
+template <class Exec>
+std::int64_t pool_bytes_in_use([[maybe_unused]] Exec const& exec) {
 #if MPX_HAS_CUDA
   if constexpr (mpx::is_cuda_executor_v<Exec>) {
-    exec.synchronize();
-    std::uint64_t const before = device_pool_bytes_in_use();
-    make();
-    exec.synchronize();
-    return static_cast<double>(device_pool_bytes_in_use() - before) / (1 << 20);
+    exec.synchronize();  // frees on the stream have returned their memory
+    int device = 0;
+    MPX_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool{};
+    MPX_CUDA_CHECK(cudaDeviceGetMemPool(&pool, device));
+    std::uint64_t used = 0;
+    MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+    return static_cast<std::int64_t>(used);
   }
 #endif
-  make();
   return 0;
 }
 
+struct row {
+  double forward = 0, both = 0;  // seconds
+  bool fused = false;
+  std::int64_t layer_bytes = 0;  // what the layer holds: weights, gradients, reserved buffers
+};
+
+//! The layer's memory is what the pool holds while it lives, over what it holds once the
+//! layer is gone: the fused attention's workspace, which the program keeps for the
+//! stream (made when a layer first needs it), is not the layer's. Its growth is added to
+//! `workspace_bytes`.
 template <class T, class Exec>
-void bench_attention(Exec const& exec, options const& opt, attention_size const z, bool fused) {
+row time_attention(Exec const& exec, options const& opt, attention_size const z, bool fused,
+                   std::int64_t& workspace_bytes) {
   using space = mpx::memory_space_t<Exec>;
   using P = typename mpx_bench::policy_for<T>::type;
-  mpx::causal_self_attention<P> layer(mpx::causal_self_attention_config{.heads = z.heads, .fused = fused});
-  layer.set_name("attention");
-  double const mib = held_mib(exec, [&] {
+  std::int64_t const before = pool_bytes_in_use(exec);
+  row r;
+  std::int64_t with_layer = 0;
+  {
+    mpx::causal_self_attention<P> layer(mpx::causal_self_attention_config{.heads = z.heads, .fused = fused});
+    layer.set_name("attention");
     layer.build(exec, {z.tokens, z.width}, 1);
     layer.reserve(exec, z.batch);
-  });
-  auto x = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 21);
-  auto dy = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 22, 0.01f);
-  auto y = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
-  auto dx = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
-  auto const xv = mpx::tensor_view<T const, space>(mpx::view(x));
-  auto const yv = mpx::tensor_view<T const, space>(mpx::view(y));
-  auto const dyv = mpx::tensor_view<T const, space>(mpx::view(dy));
+    with_layer = pool_bytes_in_use(exec);
+    auto x = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 21);
+    auto dy = mpx_bench::random_tensor<T>(exec, {z.batch, z.tokens, z.width}, 22, 0.01f);
+    auto y = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
+    auto dx = mpx::make_tensor<T>(exec, {z.batch, z.tokens, z.width});
+    auto const xv = mpx::tensor_view<T const, space>(mpx::view(x));
+    auto const yv = mpx::tensor_view<T const, space>(mpx::view(y));
+    auto const dyv = mpx::tensor_view<T const, space>(mpx::view(dy));
+    r.forward = mpx_bench::median_seconds(exec, opt.repeat, [&] { layer.forward(exec, xv, mpx::view(y), true); });
+    mpx_bench::check_output(exec, y, "attention forward");
+    r.both = mpx_bench::median_seconds(exec, opt.repeat, [&] {
+      layer.forward(exec, xv, mpx::view(y), true);
+      layer.backward(exec, xv, yv, dyv, mpx::view(dx));
+    });
+    mpx_bench::check_output(exec, dx, "attention backward dx");
+    r.fused = layer.fused();
+  }
+  std::int64_t const after = pool_bytes_in_use(exec);
+  r.layer_bytes = with_layer - after;
+  workspace_bytes += after - before;
+  return r;
+}
+
+template <class T, class Exec>
+void bench_attention(Exec const& exec, options const& opt, attention_size const z, bool fused,
+                     std::int64_t& workspace_bytes) {
+  row const r = time_attention<T>(exec, opt, z, fused, workspace_bytes);
   double const n = static_cast<double>(z.batch * z.tokens), d = static_cast<double>(z.width),
                t = static_cast<double>(z.tokens);
   double const forward_flops = 8 * n * d * d + 2 * n * t * d;
-  double const forward = mpx_bench::median_seconds(exec, opt.repeat, [&] { layer.forward(exec, xv, mpx::view(y), true); });
-  mpx_bench::check_output(exec, y, "attention forward");
-  double const both = mpx_bench::median_seconds(exec, opt.repeat, [&] {
-    layer.forward(exec, xv, mpx::view(y), true);
-    layer.backward(exec, xv, yv, dyv, mpx::view(dx));
-  });
-  mpx_bench::check_output(exec, dx, "attention backward dx");
   bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
   double const unit = gpu ? 1e12 : 1e9;
-  std::string const mib_text = gpu ? std::to_string(static_cast<long long>(mib + 0.5)) : std::string("-");
+  std::string const mib = gpu ? std::to_string(std::llround(static_cast<double>(r.layer_bytes) / (1 << 20))) : "-";
   std::printf("%-6s %-9s %-22s %-8s %10.3f %9.1f %12.3f %9.1f %11s\n", std::string(Exec::name).c_str(),
               std::string(mpx::dtype_name<T>).c_str(),
               (mpx_bench::shape_text({z.batch, z.tokens, z.width}) + " / " + std::to_string(z.heads)).c_str(),
-              layer.fused() ? "fused" : "unfused", forward * 1e3, forward_flops / forward / unit, both * 1e3,
-              3 * forward_flops / both / unit, mib_text.c_str());
+              r.fused ? "fused" : "unfused", r.forward * 1e3, forward_flops / r.forward / unit, r.both * 1e3,
+              3 * forward_flops / r.both / unit, mib.c_str());
   std::fflush(stdout);
 }
 
@@ -141,15 +158,20 @@ void run_all(Exec const& exec, options const& opt) {
   std::printf("\n%-6s %-9s %-22s %-8s %10s %9s %12s %9s %11s\n", std::string(Exec::name).c_str(), "dtype",
               "B x T x D / heads", "path", "fwd (ms)", gpu ? "TFLOP/s" : "GFLOP/s", "fwd+bwd (ms)",
               gpu ? "TFLOP/s" : "GFLOP/s", "memory MiB");
+  std::int64_t workspace_bytes = 0;
   for (auto const z : sizes_for(opt, gpu)) {
     auto for_type = [&](auto tag) {
       using T = decltype(tag);
-      if (opt.fused && gpu) bench_attention<T>(exec, opt, z, true);  // (the host has no fused path)
-      if (opt.unfused || !gpu) bench_attention<T>(exec, opt, z, false);
+      if (opt.fused && gpu) bench_attention<T>(exec, opt, z, true, workspace_bytes);  // (the host has no fused path)
+      if (opt.unfused || !gpu) bench_attention<T>(exec, opt, z, false, workspace_bytes);
     };
     for_type(mpx::bfloat16{});
     for_type(mpx::half{});
   }
+  if (gpu)
+    std::printf("(memory: what each layer holds in the stream-ordered pool; beside the rows, the program keeps %lld "
+                "MiB of fused-attention workspace for the stream)\n",
+                static_cast<long long>(std::llround(static_cast<double>(workspace_bytes) / (1 << 20))));
 }
 
 }  // namespace

@@ -143,7 +143,7 @@ cp "$stubs/stub" "$build/tests/mpx_tests_cuda"
 for e in fashion_mnist binary_classifier unstable_division custom_training_loop user_kernel overflow_underflow lstm_sequences; do
   cp "$stubs/stub" "$build/examples/$e"
 done
-for b in numerics_bench scaling_bench activation_bench layer_bench; do cp "$stubs/stub" "$build/bench/$b"; done
+for b in numerics_bench scaling_bench activation_bench layer_bench transformer_bench; do cp "$stubs/stub" "$build/bench/$b"; done
 cp "$stubs/stub_absent" "$build/bench/gemm_bench"
 printf '{"directories": {"source": "%s", "build": "%s"}}\n' "$src" "$build" > "$build/meson-info/meson-info.json"
 echo '[{"name": "gpu_architectures", "value": "90"}]' > "$build/meson-info/intro-buildoptions.json"
@@ -163,6 +163,9 @@ import os, sys
 print("stand-in torch_compare", *sys.argv[1:])
 print("LD_LIBRARY_PATH=" + os.environ.get("LD_LIBRARY_PATH", "(unset)"))
 EOF
+for t in torch_gpt2 torch_attention; do
+  printf 'import sys\nprint("stand-in %s", *sys.argv[1:])\n' "$t" > "$repo/bench/$t.py"
+done
 git -C "$repo" init -q
 head -c 3145728 /dev/zero > "$repo/untracked.bin"     # travels: untracked, not ignored
 head -c 3145728 /dev/zero > "$repo/ignored/junk.bin"  # stays: ignored
@@ -285,6 +288,9 @@ expect "$sum" '^layer_bench +TIMED OUT after 2s' "a hanging benchmark is stopped
 expect "$sum" '^gemm_bench +FAILED rc=127' "a benchmark whose library is missing"
 expect "$sum" '^libraries: MISSING.*libmpxfake_absent\.so\.1 \(needed by gemm_bench\)' "the summary names the missing library"
 expect "$sum" '^torch_compare +ok' "PyTorch's comparison"
+expect "$sum" '^transformer_bench +ok' "the attention benchmark"
+expect "$sum" '^torch_gpt2 +ok' "PyTorch's GPT-2-small step"
+expect "$logdir/torch_gpt2.log" '^stand-in torch_gpt2 --mpx-log .*/char_lm_gpt2_small\.log$' "it reads char_lm's log for the ratio"
 expect "$logdir/fashion_mnist.log" '--data .*/\.gpu/data/fashion-mnist --probe' "the example reads the kit's data"
 expect "$logdir/torch_compare.log" '^LD_LIBRARY_PATH=/orig/marker$' "python3 keeps the machine's LD_LIBRARY_PATH"
 expect "$logdir/binary_classifier.log" "^LD_LIBRARY_PATH=$site_lib:/orig/marker\$" "an example gets mpx's libraries"

@@ -58,7 +58,7 @@ struct causal_self_attention_config {
   initializer output_kernel_initializer = initializer::glorot_uniform;
   initializer bias_initializer = initializer::zeros;
   //! Run the fused attention where it can run (see above). false keeps the unfused path,
-  //! as PyTorch's enable_flash_sdp(False) does: to compare the two, or to read
+  //! as PyTorch's sdpa_kernel(SDPBackend.MATH) does: to compare the two, or to read
   //! probabilities(), which the fused path never stores.
   bool fused = true;
 };
