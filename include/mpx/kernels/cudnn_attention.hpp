@@ -11,8 +11,13 @@
 //
 // Plans (cuDNN graphs, forward and backward) are built once per shape and device, when
 // the layer reserves its buffers (never inside a CUDA-graph capture), and kept until the
-// program ends, with a workspace per stream. The backward pass is cuDNN's deterministic
-// one: the same inputs give the same bits.
+// program ends, with a workspace per stream (made when the layer reserves, or on a
+// stream's first eager pass, as a CUDA-graph trainer's side stream has). A workspace
+// only grows, and the blocks it outgrew stay until the stream is forgotten: a captured
+// graph may still use them. The backward pass is cuDNN's deterministic one: the same
+// inputs give the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for
+// each [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own
+// memory is linear in the tokens, this workspace is not.
 #pragma once
 
 #if !__has_include(<cudnn_frontend.h>)
@@ -27,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -75,7 +81,7 @@ class cudnn_attention final : public fused_attention_backend {
       }
       p = find(device, s);
     }
-    return workspace_for(device, cuda_stream, p->workspace_bytes) ? "" : "no memory for cuDNN's workspace";
+    return workspace_for(device, cuda_stream, p->workspace_bytes);
   }
 
   void forward(fused_attention_shape const& s, fused_attention_forward_args const& a, void* stream) override {
@@ -93,6 +99,31 @@ class cudnn_attention final : public fused_attention_backend {
     run(s, stream, pack, false);
   }
 
+  void forget_stream(void* stream) noexcept override {
+    auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    unsigned long long id = 0;
+    if (cudaStreamGetId(cuda_stream, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    std::lock_guard lock(mutex_);
+    auto const gone = std::partition(workspaces_.begin(), workspaces_.end(),
+                                     [&](workspace const& w) { return w.stream_id != id; });
+    if (gone == workspaces_.end()) return;
+    cudaError_t status = cudaStreamSynchronize(cuda_stream);  // its last passes may still use them
+    for (auto w = gone; w != workspaces_.end(); ++w) {
+      w->retired.push_back(w->data);
+      for (void* block : w->retired)
+        if (block && status == cudaSuccess) status = cudaFreeAsync(block, cuda_stream);
+    }
+    if (status == cudaSuccess) status = cudaStreamSynchronize(cuda_stream);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      std::fprintf(stderr, "mpx: freeing a stream's cuDNN workspace failed: %s\n", cudaGetErrorString(status));
+    }
+    workspaces_.erase(gone, workspaces_.end());
+  }
+
  private:
   enum : std::int64_t { q_uid = 1, k_uid, v_uid, o_uid, stats_uid, d_o_uid, d_q_uid, d_k_uid, d_v_uid };
   using graph = cudnn_frontend::graph::Graph;
@@ -107,11 +138,13 @@ class cudnn_attention final : public fused_attention_backend {
     std::int64_t workspace_bytes = 0;
   };
   // A stream's workspace: streams that run at once cannot share one (as cuBLASLt's).
+  // Keyed by the stream's id, which, unlike its handle, a later stream never reuses.
   struct workspace {
     int device;
-    cudaStream_t stream;
+    unsigned long long stream_id;
     void* data = nullptr;
     std::int64_t bytes = 0;
+    std::vector<void*> retired;  // blocks it outgrew: a captured graph may still use them
   };
 
   std::string build_plan(int device, fused_attention_shape const& s, cudaStream_t stream) {
@@ -123,6 +156,12 @@ class cudnn_attention final : public fused_attention_backend {
     try {  // cudnn-frontend also throws (no implementation for a shape, a missing library)
       p->forward = forward_graph(s);
       p->backward = backward_graph(s);
+      // Both validated before either is built: a shape only the backward refuses (one
+      // token) costs no forward build.
+      if (auto status = p->forward->validate(); !status.is_good())
+        return "cuDNN refused the forward pass: " + status.get_message();
+      if (auto status = p->backward->validate(); !status.is_good())
+        return "cuDNN refused the backward pass: " + status.get_message();
       if (std::string why = build(*p->forward, handle); !why.empty()) return "cuDNN refused the forward pass: " + why;
       if (std::string why = build(*p->backward, handle); !why.empty()) return "cuDNN refused the backward pass: " + why;
     } catch (std::exception const& e) {
@@ -136,25 +175,37 @@ class cudnn_attention final : public fused_attention_backend {
     return "";
   }
 
-  // Gives the stream a workspace of at least `bytes` (only outside a capture: prepare's
-  // caller); false when there is no memory for it.
-  bool workspace_for(int device, cudaStream_t stream, std::int64_t bytes) {
-    workspace* w = nullptr;
-    for (auto& candidate : workspaces_)
-      if (candidate.device == device && candidate.stream == stream) w = &candidate;
-    if (!w) w = &workspaces_.emplace_back(workspace{device, stream});
-    if (w->bytes >= bytes) return true;
-    // Work already queued on this stream may still read the old one: freed in stream order.
-    if (w->data && cudaFreeAsync(w->data, stream) != cudaSuccess) (void)cudaGetLastError();
-    w->data = nullptr;
-    w->bytes = 0;
-    if (cudaMallocAsync(&w->data, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
+  // Gives the stream a workspace of at least `bytes`, outside a capture: "" or why not.
+  // A block it outgrows is kept (see retired).
+  std::string workspace_for(int device, cudaStream_t stream, std::int64_t bytes) {
+    unsigned long long id = 0;
+    if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
       (void)cudaGetLastError();
-      w->data = nullptr;
-      return false;
+      return std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status);
     }
+    workspace* w = find_workspace(device, id);
+    if (!w) w = &workspaces_.emplace_back(workspace{device, id, nullptr, 0, {}});
+    if (w->bytes >= bytes) return "";
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+      (void)cudaGetLastError();
+      return "the stream's cuDNN workspace would be made inside a CUDA-graph capture (reserve, or run one eager "
+             "step on the stream, before capturing)";
+    }
+    void* grown = nullptr;
+    if (cudaMallocAsync(&grown, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "no memory for cuDNN's workspace (" + std::to_string(bytes) + " bytes)";
+    }
+    if (w->data) w->retired.push_back(w->data);
+    w->data = grown;
     w->bytes = bytes;
-    return true;
+    return "";
+  }
+  workspace* find_workspace(int device, unsigned long long stream_id) {
+    for (auto& candidate : workspaces_)
+      if (candidate.device == device && candidate.stream_id == stream_id) return &candidate;
+    return nullptr;
   }
 
   // Enqueues one pass: under the lock from setting the handle's stream to the launch,
@@ -170,13 +221,26 @@ class cudnn_attention final : public fused_attention_backend {
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     plan* const p = find(device, s);
     auto const h = handles_.find(device);
-    workspace const* w = nullptr;
-    for (auto const& candidate : workspaces_)
-      if (candidate.device == device && candidate.stream == cuda_stream) w = &candidate;
-    if (!p || h == handles_.end() || !w || w->bytes < p->workspace_bytes)
+    if (!p || h == handles_.end())
       fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
-                             "no plan or workspace for this shape on this device and stream: the layer was not "
-                             "reserved on this executor");
+                             "no plan for this shape on this device: the layer was not reserved on this executor");
+    unsigned long long id = 0;
+    if (cudaError_t const status = cudaStreamGetId(cuda_stream, &id); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail_in(pass, std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status));
+    }
+    workspace const* w = find_workspace(device, id);
+    if (!w || w->bytes < p->workspace_bytes) {  // a stream the layer was not reserved on
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(cuda_stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
+                               "a stream first used inside a CUDA-graph capture (run one eager step on it first: it "
+                               "makes the stream's workspace)");
+      }
+      if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes); !why.empty()) fail_in(pass, why);
+      w = find_workspace(device, id);
+    }
     if (cudnnStatus_t const status = cudnnSetStream(h->second, cuda_stream); status != CUDNN_STATUS_SUCCESS)
       fail_in(pass, std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status));
     check((forward ? p->forward : p->backward)->execute(h->second, pack, w->data), pass);

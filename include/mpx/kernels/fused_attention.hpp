@@ -59,8 +59,9 @@ struct fused_attention_backward_args {
 
 //! A fused attention implementation. `prepare` runs where buffers are reserved (never
 //! inside a CUDA-graph capture): it builds and caches what a shape needs and returns ""
-//! or why it cannot run the shape. forward and backward then only launch work on the
-//! stream (a cudaStream_t), for shapes prepare accepted.
+//! or why it cannot run the shape. forward and backward then launch work on the stream
+//! (a cudaStream_t), for shapes prepare accepted; on a stream prepare did not see they
+//! make its workspace first (outside a capture; inside one they refuse).
 class fused_attention_backend {
  public:
   virtual ~fused_attention_backend() = default;
@@ -68,6 +69,9 @@ class fused_attention_backend {
   [[nodiscard]] virtual std::string prepare(fused_attention_shape const& shape, void* stream) = 0;
   virtual void forward(fused_attention_shape const& shape, fused_attention_forward_args const& args, void* stream) = 0;
   virtual void backward(fused_attention_shape const& shape, fused_attention_backward_args const& args, void* stream) = 0;
+  //! Waits for `stream` and frees what the implementation keeps for it (a workspace),
+  //! for a stream about to be destroyed. Never throws.
+  virtual void forget_stream(void* /*stream*/) noexcept {}
 };
 
 namespace detail {

@@ -129,7 +129,7 @@ class causal_self_attention : public layer_base {
     // [tokens, tokens] buffer made inside a step or a CUDA-graph capture.
     fused_batch_ = 0;
     if (fusable(exec, d)) {
-      statistics_.ensure(exec, shape{bh, d.tokens});  // memory linear in the tokens
+      statistics_.ensure(exec, shape{bh, d.tokens});  // the layer's memory linear in the tokens (cuDNN's workspace: see cudnn_attention.hpp)
       fused_batch_ = batch;
     } else {
       reserve_unfused(exec, d);

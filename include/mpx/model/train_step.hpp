@@ -19,6 +19,7 @@
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
+#include <mpx/kernels/fused_attention.hpp>
 #include <mpx/kernels/step_record.hpp>
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
@@ -355,9 +356,10 @@ class classifier_trainer {
                        tensor_view<std::int32_t const, Space> labels, bool shadow) {
     if (!graph_streams_) {
       // When the last trainer sharing it goes (after its graph), the stream's cuBLASLt
-      // workspace goes too: every trainer makes a stream of its own.
+      // and fused-attention workspaces go too: every trainer makes a stream of its own.
       graph_streams_ = std::shared_ptr<detail::side_stream>(new detail::side_stream, [](detail::side_stream* s) {
         detail::lt_context::instance().forget_stream(s->stream);
+        if (fused_attention_backend* const attention = fused_attention()) attention->forget_stream(s->stream);
         delete s;
       });
     }
