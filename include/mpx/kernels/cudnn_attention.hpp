@@ -67,13 +67,7 @@ class cudnn_attention final : public fused_attention_backend {
     if (!p) {
       if (std::string const* why = refused(device, s)) return *why;
       // Building a plan allocates and loads kernels: not inside a CUDA-graph capture.
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      if (cudaStreamIsCapturing(cuda_stream, &capturing) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return "the stream's capture status is unknown (another thread capturing in global mode?)";
-      }
-      if (capturing != cudaStreamCaptureStatusNone)
-        return "a shape first seen inside a CUDA-graph capture (reserve the layer before capturing)";
+      if (std::string why = not_capturing(cuda_stream); !why.empty()) return "cannot build cuDNN's plans for a new shape: " + why;
       std::string why = build_plan(device, s, cuda_stream);
       if (!why.empty()) {
         refused_.emplace_back(key{device, s}, why);  // not retried: each try costs a full build
@@ -112,9 +106,9 @@ class cudnn_attention final : public fused_attention_backend {
     if (gone == workspaces_.end()) return;
     cudaError_t status = cudaStreamSynchronize(cuda_stream);  // its last passes may still use them
     for (auto w = gone; w != workspaces_.end(); ++w) {
-      w->retired.push_back(w->data);
       for (void* block : w->retired)
-        if (block && status == cudaSuccess) status = cudaFreeAsync(block, cuda_stream);
+        if (status == cudaSuccess) status = cudaFreeAsync(block, cuda_stream);
+      if (w->data && status == cudaSuccess) status = cudaFreeAsync(w->data, cuda_stream);
     }
     if (status == cudaSuccess) status = cudaStreamSynchronize(cuda_stream);
     if (status != cudaSuccess) {
@@ -186,12 +180,8 @@ class cudnn_attention final : public fused_attention_backend {
     workspace* w = find_workspace(device, id);
     if (!w) w = &workspaces_.emplace_back(workspace{device, id, nullptr, 0, {}});
     if (w->bytes >= bytes) return "";
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
-      (void)cudaGetLastError();
-      return "the stream's cuDNN workspace would be made inside a CUDA-graph capture (reserve, or run one eager "
-             "step on the stream, before capturing)";
-    }
+    if (std::string why = not_capturing(stream); !why.empty()) return "cannot make the stream's cuDNN workspace: " + why;
+    w->retired.reserve(w->retired.size() + 1);  // (nothing after the allocation throws)
     void* grown = nullptr;
     if (cudaMallocAsync(&grown, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -200,6 +190,19 @@ class cudnn_attention final : public fused_attention_backend {
     if (w->data) w->retired.push_back(w->data);
     w->data = grown;
     w->bytes = bytes;
+    return "";
+  }
+  // "" where the stream is not capturing a CUDA graph, else why work that allocates
+  // cannot run on it now.
+  static std::string not_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "the stream's capture status is unknown (another thread capturing in global mode?)";
+    }
+    if (capturing != cudaStreamCaptureStatusNone)
+      return "the stream is capturing a CUDA graph (reserve the layer, or run one eager step on the stream, before "
+             "capturing)";
     return "";
   }
   workspace* find_workspace(int device, unsigned long long stream_id) {
@@ -231,13 +234,9 @@ class cudnn_attention final : public fused_attention_backend {
     }
     workspace const* w = find_workspace(device, id);
     if (!w || w->bytes < p->workspace_bytes) {  // a stream the layer was not reserved on
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      if (cudaStreamIsCapturing(cuda_stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
-        (void)cudaGetLastError();
+      if (std::string why = not_capturing(cuda_stream); !why.empty())
         fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
-                               "a stream first used inside a CUDA-graph capture (run one eager step on it first: it "
-                               "makes the stream's workspace)");
-      }
+                               "no cuDNN workspace for this stream yet, and " + why);
       if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes); !why.empty()) fail_in(pass, why);
       w = find_workspace(device, id);
     }
@@ -306,11 +305,11 @@ class cudnn_attention final : public fused_attention_backend {
     return g;
   }
 
-  // Validation, cuDNN's heuristics, the support check and the plan build: "" or cuDNN's message.
+  // For a validated graph: cuDNN's heuristics, the support check and the plan build: ""
+  // or cuDNN's message.
   static std::string build(graph& g, cudnnHandle_t handle) {
     namespace fe = cudnn_frontend;
-    for (auto const& step : {std::function<fe::error_t()>([&] { return g.validate(); }),
-                             std::function<fe::error_t()>([&] { return g.build_operation_graph(handle); }),
+    for (auto const& step : {std::function<fe::error_t()>([&] { return g.build_operation_graph(handle); }),
                              std::function<fe::error_t()>([&] { return g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}); }),
                              std::function<fe::error_t()>([&] { return g.check_support(handle); }),
                              std::function<fe::error_t()>([&] { return g.build_plans(handle); })}) {
