@@ -14,7 +14,10 @@
 // program keeps per stream, is reported once, apart).
 //
 //   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
-//                     [--path fused|unfused|both]
+//                     [--path fused|unfused|both] [--dropout P]
+//
+// --dropout P drops attention weights with probability P in the training forwards (inside
+// the fused kernel where it runs): what dropout costs each path.
 //
 // TFLOP/s counts the model's products once, as FlashAttention's papers do: the two
 // projections (8 N D^2 for N tokens of width D) and, under the causal mask, half of each
@@ -45,6 +48,7 @@ struct options {
   bool small = false;
   std::vector<std::int64_t> tokens;  // empty: the executor's default
   bool fused = true, unfused = true;
+  float dropout = 0.0f;  // on the attention weights
 };
 
 struct attention_size {
@@ -104,7 +108,8 @@ row time_attention(Exec const& exec, options const& opt, attention_size const z,
   row r;
   std::int64_t with_layer = 0;
   {
-    mpx::causal_self_attention<P> layer(mpx::causal_self_attention_config{.heads = z.heads, .fused = fused});
+    mpx::causal_self_attention<P> layer(
+        mpx::causal_self_attention_config{.heads = z.heads, .dropout = opt.dropout, .fused = fused});
     layer.set_name("attention");
     layer.build(exec, {z.tokens, z.width}, 1);
     layer.reserve(exec, z.batch);
@@ -180,7 +185,7 @@ int main(int argc, char** argv) try {
   options opt;
   mpx_programs::command_line args(argc, argv,
                                   "[--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]\n"
-                                  "          [--path fused|unfused|both]");
+                                  "          [--path fused|unfused|both] [--dropout P]");
   while (args.next()) {
     if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
     else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
@@ -190,10 +195,12 @@ int main(int argc, char** argv) try {
       std::string const path = args.choice({"fused", "unfused", "both"});
       opt.fused = path != "unfused";
       opt.unfused = path != "fused";
-    } else args.unknown();
+    } else if (args.is("--dropout")) opt.dropout = static_cast<float>(args.real(0.0, 0.9, true));
+    else args.unknown();
   }
-  std::printf("median of %d runs%s; causal model FLOPs (the masked half of each [T, T] product not counted)\n",
-              opt.repeat, opt.small ? ", --small sizes" : "");
+  std::printf("median of %d runs%s; causal model FLOPs (the masked half of each [T, T] product not counted)%s\n",
+              opt.repeat, opt.small ? ", --small sizes" : "",
+              opt.dropout > 0 ? ("; attention dropout " + mpx::detail::to_text(opt.dropout)).c_str() : "");
   return mpx_bench::run_on_executors(opt.executor, [&](auto const& exec) { run_all(exec, opt); });
 } catch (...) {
   return mpx_programs::report_failure("transformer_bench");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, with .gpu/ (scripts/gpu_kit.sh)
 # carried: every check that needs a GPU, in two calls that fit one 15-minute loan with its
-# start (defaults: tests 340 s, perf 230 s; `--plan` prints each phase's steps and limits).
+# start (defaults: tests 360 s, perf 230 s; `--plan` prints each phase's steps and limits).
 #   tests: nvidia-smi, gpu_probe (a device, an allocation, a kernel, a copy), the CUDA suite
 #          one tests/ folder at a time (a fault that poisons the context costs one folder),
 #          the main example for one epoch, the NCCL test as a job of one rank, and
@@ -51,7 +51,7 @@ bin=$programs/bin
 logs=$work/logs-$phase
 # A 15-minute loan holds a machine's start (a minute or two), the tests phase, the perf
 # phase and the transfers: the phases' defaults leave it four minutes to spare.
-case $phase in tests) default_budget=340 ;; perf) default_budget=230 ;; all) default_budget=570 ;; esac
+case $phase in tests) default_budget=360 ;; perf) default_budget=230 ;; all) default_budget=590 ;; esac
 budget=${GPU_RUN_BUDGET:-$default_budget}
 overhead=20  # unpacking the kit, finding libraries, the summary and the archive at the end
 step_cap=${GPU_RUN_STEP_LIMIT:-}
@@ -296,7 +296,7 @@ if [ "$phase" != perf ]; then
 # illegal address) costs one folder's verdict, not the rest of the suite's. Host suite: 15 s
 # on two cores for all of it; each limit is a few times what a folder should take.
 while read -r folder tags; do
-  case $folder in kernels|model) limit=30 ;; layers) limit=20 ;; exec|numerics|losses) limit=10 ;; docs) limit=5 ;; *) limit=15 ;; esac
+  case $folder in layers) limit=45 ;; kernels|model) limit=30 ;; exec|numerics|losses|data) limit=10 ;; docs) limit=5 ;; *) limit=15 ;; esac
   mpx_step "suite_$folder" "$limit" mpx_tests_cuda --filenames-as-tags "$tags" --reporter compact
 done < <(suite_folders)
 # The main example on the GPU, one epoch under its default policy (mixed_float16).
@@ -406,6 +406,7 @@ fi
 # Extras: run in whatever the budget has left, never counted in the plan.
 extra=1
 [ -z "$has_torch" ] || step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside transformer_bench's rows
+mpx_step transformer_bench_dropout 15 transformer_bench --executor cuda --repeat 5 --path fused --dropout 0.1
 mpx_step scaling_bench 15 scaling_bench --executor cuda --tensors 100,1000 --repeat 10
 [ -z "$has_torch" ] || step torch_compare 20 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,1000
 mpx_step numerics_bench 10 numerics_bench --executor cuda --repeat 10

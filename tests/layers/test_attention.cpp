@@ -188,15 +188,19 @@ struct attention_run_16bit {
   std::vector<double> errors;        // y, dx, then the four parameter gradients
   std::vector<double> y, dx;         // the layer's output and input gradient
   bool fused = false;
+  std::vector<std::uint8_t> keeps;   // with dropout: the weights it kept (latest_dropout_keeps)
+  double dropped_fraction = 0;       // of the weights on and below the diagonal
 };
 
 // Reserved for one sequence more than it runs: a batch smaller than the reserved one
-// (the fused path then runs its plan for the reserved batch and ignores the rest).
+// (the fused path then runs its plan for the reserved batch and ignores the rest). With
+// dropout, the reference drops the weights the layer says it dropped.
 template <class P, class Exec>
-attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std::size_t T, std::size_t D, std::size_t H) {
+attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std::size_t T, std::size_t D, std::size_t H,
+                                           float dropout = 0.0f) {
   using T16 = typename P::storage_type;
   using space = mpx::memory_space_t<Exec>;
-  mpx::causal_self_attention<P> layer(static_cast<std::int64_t>(H));
+  mpx::causal_self_attention<P> layer({.heads = static_cast<std::int64_t>(H), .dropout = dropout});
   layer.build(exec, {static_cast<std::int64_t>(T), static_cast<std::int64_t>(D)}, 19);
   std::vector<mpx::parameter<space>> params;
   layer.template append_parameters<space>(params);
@@ -223,9 +227,27 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
   for (auto& p : params) mpx::fill(exec, p.gradient.template as<T16>(), mpx::cast<T16>(std::nan("")));
   layer.reserve(exec, static_cast<std::int64_t>(B + 1));
   layer.forward(exec, mpx::tensor_view<T16 const, space>(mpx::view(xd)), mpx::view(y), true);
+  attention_run_16bit out;
+  if (dropout > 0) {
+    out.keeps = layer.latest_dropout_keeps(exec);
+    REQUIRE(out.keeps.size() == B * H * T * T);
+    ref.keep.assign(out.keeps.size(), 0.0);
+    std::size_t causal = 0, dropped = 0;
+    for (std::size_t e = 0; e < out.keeps.size(); ++e) {
+      std::size_t const i = e / T % T, j = e % T;
+      if (j > i) {
+        REQUIRE(out.keeps[e] == 0);  // documented: the causal mask's zeros
+        continue;
+      }
+      ++causal;
+      dropped += out.keeps[e] == 0;
+      ref.keep[e] = out.keeps[e] ? 1.0 / (1.0 - static_cast<double>(dropout)) : 0.0;
+    }
+    out.dropped_fraction = static_cast<double>(dropped) / static_cast<double>(causal);
+    ref.run(mpx_test::widen(x), mpx_test::widen(dy));
+  }
   layer.backward(exec, mpx::tensor_view<T16 const, space>(mpx::view(xd)), mpx::tensor_view<T16 const, space>(mpx::view(y)),
                  mpx::tensor_view<T16 const, space>(mpx::view(dyd)), mpx::view(dx));
-  attention_run_16bit out;
   out.fused = layer.fused();
   out.y = mpx_test::widen(mpx_test::download(exec, y));
   out.dx = mpx_test::widen(mpx_test::download(exec, dx));
@@ -236,6 +258,17 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
         worst_relative_error(mpx_test::widen(mpx_test::download(exec, params[i].gradient.template as<T16>())), *want[i]));
   return out;
 }
+
+#if MPX_HAS_CUDNN
+// cuDNN has no deterministic backward with dropout on Blackwell (compute capability 10 and
+// up): there a layer with dropout runs unfused, and says why.
+bool fused_dropout_on_this_gpu() {
+  int device = 0, major = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major < 10;
+}
+#endif
 
 }  // namespace
 
@@ -277,14 +310,102 @@ TEMPLATE_LIST_TEST_CASE("16-bit attention with heads of 64 and 128 matches float
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, in float32, or told not to fuse, runs unfused and keeps "
-                        "its probabilities",
+// Dropout on the weights: on a GPU where cuDNN is linked it runs inside the fused kernel,
+// with cuDNN's masks, and the reference drops what latest_dropout_keeps says was dropped,
+// so the output and every gradient are checked through the masks the forward drew and
+// the backward redrew. On the host, and a GPU without cuDNN, the same test runs the
+// unfused path with mpx's masks. Heads of 64 and 128, awkward token counts.
+TEMPLATE_LIST_TEST_CASE("16-bit attention with dropout matches float64 through the masks it drew: fused on the GPU "
+                        "where cuDNN is linked",
+                        "[attention][layers][fused][dropout]", mpx_test::executors) {
+  TestType exec;
+  struct sizes {
+    std::size_t B, T, D, H;
+    float dropout;
+  };
+  for (auto const z : {sizes{2, 37, 128, 2, 0.1f}, sizes{1, 129, 256, 2, 0.3f}, sizes{1, 200, 128, 1, 0.1f}}) {
+    INFO("B=" << z.B << " T=" << z.T << " D=" << z.D << " H=" << z.H << " dropout=" << z.dropout);
+    auto check = [&]<class P>(P, char const* name, double bound) {
+      INFO(name);
+      auto const run = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H, z.dropout);
+      char const* const what[] = {"y", "dx", "d kernel_qkv", "d bias_qkv", "d kernel_o", "d bias_o"};
+      for (std::size_t i = 0; i < run.errors.size(); ++i) {
+        INFO(what[i] << ": worst error " << run.errors[i] << " of the largest value");
+        CHECK(run.errors[i] < bound);
+      }
+      // The share dropped is the rate, within five standard deviations of the draws.
+      double const n = static_cast<double>(z.B * z.H * z.T * (z.T + 1) / 2), p = z.dropout;
+      INFO("dropped " << run.dropped_fraction << " of " << n << " weights");
+      CHECK(std::abs(run.dropped_fraction - p) < 5 * std::sqrt(p * (1 - p) / n));
+      // The same seed and count of forwards draw the same masks: the same bits.
+      auto const again = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H, z.dropout);
+      CHECK(again.keeps == run.keeps);
+      CHECK(again.y == run.y);
+      CHECK(again.dx == run.dx);
+#if MPX_HAS_CUDNN
+      if constexpr (!mpx::is_host_executor_v<TestType>) CHECK(run.fused == fused_dropout_on_this_gpu());
+#endif
+      if constexpr (mpx::is_host_executor_v<TestType>) CHECK_FALSE(run.fused);
+    };
+    check(mpx::mixed_bfloat16{}, "bfloat16", 1.6e-2);
+    check(mpx::mixed_float16{}, "float16", 2.4e-3);
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("attention dropout draws a new mask each training forward and none outside training",
+                        "[attention][layers][fused][dropout]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  mpx::causal_self_attention<mpx::mixed_bfloat16> layer({.heads = 2, .dropout = 0.25f});
+  layer.set_name("attention");
+  layer.build(exec, {33, 128}, 4);
+  layer.reserve(exec, 2);
+  mpx::shape const s{2, 33, 128};
+  auto x = mpx_test::upload(exec, mpx_test::random_values<mpx::bfloat16>(s.size(), -1, 1, 6), s);
+  auto y = mpx_test::poisoned<mpx::bfloat16>(exec, s);
+  auto forward = [&](bool training) {
+    layer.forward(exec, mpx::tensor_view<mpx::bfloat16 const, space>(mpx::view(x)), mpx::view(y), training);
+  };
+  auto forwards_counted = [&] {
+    std::vector<std::pair<std::string, mpx::tensor_view<std::uint64_t, space>>> counters;
+    layer.template append_counters<space>(counters);
+    REQUIRE(counters.size() == 1);
+    CHECK(counters[0].first == "attention/dropout_forwards");
+    return mpx_test::download(exec, counters[0].second)[0];
+  };
+  forward(true);
+  auto const first = layer.latest_dropout_keeps(exec);
+  forward(true);
+  auto const second = layer.latest_dropout_keeps(exec);
+  CHECK(first.size() == 2 * 2 * 33 * 33);
+  CHECK(first != second);
+  CHECK(forwards_counted() == 2);
+  if constexpr (mpx::is_host_executor_v<TestType>) {  // mpx's masks: dropout_keeps draws them again
+    auto const options = layer.latest_dropout(exec);
+    CHECK(options.offset == 2);
+    for (std::size_t e = 0; e < second.size(); ++e)
+      if (e % 33 <= e / 33 % 33) REQUIRE(second[e] == (mpx::dropout_keeps(options, e) ? 1 : 0));
+  }
+#if MPX_HAS_CUDNN
+  if (!mpx::is_host_executor_v<TestType> && fused_dropout_on_this_gpu()) {  // cuDNN's masks: only latest_dropout_keeps knows them
+    CHECK(layer.fused());
+    CHECK_THROWS_TYPE_WITH(layer.latest_dropout(exec), mpx::invalid_argument,
+                           Catch::Matchers::Contains("ran fused") && Catch::Matchers::Contains("latest_dropout_keeps"));
+  }
+#endif
+  forward(false);  // inference: nothing dropped, nothing counted
+  CHECK(forwards_counted() == 2);
+  auto const y_inference = mpx_test::download(exec, y);
+  CHECK_THROWS_TYPE_WITH(layer.latest_dropout_keeps(exec), mpx::invalid_argument, Catch::Matchers::Contains("dropped no weights"));
+  forward(false);
+  CHECK(mpx_test::download(exec, y) == y_inference);
+}
+
+TEMPLATE_LIST_TEST_CASE("attention in float32, or told not to fuse, runs unfused and keeps its probabilities",
                         "[attention][layers][fused]", mpx_test::executors) {
   TestType exec;
-  mpx::causal_self_attention<mpx::mixed_bfloat16> dropped(2, true, 0.1f);
   mpx::causal_self_attention<mpx::float32> wide(2);
   mpx::causal_self_attention<mpx::mixed_float16> told({.heads = 2, .fused = false});
-  dropped.build(exec, {9, 128}, 1);
   wide.build(exec, {9, 128}, 1);
   told.build(exec, {9, 128}, 1);
   auto run = [&](auto& layer) {
@@ -297,7 +418,6 @@ TEMPLATE_LIST_TEST_CASE("attention with dropout on its weights, in float32, or t
     CHECK_FALSE(layer.fused());
     CHECK(layer.template probabilities<space>(2).size() == 2 * 2 * 9 * 9);  // the unfused path keeps them
   };
-  run(dropped);
   run(wide);
   run(told);
 }

@@ -61,7 +61,13 @@ PROGRAMS = {
         "more": [(["--only", "norm,bogus"], "--only"), (["--only", ""], "--only")],
     },
     "numerics_bench": {"whole": ["--elements", "--repeat"], "choice": ["--executor"]},
-    "transformer_bench": {"whole": ["--repeat"], "list": ["--tokens"], "choice": ["--executor", "--path"]},
+    "transformer_bench": {
+        "whole": ["--repeat"],
+        "list": ["--tokens"],
+        "real": ["--dropout"],
+        "choice": ["--executor", "--path"],
+        "more": [(["--dropout", "0.95"], "--dropout")],
+    },
     "scaling_bench": {
         "whole": ["--elements", "--repeat"],
         "list": ["--tensors"],

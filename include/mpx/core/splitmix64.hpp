@@ -4,6 +4,8 @@
 // shuffle uses it as a sequential generator.
 #pragma once
 
+#include <mpx/core/config.hpp>
+
 #include <cstdint>
 
 namespace mpx {
@@ -14,7 +16,7 @@ class splitmix64 {
 
   //! The output for state x: x advanced by the golden-ratio increment, then mixed. Alone
   //! it is a strong 64-bit hash of x (draw i of a stream: mix(seed ^ f(i))).
-  static constexpr std::uint64_t mix(std::uint64_t x) noexcept {
+  MPX_HD static constexpr std::uint64_t mix(std::uint64_t x) noexcept {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;

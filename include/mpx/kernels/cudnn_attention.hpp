@@ -63,17 +63,17 @@ class cudnn_attention final : public fused_attention_backend {
       return std::string("cudaGetDevice failed: ") + cudaGetErrorString(status);
     }
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
-    plan* p = find(device, s);
+    plan* p = find(device, s, false);
     if (!p) {
       if (std::string const* why = refused(device, s)) return *why;
       // Building a plan allocates and loads kernels: not inside a CUDA-graph capture.
       if (std::string why = not_capturing(cuda_stream); !why.empty()) return "cannot build cuDNN's plans for a new shape: " + why;
       std::string why = build_plan(device, s, cuda_stream);
       if (!why.empty()) {
-        refused_.emplace_back(key{device, s}, why);  // not retried: each try costs a full build
+        refused_.emplace_back(key{device, s, false}, why);  // not retried: each try costs a full build
         return why;
       }
-      p = find(device, s);
+      p = find(device, s, false);
     }
     return workspace_for(device, cuda_stream, p->workspace_bytes);
   }
@@ -82,6 +82,7 @@ class cudnn_attention final : public fused_attention_backend {
     std::unordered_map<std::int64_t, void*> pack = {
         {q_uid, const_cast<void*>(a.q)}, {k_uid, const_cast<void*>(a.k)}, {v_uid, const_cast<void*>(a.v)},
         {o_uid, a.o}, {stats_uid, a.stats}};
+    add_dropout_key(s, a.dropout_key, pack, "forward");
     run(s, stream, pack, true);
   }
 
@@ -90,7 +91,61 @@ class cudnn_attention final : public fused_attention_backend {
         {q_uid, const_cast<void*>(a.q)},   {k_uid, const_cast<void*>(a.k)},      {v_uid, const_cast<void*>(a.v)},
         {o_uid, const_cast<void*>(a.o)},   {d_o_uid, const_cast<void*>(a.d_o)}, {stats_uid, const_cast<float*>(a.stats)},
         {d_q_uid, a.d_q},                  {d_k_uid, a.d_k},                     {d_v_uid, a.d_v}};
+    add_dropout_key(s, a.dropout_key, pack, "backward");
     run(s, stream, pack, false);
+  }
+
+  // The forward pass again, into scratch O and statistics, with cuDNN's rng dump (the
+  // Bernoulli keep draws the dropout multiplies by) written to `keeps`.
+  void dropout_keeps(fused_attention_shape const& s, fused_attention_forward_args const& a, float* keeps,
+                     void* stream) override {
+    char const* const pass = "dropout_keeps";
+    if (!(s.dropout > 0.0f))
+      fail<invalid_argument>("causal_self_attention (cuDNN dropout_keeps)", "the shape has no dropout to show");
+    auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    std::lock_guard lock(mutex_);
+    int device = 0;
+    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
+    }
+    if (std::string why = not_capturing(cuda_stream); !why.empty()) fail_in(pass, why);
+    plan* p = find(device, s, true);
+    if (!p) {
+      if (std::string why = build_keeps_plan(device, s, cuda_stream); !why.empty()) fail_in(pass, why);
+      p = find(device, s, true);
+    }
+    std::unordered_map<std::int64_t, void*> pack = {
+        {q_uid, const_cast<void*>(a.q)}, {k_uid, const_cast<void*>(a.k)}, {v_uid, const_cast<void*>(a.v)},
+        {o_uid, nullptr},                {stats_uid, nullptr},            {keeps_uid, keeps}};
+    add_dropout_key(s, a.dropout_key, pack, pass);
+    // Scratch for what the caller keeps from its own forward: O, the statistics, a
+    // workspace; freed, and the stream waited for, on every way out.
+    struct scratch_blocks {
+      cudaStream_t stream;
+      void* block[3] = {nullptr, nullptr, nullptr};
+      ~scratch_blocks() {
+        for (void* b : block)
+          if (b) (void)cudaFreeAsync(b, stream);
+        (void)cudaStreamSynchronize(stream);
+        (void)cudaGetLastError();
+      }
+    } scratch{cuda_stream};
+    std::size_t const element = 2;  // half or bfloat16
+    std::size_t const sizes[] = {static_cast<std::size_t>(s.batch * s.tokens * s.o_row_stride) * element,
+                                 static_cast<std::size_t>(s.batch * s.heads * s.tokens) * sizeof(float),
+                                 static_cast<std::size_t>(std::max<std::int64_t>(p->workspace_bytes, 1))};
+    for (int i = 0; i < 3; ++i)
+      if (cudaError_t const status = cudaMallocAsync(&scratch.block[i], sizes[i], cuda_stream); status != cudaSuccess)
+        fail_in(pass, std::string("no memory for its scratch: ") + cudaGetErrorString(status));
+    pack[o_uid] = scratch.block[0];
+    pack[stats_uid] = scratch.block[1];
+    auto const h = handles_.find(device);
+    if (cudnnStatus_t const set = cudnnSetStream(h->second, cuda_stream); set != CUDNN_STATUS_SUCCESS)
+      fail_in(pass, std::string("cudnnSetStream failed: ") + cudnnGetErrorString(set));
+    check(p->forward->execute(h->second, pack, scratch.block[2]), pass);
+    if (cudaError_t const done = cudaStreamSynchronize(cuda_stream); done != cudaSuccess)
+      fail_in(pass, cudaGetErrorString(done));
   }
 
   void forget_stream(void* stream) noexcept override {
@@ -119,16 +174,17 @@ class cudnn_attention final : public fused_attention_backend {
   }
 
  private:
-  enum : std::int64_t { q_uid = 1, k_uid, v_uid, o_uid, stats_uid, d_o_uid, d_q_uid, d_k_uid, d_v_uid };
+  enum : std::int64_t { q_uid = 1, k_uid, v_uid, o_uid, stats_uid, d_o_uid, d_q_uid, d_k_uid, d_v_uid, seed_uid, offset_uid, keeps_uid };
   using graph = cudnn_frontend::graph::Graph;
   using attributes = cudnn_frontend::graph::Tensor_attributes;
   struct key {
     int device;
     fused_attention_shape shape;
-    [[nodiscard]] bool is(int d, fused_attention_shape const& s) const { return device == d && shape == s; }
+    bool keeps = false;  // the forward with its dropout masks written out (dropout_keeps)
+    [[nodiscard]] bool is(int d, fused_attention_shape const& s, bool k) const { return device == d && shape == s && keeps == k; }
   };
   struct plan {
-    std::shared_ptr<graph> forward, backward;
+    std::shared_ptr<graph> forward, backward;  // no backward in a keeps plan
     std::int64_t workspace_bytes = 0;
   };
   // A stream's workspace: streams that run at once cannot share one (as cuBLASLt's).
@@ -165,8 +221,40 @@ class cudnn_attention final : public fused_attention_backend {
     if (!p->forward->get_workspace_size(forward_bytes).is_good() || !p->backward->get_workspace_size(backward_bytes).is_good())
       return "cuDNN could not size its workspace";
     p->workspace_bytes = std::max(forward_bytes, backward_bytes);
-    plans_.emplace_back(key{device, s}, std::move(p));
+    plans_.emplace_back(key{device, s, false}, std::move(p));
     return "";
+  }
+
+  // The forward graph with cuDNN's rng dump, for dropout_keeps: "" or why not.
+  std::string build_keeps_plan(int device, fused_attention_shape const& s, cudaStream_t stream) {
+    if (!find(device, s, false))
+      return "no plan for this shape on this device: the layer was not reserved on this executor";
+    cudnnHandle_t handle = nullptr;
+    if (std::string why = handle_for(device, handle); !why.empty()) return why;
+    if (cudnnStatus_t const status = cudnnSetStream(handle, stream); status != CUDNN_STATUS_SUCCESS)
+      return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status);
+    auto p = std::make_unique<plan>();
+    try {
+      p->forward = forward_graph(s, true);
+      if (auto status = p->forward->validate(); !status.is_good()) return "cuDNN refused the rng dump: " + status.get_message();
+      if (std::string why = build(*p->forward, handle); !why.empty()) return "cuDNN refused the rng dump: " + why;
+    } catch (std::exception const& e) {
+      return std::string("cuDNN: ") + e.what();
+    }
+    if (!p->forward->get_workspace_size(p->workspace_bytes).is_good()) return "cuDNN could not size its workspace";
+    plans_.emplace_back(key{device, s, true}, std::move(p));
+    return "";
+  }
+
+  // The dropout's {seed, offset} in a pass's variant pack, where the shape has dropout.
+  static void add_dropout_key(fused_attention_shape const& s, std::int64_t const* key,
+                              std::unordered_map<std::int64_t, void*>& pack, char const* pass) {
+    if (!(s.dropout > 0.0f)) return;
+    if (!key)
+      fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
+                             "the shape has dropout and the arguments no dropout key");
+    pack[seed_uid] = const_cast<std::int64_t*>(key);
+    pack[offset_uid] = const_cast<std::int64_t*>(key + 1);
   }
 
   // Gives the stream a workspace of at least `bytes`, outside a capture: "" or why not.
@@ -222,7 +310,7 @@ class cudnn_attention final : public fused_attention_backend {
       fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
     }
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
-    plan* const p = find(device, s);
+    plan* const p = find(device, s, false);
     auto const h = handles_.find(device);
     if (!p || h == handles_.end())
       fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
@@ -268,7 +356,18 @@ class cudnn_attention final : public fused_attention_backend {
     return g.tensor(attributes().set_name(name).set_uid(uid).set_dim(std::move(dim)).set_stride(std::move(stride)));
   }
 
-  static std::shared_ptr<graph> forward_graph(fused_attention_shape const& s) {
+  // The dropout's {seed, offset}: int64 scalars in device memory (a captured step reads
+  // the key its replay wrote).
+  static std::pair<std::shared_ptr<attributes>, std::shared_ptr<attributes>> dropout_key(graph& g) {
+    namespace fe = cudnn_frontend;
+    auto scalar = [&](char const* name, std::int64_t uid) {
+      return g.tensor(attributes().set_name(name).set_uid(uid).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT64));
+    };
+    return {scalar("dropout_seed", seed_uid), scalar("dropout_offset", offset_uid)};
+  }
+
+  static std::shared_ptr<graph> forward_graph(fused_attention_shape const& s, bool write_keeps = false) {
     namespace fe = cudnn_frontend;
     auto g = new_graph(s);
     auto const qkv = strides(s, s.qkv_row_stride);
@@ -276,6 +375,17 @@ class cudnn_attention final : public fused_attention_backend {
          v = input(*g, "V", v_uid, dims(s), qkv);
     auto options =
         fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_attn_scale(s.scale).set_causal_mask(true);
+    if (s.dropout > 0.0f) {
+      auto [seed, offset] = dropout_key(*g);
+      options.set_dropout(s.dropout, seed, offset);
+      if (write_keeps) {  // [batch, heads, tokens, tokens] float, 1 kept, 0 dropped; rows of 16 bytes
+        std::int64_t const row = fused_dropout_keeps_row(s.tokens);
+        options.set_rng_dump(g->tensor(attributes().set_name("keeps").set_uid(keeps_uid)
+                                           .set_dim({s.batch, s.heads, s.tokens, s.tokens})
+                                           .set_stride({s.heads * s.tokens * row, s.tokens * row, row, 1})
+                                           .set_data_type(fe::DataType_t::FLOAT)));
+      }
+    }
     auto [o, stats] = g->sdpa(q, k, v, options);
     o->set_output(true).set_uid(o_uid).set_dim(dims(s)).set_stride(strides(s, s.o_row_stride));
     stats->set_output(true).set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT).set_dim(stats_dims(s)).set_stride(stats_strides(s));
@@ -298,6 +408,10 @@ class cudnn_attention final : public fused_attention_backend {
                        .set_attn_scale(s.scale)
                        .set_causal_mask(true)
                        .set_deterministic_algorithm(true);
+    if (s.dropout > 0.0f) {  // the forward's masks, redrawn from its key
+      auto [seed, offset] = dropout_key(*g);
+      options.set_dropout(s.dropout, seed, offset);
+    }
     auto [d_q, d_k, d_v] = g->sdpa_backward(q, k, v, o, d_o, stats, options);
     d_q->set_output(true).set_uid(d_q_uid).set_dim(dims(s)).set_stride(qkv);
     d_k->set_output(true).set_uid(d_k_uid).set_dim(dims(s)).set_stride(qkv);
@@ -330,14 +444,14 @@ class cudnn_attention final : public fused_attention_backend {
     return "";
   }
 
-  plan* find(int device, fused_attention_shape const& s) {
+  plan* find(int device, fused_attention_shape const& s, bool keeps) {
     for (auto& [k, p] : plans_)
-      if (k.is(device, s)) return p.get();
+      if (k.is(device, s, keeps)) return p.get();
     return nullptr;
   }
   std::string const* refused(int device, fused_attention_shape const& s) const {
     for (auto const& [k, why] : refused_)
-      if (k.is(device, s)) return &why;
+      if (k.is(device, s, false)) return &why;
     return nullptr;
   }
 

@@ -9,7 +9,16 @@
 // implementation below at start-up. Without that file, or where the implementation
 // refuses a shape, the layer runs its unfused path (two batched products around a
 // softmax kernel), the one the host executor runs, and says why once on stderr.
+//
+// Dropout on the attention weights runs inside the fused kernel: cuDNN draws the masks
+// (Philox, keyed by a seed the layer derives from its own seed and its count of training
+// forwards, in device memory so a captured step draws a fresh one each replay) and the
+// backward pass redraws them from the same key. They are cuDNN's draws, not the host
+// path's: dropout_keeps below says which weights a forward dropped.
 #pragma once
+
+#include <mpx/core/splitmix64.hpp>
+#include <mpx/exec/for_each.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +40,7 @@ struct fused_attention_shape {
   std::int64_t o_row_stride = 0;    //!< elements from one token's O to the next's: heads * head_width
   fused_attention_io io = fused_attention_io::bfloat16;
   float scale = 1.0f;  //!< multiplies Q Kᵀ before the softmax
+  float dropout = 0.0f;  //!< the probability of dropping a weight of softmax(Q Kᵀ · scale), in [0, 1)
   friend bool operator==(fused_attention_shape const&, fused_attention_shape const&) = default;
 };
 
@@ -42,6 +52,9 @@ struct fused_attention_forward_args {
   void const* v = nullptr;
   void* o = nullptr;
   float* stats = nullptr;
+  //! Where shape.dropout > 0: device memory holding the Philox {seed, offset} of this
+  //! forward (int64 each; fused_dropout_key writes them).
+  std::int64_t const* dropout_key = nullptr;
 };
 
 //! The backward pass: dQ, dK, dV (in the layout of Q, K, V) from dO (in O's layout).
@@ -55,6 +68,7 @@ struct fused_attention_backward_args {
   void* d_q = nullptr;
   void* d_k = nullptr;
   void* d_v = nullptr;
+  std::int64_t const* dropout_key = nullptr;  //!< the forward's, where shape.dropout > 0
 };
 
 //! A fused attention implementation. `prepare` runs where buffers are reserved (never
@@ -69,10 +83,24 @@ class fused_attention_backend {
   [[nodiscard]] virtual std::string prepare(fused_attention_shape const& shape, void* stream) = 0;
   virtual void forward(fused_attention_shape const& shape, fused_attention_forward_args const& args, void* stream) = 0;
   virtual void backward(fused_attention_shape const& shape, fused_attention_backward_args const& args, void* stream) = 0;
+  //! Which attention weights the forward with these arguments (shape.dropout > 0, Q, K,
+  //! V and the dropout key as that forward had them) dropped: keeps (float, device
+  //! memory, [batch, heads, tokens, fused_dropout_keeps_row(tokens)]) holds 1 at
+  //! [b, h, i, j] where weight (i, j) was kept, 0 where dropped. For tests and
+  //! inspection: it reruns the forward pass with the masks written out (building that
+  //! plan the first time), writes nothing else the caller sees (args.o and args.stats
+  //! are ignored), waits for the stream, and holds the implementation's lock meanwhile.
+  //! A step replaying on another stream may be rewriting the key: synchronise first.
+  virtual void dropout_keeps(fused_attention_shape const& shape, fused_attention_forward_args const& args, float* keeps,
+                             void* stream) = 0;
   //! Waits for `stream` and frees what the implementation keeps for it (a workspace),
   //! for a stream about to be destroyed. Never throws.
   virtual void forget_stream(void* /*stream*/) noexcept {}
 };
+
+//! The row of dropout_keeps's output: the tokens rounded up to 4 floats, 16 bytes, the
+//! alignment cuDNN's Hopper kernels assume of a row.
+[[nodiscard]] constexpr std::int64_t fused_dropout_keeps_row(std::int64_t tokens) noexcept { return (tokens + 3) / 4 * 4; }
 
 namespace detail {
 //! The registered implementation (nullptr: none). Set once at start-up by the file that
@@ -81,6 +109,21 @@ inline fused_attention_backend*& fused_attention_slot() noexcept {
   static fused_attention_backend* backend = nullptr;
   return backend;
 }
+
+//! The Philox key of a fused attention's dropout for training forward number *count + 1:
+//! counts it, then writes {seed, offset}. The seed is a hash of the layer's seed and the
+//! count (offset 0), so forwards draw from unrelated streams whatever cuDNN's counter
+//! layout is. A run_once body: it runs where the count lives.
+struct fused_dropout_key {
+  std::uint64_t layer_seed;
+  std::uint64_t* count;
+  std::uint64_t* key;  // two values below 2^63: cuDNN reads them as int64
+  MPX_HD void operator()() const {
+    std::uint64_t const n = ++*count;
+    key[0] = splitmix64::mix(layer_seed ^ splitmix64::mix(n)) >> 1;
+    key[1] = 0;
+  }
+};
 
 //! Prints "mpx: causal_self_attention runs unfused: <why>" once per distinct reason.
 inline void note_unfused_attention(std::string const& why) {

@@ -17,11 +17,11 @@
 // activations overflow them to inf, and the softmax turns the row into NaN: the
 // transformer failure docs/transformers.md shows and find_nonfinite names.
 //
-// On the CUDA executor, with half or bfloat16 storage, scaled logits, no attention
-// dropout and config.fused left on, the three middle lines run as one fused kernel where
-// the program has one (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in
-// float, no [tokens, tokens] tensor in memory); otherwise, and on the host executor
-// always, as written above. fused() says which path the latest forward took.
+// On the CUDA executor, with half or bfloat16 storage, scaled logits and config.fused
+// left on, the three middle lines (dropout included) run as one fused kernel where the
+// program has one (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float,
+// no [tokens, tokens] tensor in memory); otherwise, and on the host executor always, as
+// written above. fused() says which path the latest forward took.
 #pragma once
 
 #include <mpx/exec/step_executor.hpp>
@@ -35,6 +35,7 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -46,8 +47,10 @@ struct causal_self_attention_config {
   //! demonstration of what goes wrong turns it off.
   bool scale_logits = true;
   //! The probability of dropping an attention weight while training, in [0, 1): the
-  //! masks are Philox draws from the layer's seed and a count of training forwards, the
-  //! same on host and GPU, regenerated in the backward pass (nothing is stored).
+  //! masks are Philox draws from the layer's seed and a count of training forwards,
+  //! regenerated in the backward pass (nothing is stored). The unfused path draws the
+  //! same masks on host and GPU (mpx::dropout_keeps); the fused one draws cuDNN's
+  //! (latest_dropout_keeps says which weights either dropped).
   float dropout = 0.0f;
   //! How the query/key/value projection's kernel, the output projection's kernel, and
   //! both biases start: Keras's glorot_uniform and zeros by default; PyTorch's nn.Linear
@@ -107,6 +110,7 @@ class causal_self_attention : public layer_base {
     dropout_seed_ = seed + 2;
     dropout_step_.allocate(exec, shape{1});
     fill(exec, dropout_step_.template view<memory_space_t<Exec>>(), std::uint64_t{0});
+    if (config_.dropout > 0.0f) fused_dropout_key_.allocate(exec, shape{2});
     mark_built(in, in);
   }
 
@@ -146,13 +150,19 @@ class causal_self_attention : public layer_base {
     qkv_.forward(exec, x.reshape(shape{d.rows(), width_}), qkv, training);
     auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
     fused_ = fused_batch_ > 0;
+    latest_batch_ = batch;
+    latest_plan_batch_ = fused_batch_;
     if (fused_) {  // (never on the host executor) Q, K, V read in place; O straight into merged
       attention_dims const planned = dims(fused_batch_);
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
-      fused_attention()->forward(fused_shape(planned),
-                                 {q, q + width_, q + 2 * width_, merged.data(), statistics<Space>(planned).data()},
+      dropped_ = training && config_.dropout > 0.0f;
+      if (dropped_)  // this forward's Philox key, where the count lives (a captured step draws anew each replay)
+        detail::run_once(exec, detail::fused_dropout_key{dropout_seed_, dropout_step_.template view<Space>().data(),
+                                                         fused_dropout_key_.template view<Space>().data()});
+      fused_attention()->forward(fused_shape(planned, dropped_),
+                                 {q, q + width_, q + 2 * width_, merged.data(), statistics<Space>(planned).data(),
+                                  fused_key<Space>()},
                                  step_executor(exec).stream());
-      dropped_ = false;
     } else {
       attend_unfused(exec, qkv, merged, d, training);
     }
@@ -175,9 +185,10 @@ class causal_self_attention : public layer_base {
                     d_o.flat(0, tokens.size()).reshape(tokens));
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       input_type* const dq = d_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
-      fused_attention()->backward(fused_shape(planned),
+      fused_attention()->backward(fused_shape(planned, dropped_),
                                   {q, q + width_, q + 2 * width_, merged.data(), d_o.data(),
-                                   statistics<Space>(planned).data(), dq, dq + width_, dq + 2 * width_},
+                                   statistics<Space>(planned).data(), dq, dq + width_, dq + 2 * width_,
+                                   fused_key<Space>()},
                                   step_executor(exec).stream());
     } else {
       backward_unfused(exec, merged, y.reshape(tokens), dy.reshape(tokens), d_qkv, d);
@@ -205,12 +216,63 @@ class causal_self_attention : public layer_base {
   void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
     out.emplace_back(name() + "/dropout_seed", &dropout_seed_);
   }
-  //! The dropout of the latest training forward, its count folded in (for dropout_keeps:
-  //! which attention weights were dropped). Synchronises a cuda_executor.
+  //! The dropout of the latest training forward on the unfused path, its count folded in
+  //! (for mpx::dropout_keeps). Synchronises a cuda_executor. After a fused forward it
+  //! throws: cuDNN draws the fused path's masks (latest_dropout_keeps shows them).
   template <executor Exec>
   [[nodiscard]] dropout_options latest_dropout(Exec const& exec) const {
+    if (fused_)
+      detail::fail<invalid_argument>(name(), "latest_dropout: the latest forward ran fused, where cuDNN draws the "
+                                             "masks (latest_dropout_keeps says which weights a training forward dropped)");
     auto const step = to_host(exec, dropout_step_.template view<memory_space_t<Exec>>());
     return dropout_options{config_.dropout, dropout_seed_, step[0], nullptr};
+  }
+  //! Which attention weights the latest training forward dropped, on either path:
+  //! [batch * heads, tokens, tokens], 1 kept, 0 dropped (the backward pass uses the same);
+  //! entries above the diagonal, weights the causal mask zeroes, are 0.
+  //! For tests and inspection: it synchronises, and on the fused path reruns the forward
+  //! with cuDNN writing its masks out (a plan built the first time, B·H·T² floats of
+  //! scratch). Throws when the latest forward dropped nothing. Where steps run on a
+  //! stream of their own (a CUDA-graph trainer's), synchronise it first.
+  template <executor Exec>
+  [[nodiscard]] std::vector<std::uint8_t> latest_dropout_keeps(Exec const& exec) const {
+    if (!dropped_)
+      detail::fail<invalid_argument>(name(), "latest_dropout_keeps: the latest forward dropped no weights (not a "
+                                             "training forward, or dropout 0)");
+    attention_dims const d = dims(latest_batch_);
+    std::vector<std::uint8_t> keeps(static_cast<std::size_t>(d.batch * d.heads * d.tokens * d.tokens));
+    if (!fused_) {  // mpx's Philox draws, as dropout_forward made them
+      dropout_options const options = latest_dropout(exec);
+      for (std::size_t i = 0; i < keeps.size(); ++i) keeps[i] = dropout_keeps(options, i) ? 1 : 0;
+    } else if constexpr (!is_cuda_executor_v<Exec>) {
+      detail::fail<invalid_argument>(name(), "latest_dropout_keeps: the latest forward ran fused, on the CUDA executor: "
+                                             "ask with that executor");
+    } else {
+      attention_dims const planned = dims(latest_plan_batch_);  // the plan that forward ran (a later reserve may differ)
+      std::int64_t const row = fused_dropout_keeps_row(planned.tokens);
+      tensor<float, device_space> drawn(exec, shape{planned.batch * planned.heads, planned.tokens, row});
+      fill(exec, drawn, std::numeric_limits<float>::quiet_NaN());  // what cuDNN leaves unwritten stays NaN
+      input_type const* const q = qkv_tokens_.template view<device_space>(shape{planned.rows(), 3 * width_}).data();
+      fused_attention()->dropout_keeps(fused_shape(planned, true),
+                                       {q, q + width_, q + 2 * width_, nullptr, nullptr, fused_key<device_space>()},
+                                       drawn.data(), step_executor(exec).stream());
+      auto const host = to_host(exec, view(drawn));
+      auto const tokens = static_cast<std::size_t>(d.tokens);
+      for (std::size_t i = 0; i < keeps.size(); ++i) {  // the planned batch's first rows
+        std::size_t const key = i % tokens, query = i / tokens % tokens;
+        if (key > query) continue;  // above the diagonal (cuDNN may skip those tiles)
+        float const drawn_keep = host[i / tokens * static_cast<std::size_t>(row) + key];
+        if (drawn_keep != 0.0f && drawn_keep != 1.0f)
+          detail::fail<error>(name(), "latest_dropout_keeps: cuDNN's mask holds " + std::to_string(drawn_keep) +
+                                          " at entry " + std::to_string(i) + ", not 0 or 1");
+        keeps[i] = drawn_keep != 0.0f ? 1 : 0;
+      }
+      return keeps;
+    }
+    auto const tokens = static_cast<std::size_t>(d.tokens);
+    for (std::size_t i = 0; i < keeps.size(); ++i)
+      if (i % tokens > i / tokens % tokens) keeps[i] = 0;
+    return keeps;
   }
 
   //! The projections, for inspection and tests.
@@ -300,23 +362,31 @@ class causal_self_attention : public layer_base {
       if constexpr (!std::is_same_v<input_type, half> && !std::is_same_v<input_type, bfloat16>)
         why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
               " (the fused attention takes half and bfloat16)";
-      else if (config_.dropout > 0.0f)
-        why = "dropout on the attention weights (the fused attention has none)";
       else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
         why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
       else if (fused_attention() == nullptr)
         why = "this program has no fused attention (include <mpx/kernels/cudnn_attention.hpp> in one C++ source file "
               "and link cuDNN: docs/transformers.md)";
-      else
-        why = fused_attention()->prepare(fused_shape(d), step_executor(exec).stream());
+      else {  // a training forward's plan with dropout, and one without for the others
+        void* const stream = step_executor(exec).stream();
+        if (config_.dropout > 0.0f) why = fused_attention()->prepare(fused_shape(d, true), stream);
+        if (why.empty()) why = fused_attention()->prepare(fused_shape(d, false), stream);
+      }
       if (why.empty()) return true;
       detail::note_unfused_attention(why);
       return false;
     }
   }
-  [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d) const {
+  [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d, bool dropping) const {
     return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_,
-            std::is_same_v<input_type, half> ? fused_attention_io::half : fused_attention_io::bfloat16, logit_scale(d)};
+            std::is_same_v<input_type, half> ? fused_attention_io::half : fused_attention_io::bfloat16, logit_scale(d),
+            dropping ? config_.dropout : 0.0f};
+  }
+  // The latest training forward's {seed, offset} for cuDNN (nullptr without dropout).
+  template <class Space>
+  [[nodiscard]] std::int64_t const* fused_key() const {
+    if (!dropped_) return nullptr;
+    return reinterpret_cast<std::int64_t const*>(fused_dropout_key_.template view<Space>().data());
   }
   template <class Space>
   [[nodiscard]] tensor_view<float, Space> statistics(attention_dims const& d) const {
@@ -361,8 +431,11 @@ class causal_self_attention : public layer_base {
   detail::layer_tensor<input_type> d_tokens_, d_heads_;  // dO, then d(QKV); the per-head gradients
   std::uint64_t dropout_seed_ = 0;
   detail::layer_tensor<std::uint64_t> dropout_step_;  // training forwards with dropout, where the executor computes
+  detail::layer_tensor<std::uint64_t> fused_dropout_key_;  // the fused path's {seed, offset} (detail::fused_dropout_key)
   dropout_options dropout_options_{};
   bool dropped_ = false;  // the latest forward dropped weights
+  std::int64_t latest_batch_ = 0;       // the latest forward's batch
+  std::int64_t latest_plan_batch_ = 0;  // the batch of the fused plan it ran (0: unfused)
   bool fused_ = false;    // the latest forward ran the fused attention
   std::int64_t fused_batch_ = 0;  // the batch the fused attention's plan is for (0: unfused)
 };
