@@ -25,6 +25,11 @@ done
 
 scripts/setup.sh
 
+# No benchmarks or every-header checks (CI's stages), and the host suite's units at -O0
+# but for the arithmetic's own tests (core/, kernels/, attention), which stay at -O1:
+# the build is most of this command's ten minutes (bench/NOTES.md).
+test_options="-Dbenchmarks=false -Dheader_checks=false -Dtests_optimization=0"
+
 have_nvcc=false
 command -v nvcc >/dev/null 2>&1 && have_nvcc=true
 if [ "$want" = cuda ] && ! $have_nvcc; then
@@ -39,14 +44,14 @@ if [ "$want" = cuda ] || { [ "$want" = auto ] && $have_nvcc && mpx_gpu_present; 
     archs=${MPX_GPU_ARCHS:-90}
     what="host suite; CUDA suite built for sm_$archs but not run: no GPU on this machine"
   fi
-  mpx_configure build -Dcuda=enabled -Dgpu_architectures="$archs" -Dbenchmarks=false -Dheader_checks=false
+  mpx_configure build -Dcuda=enabled -Dgpu_architectures="$archs" $test_options
 else
   if $have_nvcc; then
     what="host suite only: no GPU on this machine, so the CUDA suite is not built (scripts/test.sh --cuda builds it)"
   else
     what="host suite only: no nvcc on this machine"
   fi
-  mpx_configure build -Dcuda=disabled -Dbenchmarks=false -Dheader_checks=false
+  mpx_configure build -Dcuda=disabled $test_options
 fi
 echo "== mpx test: $what"
 
