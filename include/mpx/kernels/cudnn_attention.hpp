@@ -104,15 +104,14 @@ class cudnn_attention final : public fused_attention_backend {
       fail<invalid_argument>("causal_self_attention (cuDNN dropout_keeps)", "the shape has no dropout to show");
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     std::lock_guard lock(mutex_);
-    int device = 0;
-    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
-    }
+    int const device = current_device(pass);
     if (std::string why = not_capturing(cuda_stream); !why.empty()) fail_in(pass, why);
+    if (!find(device, s, false))
+      fail<invalid_argument>("causal_self_attention (cuDNN dropout_keeps)",
+                             "no plan for this shape on this device: the layer was not reserved on this executor");
     plan* p = find(device, s, true);
     if (!p) {
-      if (std::string why = build_keeps_plan(device, s, cuda_stream); !why.empty()) fail_in(pass, why);
+      if (std::string why = build_plan(device, s, cuda_stream, true); !why.empty()) fail_in(pass, why);
       p = find(device, s, true);
     }
     std::unordered_map<std::int64_t, void*> pack = {
@@ -197,52 +196,37 @@ class cudnn_attention final : public fused_attention_backend {
     std::vector<void*> retired;  // blocks it outgrew: a captured graph may still use them
   };
 
-  std::string build_plan(int device, fused_attention_shape const& s, cudaStream_t stream) {
+  // Builds a shape's plan: its forward and backward graphs, or (keeps) the forward alone
+  // with cuDNN's rng dump, for dropout_keeps. "" or why not.
+  std::string build_plan(int device, fused_attention_shape const& s, cudaStream_t stream, bool keeps = false) {
     cudnnHandle_t handle = nullptr;
     if (std::string why = handle_for(device, handle); !why.empty()) return why;
     if (cudnnStatus_t const status = cudnnSetStream(handle, stream); status != CUDNN_STATUS_SUCCESS)
       return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status);
     auto p = std::make_unique<plan>();
+    std::vector<std::pair<graph*, char const*>> passes;
     try {  // cudnn-frontend also throws (no implementation for a shape, a missing library)
-      p->forward = forward_graph(s);
-      p->backward = backward_graph(s);
-      // Both validated before either is built: a shape only the backward refuses (one
-      // token) costs no forward build.
-      if (auto status = p->forward->validate(); !status.is_good())
-        return "cuDNN refused the forward pass: " + status.get_message();
-      if (auto status = p->backward->validate(); !status.is_good())
-        return "cuDNN refused the backward pass: " + status.get_message();
-      if (std::string why = build(*p->forward, handle); !why.empty()) return "cuDNN refused the forward pass: " + why;
-      if (std::string why = build(*p->backward, handle); !why.empty()) return "cuDNN refused the backward pass: " + why;
+      p->forward = forward_graph(s, keeps);
+      passes.emplace_back(p->forward.get(), keeps ? "the forward pass with its rng dump" : "the forward pass");
+      if (!keeps) {
+        p->backward = backward_graph(s);
+        passes.emplace_back(p->backward.get(), "the backward pass");
+      }
+      // All validated before any is built: a shape only the backward refuses (one token)
+      // costs no forward build.
+      for (auto const& [g, what] : passes)
+        if (auto status = g->validate(); !status.is_good()) return std::string("cuDNN refused ") + what + ": " + status.get_message();
+      for (auto const& [g, what] : passes)
+        if (std::string why = build(*g, handle); !why.empty()) return std::string("cuDNN refused ") + what + ": " + why;
     } catch (std::exception const& e) {
       return std::string("cuDNN: ") + e.what();
     }
-    std::int64_t forward_bytes = 0, backward_bytes = 0;
-    if (!p->forward->get_workspace_size(forward_bytes).is_good() || !p->backward->get_workspace_size(backward_bytes).is_good())
-      return "cuDNN could not size its workspace";
-    p->workspace_bytes = std::max(forward_bytes, backward_bytes);
-    plans_.emplace_back(key{device, s, false}, std::move(p));
-    return "";
-  }
-
-  // The forward graph with cuDNN's rng dump, for dropout_keeps: "" or why not.
-  std::string build_keeps_plan(int device, fused_attention_shape const& s, cudaStream_t stream) {
-    if (!find(device, s, false))
-      return "no plan for this shape on this device: the layer was not reserved on this executor";
-    cudnnHandle_t handle = nullptr;
-    if (std::string why = handle_for(device, handle); !why.empty()) return why;
-    if (cudnnStatus_t const status = cudnnSetStream(handle, stream); status != CUDNN_STATUS_SUCCESS)
-      return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status);
-    auto p = std::make_unique<plan>();
-    try {
-      p->forward = forward_graph(s, true);
-      if (auto status = p->forward->validate(); !status.is_good()) return "cuDNN refused the rng dump: " + status.get_message();
-      if (std::string why = build(*p->forward, handle); !why.empty()) return "cuDNN refused the rng dump: " + why;
-    } catch (std::exception const& e) {
-      return std::string("cuDNN: ") + e.what();
+    for (auto const& [g, what] : passes) {
+      std::int64_t bytes = 0;
+      if (!g->get_workspace_size(bytes).is_good()) return "cuDNN could not size its workspace";
+      p->workspace_bytes = std::max(p->workspace_bytes, bytes);
     }
-    if (!p->forward->get_workspace_size(p->workspace_bytes).is_good()) return "cuDNN could not size its workspace";
-    plans_.emplace_back(key{device, s, true}, std::move(p));
+    plans_.emplace_back(key{device, s, keeps}, std::move(p));
     return "";
   }
 
@@ -304,11 +288,7 @@ class cudnn_attention final : public fused_attention_backend {
   void run(fused_attention_shape const& s, void* stream, std::unordered_map<std::int64_t, void*>& pack, bool forward) {
     char const* const pass = forward ? "forward" : "backward";
     std::lock_guard lock(mutex_);
-    int device = 0;
-    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
-    }
+    int const device = current_device(pass);
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     plan* const p = find(device, s, false);
     auto const h = handles_.find(device);
@@ -455,6 +435,14 @@ class cudnn_attention final : public fused_attention_backend {
     return nullptr;
   }
 
+  static int current_device(char const* pass) {
+    int device = 0;
+    if (cudaError_t const status = cudaGetDevice(&device); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail_in(pass, std::string("cudaGetDevice failed: ") + cudaGetErrorString(status));
+    }
+    return device;
+  }
   static void check(cudnn_frontend::error_t status, char const* pass) {
     if (!status.is_good()) fail_in(pass, status.get_message());
   }

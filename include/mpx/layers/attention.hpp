@@ -149,11 +149,10 @@ class causal_self_attention : public layer_base {
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     qkv_.forward(exec, x.reshape(shape{d.rows(), width_}), qkv, training);
     auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
-    fused_ = fused_batch_ > 0;
     latest_batch_ = batch;
     latest_plan_batch_ = fused_batch_;
-    if (fused_) {  // (never on the host executor) Q, K, V read in place; O straight into merged
-      attention_dims const planned = dims(fused_batch_);
+    if (fused()) {  // (never on the host executor) Q, K, V read in place; O straight into merged
+      attention_dims const planned = dims(latest_plan_batch_);
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       dropped_ = training && config_.dropout > 0.0f;
       if (dropped_)  // this forward's Philox key, where the count lives (a captured step draws anew each replay)
@@ -178,8 +177,8 @@ class causal_self_attention : public layer_base {
     auto const merged = o_tokens_.template view<Space>(tokens);
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
-    if (fused_) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
-      attention_dims const planned = dims(fused_batch_);
+    if (fused()) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
+      attention_dims const planned = dims(latest_plan_batch_);  // the forward's plan
       auto const d_o = o_heads_.template view<Space>(shape{planned.rows(), width_});
       out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
                     d_o.flat(0, tokens.size()).reshape(tokens));
@@ -221,7 +220,7 @@ class causal_self_attention : public layer_base {
   //! throws: cuDNN draws the fused path's masks (latest_dropout_keeps shows them).
   template <executor Exec>
   [[nodiscard]] dropout_options latest_dropout(Exec const& exec) const {
-    if (fused_)
+    if (fused())
       detail::fail<invalid_argument>(name(), "latest_dropout: the latest forward ran fused, where cuDNN draws the "
                                              "masks (latest_dropout_keeps says which weights a training forward dropped)");
     auto const step = to_host(exec, dropout_step_.template view<memory_space_t<Exec>>());
@@ -241,9 +240,11 @@ class causal_self_attention : public layer_base {
                                              "training forward, or dropout 0)");
     attention_dims const d = dims(latest_batch_);
     std::vector<std::uint8_t> keeps(static_cast<std::size_t>(d.batch * d.heads * d.tokens * d.tokens));
-    if (!fused_) {  // mpx's Philox draws, as dropout_forward made them
+    auto const tokens = static_cast<std::size_t>(d.tokens);
+    auto const above_diagonal = [&](std::size_t i) { return i % tokens > i / tokens % tokens; };
+    if (!fused()) {  // mpx's Philox draws, as dropout_forward made them
       dropout_options const options = latest_dropout(exec);
-      for (std::size_t i = 0; i < keeps.size(); ++i) keeps[i] = dropout_keeps(options, i) ? 1 : 0;
+      for (std::size_t i = 0; i < keeps.size(); ++i) keeps[i] = !above_diagonal(i) && dropout_keeps(options, i) ? 1 : 0;
     } else if constexpr (!is_cuda_executor_v<Exec>) {
       detail::fail<invalid_argument>(name(), "latest_dropout_keeps: the latest forward ran fused, on the CUDA executor: "
                                              "ask with that executor");
@@ -257,21 +258,15 @@ class causal_self_attention : public layer_base {
                                        {q, q + width_, q + 2 * width_, nullptr, nullptr, fused_key<device_space>()},
                                        drawn.data(), step_executor(exec).stream());
       auto const host = to_host(exec, view(drawn));
-      auto const tokens = static_cast<std::size_t>(d.tokens);
       for (std::size_t i = 0; i < keeps.size(); ++i) {  // the planned batch's first rows
-        std::size_t const key = i % tokens, query = i / tokens % tokens;
-        if (key > query) continue;  // above the diagonal (cuDNN may skip those tiles)
-        float const drawn_keep = host[i / tokens * static_cast<std::size_t>(row) + key];
+        if (above_diagonal(i)) continue;  // (cuDNN may skip those tiles)
+        float const drawn_keep = host[i / tokens * static_cast<std::size_t>(row) + i % tokens];
         if (drawn_keep != 0.0f && drawn_keep != 1.0f)
           detail::fail<error>(name(), "latest_dropout_keeps: cuDNN's mask holds " + std::to_string(drawn_keep) +
                                           " at entry " + std::to_string(i) + ", not 0 or 1");
         keeps[i] = drawn_keep != 0.0f ? 1 : 0;
       }
-      return keeps;
     }
-    auto const tokens = static_cast<std::size_t>(d.tokens);
-    for (std::size_t i = 0; i < keeps.size(); ++i)
-      if (i % tokens > i / tokens % tokens) keeps[i] = 0;
     return keeps;
   }
 
@@ -287,7 +282,7 @@ class causal_self_attention : public layer_base {
   //! The unfused path only: the fused one keeps none (fused()).
   template <memory_space Space>
   [[nodiscard]] tensor_view<float const, Space> probabilities(std::int64_t batch) const {
-    if (fused_)
+    if (fused())
       detail::fail<invalid_argument>(name(), "probabilities: the latest forward ran fused, which keeps no "
                                              "[tokens, tokens] probabilities");
     attention_dims const d = dims(batch);
@@ -295,7 +290,7 @@ class causal_self_attention : public layer_base {
   }
 
   //! Whether the latest forward ran the fused attention (CUDA executor only).
-  [[nodiscard]] bool fused() const noexcept { return fused_; }
+  [[nodiscard]] bool fused() const noexcept { return latest_plan_batch_ > 0; }
 
  private:
   template <executor Exec, class Space>
@@ -435,8 +430,7 @@ class causal_self_attention : public layer_base {
   dropout_options dropout_options_{};
   bool dropped_ = false;  // the latest forward dropped weights
   std::int64_t latest_batch_ = 0;       // the latest forward's batch
-  std::int64_t latest_plan_batch_ = 0;  // the batch of the fused plan it ran (0: unfused)
-  bool fused_ = false;    // the latest forward ran the fused attention
+  std::int64_t latest_plan_batch_ = 0;  // the batch of the fused plan it ran (0: it ran unfused)
   std::int64_t fused_batch_ = 0;  // the batch the fused attention's plan is for (0: unfused)
 };
 
