@@ -22,12 +22,12 @@ mpx_gpu_name() {
 
 # Configures build directory $1 with the options that follow: a new directory is set
 # up, an existing one takes the options (so switching between a host-only and a CUDA
-# build reuses what it can).
+# build reuses what it can), and one made before an option existed is regenerated.
 mpx_configure() {
   local dir=$1
   shift
   if [ -f "$dir/meson-private/coredata.dat" ]; then
-    meson configure "$dir" "$@" >/dev/null
+    meson configure "$dir" "$@" >/dev/null 2>&1 || meson setup --reconfigure "$dir" "$@" >/dev/null
   else
     meson setup "$dir" "$@"
   fi

@@ -25,10 +25,11 @@ done
 
 scripts/setup.sh
 
-# No benchmarks or every-header checks (CI's stages), and the host suite's units at -O0
-# but for the arithmetic's own tests (core/, kernels/, attention), which stay at -O1:
-# the build is most of this command's ten minutes (bench/NOTES.md).
-test_options="-Dbenchmarks=false -Dheader_checks=false -Dtests_optimization=0"
+# No benchmarks or every-header checks (CI's stages), the host suite's units at -O0
+# but for the arithmetic's own tests (core/, kernels/, attention), which stay at -O1,
+# and the examples at -O1 for their smoke runs (scripts/example.sh builds the main
+# example at -O2 again): the build is most of this command's ten minutes (bench/NOTES.md).
+test_options="-Dbenchmarks=false -Dheader_checks=false -Dtests_optimization=0 -Dexamples_optimization=1"
 
 have_nvcc=false
 command -v nvcc >/dev/null 2>&1 && have_nvcc=true

@@ -1,7 +1,8 @@
 // A GPT-style character (byte) language model on the fortune cookies Debian's `fortunes`
 // package installs, under float32, mixed_bfloat16 and mixed_float16 with Keras's dynamic
 // loss scale (`--policy all`, the default), or bfloat16 (no float master weights) or
-// mixed_fp8 (the MLPs in fp8): the transformer workflow mixed-precision users train today.
+// mixed_fp8 (the MLPs and the attention projections in fp8): the transformer workflow
+// mixed-precision users train today.
 //
 //   embedding(256 bytes -> width, + learned positions)
 //   repeat(--layers, default 4) [ residual(layer_norm, causal_self_attention(heads)),
@@ -121,8 +122,8 @@ initialisation initialisation_of(std::string const& init, std::int64_t layers) {
 }
 
 // One pre-norm transformer block is attention, then the MLP, each in a residual branch.
-// Under mixed_fp8 the MLP's dense layers run in fp8 and attention stays in bfloat16
-// (mpx::without_fp8<P>, which is P under every other policy), as in Transformer Engine.
+// Under an fp8 policy the MLP's dense layers and attention's two projections run in fp8,
+// and the attention between the projections in bfloat16, as in Transformer Engine.
 // Guarded (--demo-overflow's second run): each attention layer is tiered, P then
 // mixed_bfloat16, for mpx::precision_guard to move.
 template <class P, bool Guarded>
@@ -134,9 +135,9 @@ auto attention_layer(settings const& s) {
                                             .output_kernel_initializer = init.residual_kernel,
                                             .bias_initializer = init.bias};
   if constexpr (Guarded)
-    return mpx::tiered<mpx::causal_self_attention, mpx::without_fp8<P>, mpx::mixed_bfloat16>(c);
+    return mpx::tiered<mpx::causal_self_attention, P, mpx::mixed_bfloat16>(c);
   else
-    return mpx::causal_self_attention<mpx::without_fp8<P>>(c);
+    return mpx::causal_self_attention<P>(c);
 }
 
 // The model: an embedding, --layers copies of the pre-norm block, the output layer.

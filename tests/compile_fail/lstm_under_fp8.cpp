@@ -1,4 +1,4 @@
-// expect: this layer (an LSTM or attention) has no fp8 matrix products
+// expect: this layer (an LSTM) has no fp8 matrix products
 // An LSTM inside a mixed_fp8 model: its gate products have no fp8 path, and the message
 // says to keep it out of fp8 with mpx::without_fp8.
 #include <mpx/mpx.hpp>

@@ -19,6 +19,7 @@
 #include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
 
+#include <mpx/layers/attention.hpp>
 #include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
 
@@ -336,18 +337,23 @@ TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU'
 namespace {
 
 // A small classifier under an fp8 policy P: fp8 hidden layers, the last layer kept out
-// of fp8.
-template <class P = mpx::mixed_fp8>
+// of fp8. With Attention, the 4 tokens of 8 features go through a dense layer and a
+// causal self-attention (its projections in fp8) first.
+template <class P = mpx::mixed_fp8, bool Attention = false>
 auto make_fp8_classifier() {
-  return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
-                            mpx::dense<>(16, mpx::activation::relu), mpx::dense<mpx::without_fp8<P>>(3),
-                            mpx::softmax_layer<mpx::float32>());
+  if constexpr (Attention)
+    return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu), mpx::causal_self_attention<>(2),
+                              mpx::flatten<>(), mpx::dense<mpx::without_fp8<P>>(3), mpx::softmax_layer<mpx::float32>());
+  else
+    return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
+                              mpx::dense<>(16, mpx::activation::relu), mpx::dense<mpx::without_fp8<P>>(3),
+                              mpx::softmax_layer<mpx::float32>());
 }
 
-template <class P = mpx::mixed_fp8>
+template <class P = mpx::mixed_fp8, bool Attention = false>
 struct fp8_run {
   mpx::host_executor exec;
-  decltype(make_fp8_classifier<P>()) model = make_fp8_classifier<P>();
+  decltype(make_fp8_classifier<P, Attention>()) model = make_fp8_classifier<P, Attention>();
   std::vector<mpx::tensor<fp8_storage>> images;
   std::vector<mpx::tensor<std::int32_t>> labels;
 
@@ -422,21 +428,29 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
 TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 or mixed_nvfp4 run resumed from its "
           "training state continues bit for bit",
           "[layers][fp8][fp8_block][resume]") {
-  auto const check_resume = [](auto policy) {
+  auto const check_resume = []<bool Attention = false>(auto policy, std::bool_constant<Attention> = {}) {
     using P = typename decltype(policy)::type;
-    INFO(P::name);
+    INFO(P::name << (Attention ? " with attention" : ""));
     auto const dir = std::filesystem::temp_directory_path() /
-                     ("mpx_test_fp8_block_resume_" + std::string(P::name) + "_" + std::to_string(::getpid()));
+                     ("mpx_test_fp8_block_resume_" + std::string(P::name) + (Attention ? "_attention_" : "_") +
+                      std::to_string(::getpid()));
     std::filesystem::remove_all(dir);
     std::vector<float> whole_tail;
     {
-      fp8_run<P> run(1);
+      fp8_run<P, Attention> run(1);
       auto optimizer = make_fp8_optimizer(run.exec, run.model);
       run.train(optimizer, 0, 5);
       mpx::save_training_state(run.exec, run.model, optimizer, dir, {.steps = 5});
       whole_tail = run.train(optimizer, 5, 5);
+      if constexpr (Attention) {  // the attention's two projections keep fp8 state, and it is saved
+        std::size_t projections = 0;
+        for (auto const& e : mpx::detail::model_fp8_scales<mpx::host_executor>(run.model))
+          projections += e.name.find("query_key_value") != std::string::npos || e.name.find("/output") != std::string::npos;
+        constexpr bool per_tensor = std::is_same_v<P, mpx::mixed_fp8> || std::is_same_v<P, mpx::mixed_fp8_current>;
+        CHECK(projections == (per_tensor ? 2u : 0u));  // block recipes keep no scales between steps
+      }
     }
-    fp8_run<P> resumed(2);  // another initialisation: everything must come from the save
+    fp8_run<P, Attention> resumed(2);  // another initialisation: everything must come from the save
     auto optimizer = make_fp8_optimizer(resumed.exec, resumed.model);
     CHECK(mpx::load_training_state(resumed.exec, resumed.model, optimizer, dir).steps == 5);
     auto const tail = resumed.train(optimizer, 5, 5);
@@ -453,6 +467,12 @@ TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 
   check_resume(boost::hana::type_c<mpx::mixed_fp8_rowwise>);
   check_resume(boost::hana::type_c<mpx::mixed_mxfp8>);
   check_resume(boost::hana::type_c<mpx::mixed_nvfp4>);  // its stochastic rounding's draw count included
+  // The same with a causal self-attention whose projections run in the recipe.
+  check_resume(boost::hana::type_c<mpx::mixed_fp8>, std::true_type{});
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_current>, std::true_type{});
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_block>, std::true_type{});
+  check_resume(boost::hana::type_c<mpx::mixed_mxfp8>, std::true_type{});
+  check_resume(boost::hana::type_c<mpx::mixed_nvfp4>, std::true_type{});
 }
 #endif
 

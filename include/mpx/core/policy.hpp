@@ -155,7 +155,7 @@ struct without_fp8_of {
 }  // namespace detail
 
 //! P with its products in the storage type where P computes in fp8, else P itself: for
-//! the layers kept out of fp8 (a network's first and last, LSTMs, attention).
+//! the layers kept out of fp8 (a network's first and last, LSTMs).
 template <class P>
 using without_fp8 = typename detail::without_fp8_of<P>::type;
 

@@ -96,7 +96,8 @@ constexpr void check_gemm_types() {
     static_assert(!dtype8<typename Policy::compute_type>,
                   "mpx::gemm: this policy computes its matrix products in fp8, which needs a per-tensor scale for "
                   "every operand. mpx::dense and mpx::conv2d keep those scales and run fp8 products "
-                  "(mpx::fp8_gemm underneath); give other layers (LSTM, attention) mpx::without_fp8<Policy>, and "
+                  "(mpx::fp8_gemm underneath), as do mpx::causal_self_attention's projections; give other layers "
+                  "(LSTM) mpx::without_fp8<Policy>, and "
                   "call mpx::fp8_gemm yourself for products of your own");
     static_assert(!std::is_same_v<Acc, half> || std::is_same_v<typename Policy::compute_type, half>,
                   "mpx::gemm: accumulation in half needs half compute");

@@ -17,6 +17,12 @@
 // activations overflow them to inf, and the softmax turns the row into NaN: the
 // transformer failure docs/transformers.md shows and find_nonfinite names.
 //
+// Under an fp8 policy (mpx::mixed_fp8 and the other recipes) the two dense layers run
+// their products in fp8 with the policy's recipe, and the three middle lines in the
+// storage dtype (mpx::without_fp8<Policy>): Transformer Engine's default, which puts its
+// attention's linear layers under fp8_autocast and keeps the dot-product attention in
+// bfloat16. The projections' scales are the layer's training state.
+//
 // On the CUDA executor, with half or bfloat16 storage, scaled logits and config.fused
 // left on, the three middle lines (dropout included) run as one fused kernel where the
 // program has one (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float,
@@ -97,7 +103,6 @@ class causal_self_attention : public layer_base {
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
-    detail::require_products_without_fp8<Policy>();
     width_ = compute_output_shape(in)[1];
     qkv_ = dense<Policy>({.units = 3 * width_, .kernel_initializer = config_.kernel_initializer,
                           .bias_initializer = config_.bias_initializer, .in_features = width_});
@@ -207,13 +212,23 @@ class causal_self_attention : public layer_base {
   }
 
   //! The count of training forwards that draws the dropout masks, and the seed: training
-  //! state, saved by save_training_state so a resumed run draws the same masks.
+  //! state, saved by save_training_state so a resumed run draws the same masks. Under
+  //! an fp8 policy the projections' scales (and NVFP4's draw counts) too.
   template <memory_space Space>
   void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
     out.emplace_back(name() + "/dropout_forwards", dropout_step_.template view<Space>());
+    qkv_.template append_counters<Space>(out);
+    out_.template append_counters<Space>(out);
   }
   void append_seeds(std::vector<std::pair<std::string, std::uint64_t*>>& out) {
     out.emplace_back(name() + "/dropout_seed", &dropout_seed_);
+    qkv_.append_seeds(out);
+    out_.append_seeds(out);
+  }
+  template <executor Exec>
+  void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
+    qkv_.template append_fp8_scales<Exec>(out);
+    out_.template append_fp8_scales<Exec>(out);
   }
   //! The dropout of the latest training forward on the unfused path, its count folded in
   //! (for mpx::dropout_keeps). Synchronises a cuda_executor. After a fused forward it
@@ -293,6 +308,9 @@ class causal_self_attention : public layer_base {
   [[nodiscard]] bool fused() const noexcept { return latest_plan_batch_ > 0; }
 
  private:
+  // The products between the projections: never fp8 (see the top of this file).
+  using core_policy = without_fp8<Policy>;
+
   template <executor Exec, class Space>
   void attend_unfused(Exec const& exec, tensor_view<input_type, Space> qkv, tensor_view<input_type, Space> merged,
                       attention_dims const& d, bool training) {
@@ -301,7 +319,7 @@ class causal_self_attention : public layer_base {
     permute_heads(exec, qkv, heads, d, 3, true);
     auto const [q, k, v] = split_qkv(heads, d);
     auto const s = logits_.template view<Space>(shape{bh, d.tokens, d.tokens});
-    gemm<Policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
+    gemm<core_policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
     auto const p = p_.template view<Space>(s.shape());
     auto const ps = p_store_.template view<Space>(s.shape());
     causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
@@ -313,7 +331,7 @@ class causal_self_attention : public layer_base {
       dropout_forward(exec, dropout_options_, ps, ps);
     }
     auto const o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
-    gemm<Policy>(exec, ps, v, o);
+    gemm<core_policy>(exec, ps, v, o);
     permute_heads(exec, merged, o, d, 1, false);
   }
 
@@ -334,15 +352,15 @@ class causal_self_attention : public layer_base {
     auto const d_heads = d_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
     auto const [dq, dk, dv] = split_qkv(d_heads, d);
     auto const ps = p_store_.template view<Space>(shape{bh, d.tokens, d.tokens});
-    gemm<Policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
+    gemm<core_policy>(exec, ps, d_o, dv, {.transpose_a = true});  // dV = Pᵀ dO
     auto const dp = dp_.template view<Space>(ps.shape());
-    gemm<Policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
+    gemm<core_policy>(exec, d_o, v, dp, {.transpose_b = true});  // dP = dO Vᵀ, in float
     if (dropped_) dropout_backward(exec, dropout_options_, dp, dp);  // through the same mask
     auto const ds = logits_.template view<Space>(ps.shape());  // the logits are no longer needed
     causal_softmax_backward(exec, tensor_view<float const, Space>(p_.template view<Space>(ps.shape())),
                             tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
-    gemm<Policy>(exec, ds, k, dq);                         // dQ = dS K
-    gemm<Policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
+    gemm<core_policy>(exec, ds, k, dq);                         // dQ = dS K
+    gemm<core_policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
     permute_heads(exec, d_qkv, d_heads, d, 3, false);      // dO is spent
   }
 

@@ -129,15 +129,16 @@ constexpr void require_layer_policy() {
                 "mpx::mixed_bfloat16 or an mpx::policy<Storage, Compute, Accumulate, Param>");
 }
 
-//! The static_assert of the layers whose products have no fp8 path (LSTM, attention).
+//! The static_assert of the layers whose products have no fp8 path (LSTM).
 template <class P>
 constexpr void require_products_without_fp8() {
   if constexpr (policy_type<P>)
     static_assert(!computes_in_fp8<P>,
-                  "this layer (an LSTM or attention) has no fp8 matrix products, but its policy computes in fp8 "
+                  "this layer (an LSTM) has no fp8 matrix products, but its policy computes in fp8 "
                   "(mpx::mixed_fp8): give it mpx::without_fp8<Policy>, e.g. "
                   "mpx::lstm<mpx::without_fp8<mpx::mixed_fp8>>(...), which keeps its products in bfloat16 "
-                  "(Transformer Engine, too, runs only linear layers in fp8); mpx::dense and mpx::conv2d run in fp8");
+                  "(Transformer Engine, too, runs only linear layers in fp8); mpx::dense, mpx::conv2d and the "
+                  "projections of mpx::causal_self_attention run in fp8");
 }
 
 //! "dense_2: <what>" for a layer's errors.
