@@ -27,7 +27,9 @@ mpx_configure() {
   local dir=$1
   shift
   if [ -f "$dir/meson-private/coredata.dat" ]; then
-    meson configure "$dir" "$@" >/dev/null 2>&1 || meson setup --reconfigure "$dir" "$@" >/dev/null
+    local said
+    said=$(meson configure "$dir" "$@" 2>&1) || said=$(meson setup --reconfigure "$dir" "$@" 2>&1) ||
+      { printf '%s\n' "$said" >&2; return 1; }
   else
     meson setup "$dir" "$@"
   fi

@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 source scripts/build_env.sh
 scripts/setup.sh
 if command -v nvcc >/dev/null 2>&1 && mpx_gpu_present; then
-  mpx_configure build -Dcuda=enabled -Dgpu_architectures="${MPX_GPU_ARCHS:-native}" -Dexamples_optimization=2
+  mpx_configure build -Dcuda=enabled -Dgpu_architectures="${MPX_GPU_ARCHS:-native}" -Dexamples_optimization=default
 else
-  mpx_configure build -Dcuda=disabled -Dexamples_optimization=2
+  mpx_configure build -Dcuda=disabled -Dexamples_optimization=default
 fi
 meson compile -C build examples/fashion_mnist
 build/examples/fashion_mnist "$@"
