@@ -246,6 +246,8 @@ struct attention_run_16bit {
   bool fused = false;
   std::vector<std::uint8_t> keeps;   // with dropout: the weights it kept (latest_dropout_keeps)
   double dropped_fraction = 0;       // of the weights on and below the diagonal
+  // fp8: the errors of y, dx and d kernel_o against a reference without the quantization.
+  std::array<double, 3> unquantized_errors{};
 };
 
 // Reserved for one sequence more than it runs: a batch smaller than the reserved one
@@ -280,6 +282,7 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
                    mpx::tensor_view<T16 const, space>(mpx::view(dyd)), mpx::view(dx));
   };
   fp8_projection_scales before;
+  std::array<std::vector<double>, 3> plain;  // fp8: y, dx, d kernel_o without the quantization
   if constexpr (mpx::computes_in_fp8<P>) {  // a first step on other data moves the scales off 1
     auto y0 = mpx_test::poisoned<T16>(exec, s), dx0 = mpx_test::poisoned<T16>(exec, s);
     step(mpx_test::upload(exec, mpx_test::random_values<T16>(n, -3, 3, 92 + n), s),
@@ -319,7 +322,12 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
     // each tensor's own, which the layer then holds.
     constexpr bool current = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<P>)>, mpx::current_scaling>;
     fp8_projection_scales const used = current ? fp8_projection_scales::of(layer, exec) : before;
-    if (!current) CHECK(used.qkv.activation != 1.0f);  // else a scale left out would pass
+    for (auto const& r : {used.qkv, used.out})  // else a scale left out would pass
+      CHECK((r.activation != 1.0f && r.weight != 1.0f && r.gradient != 1.0f));
+    // The same step against the reference without the quantization, to show the test
+    // sees the fp8 arithmetic (the caller compares).
+    ref.run(mpx_test::widen(x), mpx_test::widen(dy));
+    plain = {ref.y, ref.dx, ref.dwo};
     ref.read = [used](double v, projection_operand what) { return used.read(v, what); };
   }
   ref.run(mpx_test::widen(x), mpx_test::widen(dy));
@@ -331,6 +339,10 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
   for (std::size_t i = 0; i < params.size(); ++i)
     out.errors.push_back(
         worst_relative_error(mpx_test::widen(mpx_test::download(exec, params[i].gradient.template as<T16>())), *want[i]));
+  if constexpr (mpx::computes_in_fp8<P>)
+    out.unquantized_errors = {
+        worst_relative_error(out.y, plain[0]), worst_relative_error(out.dx, plain[1]),
+        worst_relative_error(mpx_test::widen(mpx_test::download(exec, params[2].gradient.template as<T16>())), plain[2])};
   return out;
 }
 
@@ -414,6 +426,15 @@ TEMPLATE_LIST_TEST_CASE("attention under mixed_fp8 and mixed_fp8_current: fp8 pr
       INFO(P::name);
       auto const run = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H);
       check_errors(run, {3.8e-2, 4.3e-2, 1.4e-1, 9e-3, 3.3e-2, 6.4e-3});
+      // The reference that quantizes is at least twice as close as one that does not,
+      // in y, dx and the output kernel's gradient (the host: 3 to 30 times).
+      std::size_t const result[] = {0, 1, 4};  // y, dx, d kernel_o in run.errors
+      for (std::size_t i = 0; i < 3; ++i) {
+        double const fp8 = run.errors[result[i]], plain = run.unquantized_errors[i];
+        INFO("result " << result[i] << ": " << fp8 << " against the fp8 reference, " << plain
+                       << " against one without the quantization");
+        CHECK(plain > 2 * fp8);
+      }
       auto const again = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H);
       CHECK(again.y == run.y);
       CHECK(again.dx == run.dx);

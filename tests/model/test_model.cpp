@@ -928,10 +928,11 @@ TEMPLATE_LIST_TEST_CASE("the step record kernel writes every field from its sour
 // then a step at a middle batch (its backward grew the gradients' buffers).
 namespace fp8_buffers {
 
-//! An fp8 dense layer and an attention layer (samples [4 tokens, 16]), then a classifier.
+//! An fp8 dense layer and an attention layer with fp8 projections (samples [4 tokens,
+//! 16]), then a classifier.
 inline auto make_model() {
   using P = mpx::mixed_fp8;
-  return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu), mpx::causal_self_attention<mpx::without_fp8<P>>(2),
+  return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu), mpx::causal_self_attention<>(2),
                             mpx::flatten<>(), mpx::dense<mpx::without_fp8<P>>(3), mpx::softmax_layer<mpx::float32>());
 }
 
@@ -957,12 +958,17 @@ TEMPLATE_LIST_TEST_CASE("no step moves an fp8 or attention buffer without the mo
   mpx::classifier_trainer trainer(exec, model, optimizer);
   auto batch = [&](std::int64_t n) { return fp8_buffers::batch(exec, n); };
   auto buffers = [&] {
-    auto const& products = model.template layer<0>().products();
     auto const attention = model.template layer<1>().gradient_buffers();
-    return std::vector<void const*>{products.template cast_buffer<mpx::operand_role::activation>(),
-                                    products.template cast_buffer<mpx::operand_role::weight>(),
-                                    products.template cast_buffer<mpx::operand_role::gradient>(), attention[0],
-                                    attention[1]};
+    std::vector<void const*> out{attention[0], attention[1]};
+    auto const add_casts = [&](auto const& products) {
+      out.push_back(products.template cast_buffer<mpx::operand_role::activation>());
+      out.push_back(products.template cast_buffer<mpx::operand_role::weight>());
+      out.push_back(products.template cast_buffer<mpx::operand_role::gradient>());
+    };
+    add_casts(model.template layer<0>().products());
+    add_casts(model.template layer<1>().query_key_value().products());  // the attention's projections
+    add_casts(model.template layer<1>().output().products());
+    return out;
   };
   auto step = [&](std::int64_t n) {
     auto const [x, y] = batch(n);

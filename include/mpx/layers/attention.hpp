@@ -112,7 +112,9 @@ class causal_self_attention : public layer_base {
     out_.set_name(name_ + "/output");
     qkv_.build(exec, shape{width_}, seed);
     out_.build(exec, shape{width_}, seed + 1);
-    dropout_seed_ = seed + 2;
+    // Not seed + 2 or + 3: under NVFP4 the projections' stochastic rounding draws from
+    // those keys, with counters that would repeat the dropout's.
+    dropout_seed_ = seed + 4;
     dropout_step_.allocate(exec, shape{1});
     fill(exec, dropout_step_.template view<memory_space_t<Exec>>(), std::uint64_t{0});
     if (config_.dropout > 0.0f) fused_dropout_key_.allocate(exec, shape{2});
