@@ -275,7 +275,7 @@ class fp8_block_role<R, nvfp4_scaling> {
   std::uint64_t seed_ = 0;
 };
 
-//! Every fp8 scale a model's layers keep (dense and conv2d under an fp8 policy), by name.
+//! Every fp8 scale a model's layers keep (dense, conv2d, attention's projections), by name.
 template <class Exec, class Model>
 std::vector<fp8_scales_entry<Exec>> model_fp8_scales(Model& model) {
   std::vector<fp8_scales_entry<Exec>> out;
