@@ -214,8 +214,8 @@ class causal_self_attention : public layer_base {
   }
 
   //! The count of training forwards that draws the dropout masks, and the seed: training
-  //! state, saved by save_training_state so a resumed run draws the same masks. Under
-  //! an fp8 policy the projections' scales (and NVFP4's draw counts) too.
+  //! state, saved by save_training_state so a resumed run draws the same masks; under
+  //! NVFP4 the projections' draw counts and seeds too (their fp8 scales: below).
   template <memory_space Space>
   void append_counters(std::vector<std::pair<std::string, tensor_view<std::uint64_t, Space>>>& out) {
     out.emplace_back(name() + "/dropout_forwards", dropout_step_.template view<Space>());
@@ -227,6 +227,7 @@ class causal_self_attention : public layer_base {
     qkv_.append_seeds(out);
     out_.append_seeds(out);
   }
+  //! The projections' fp8 scales under a per-tensor recipe (nothing otherwise).
   template <executor Exec>
   void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
     qkv_.template append_fp8_scales<Exec>(out);
@@ -363,7 +364,7 @@ class causal_self_attention : public layer_base {
                             tensor_view<float const, Space>(dp), ds, d, logit_scale(d));
     gemm<core_policy>(exec, ds, k, dq);                         // dQ = dS K
     gemm<core_policy>(exec, ds, q, dk, {.transpose_a = true});  // dK = dSᵀ Q
-    permute_heads(exec, d_qkv, d_heads, d, 3, false);      // dO is spent
+    permute_heads(exec, d_qkv, d_heads, d, 3, false);           // dO is spent
   }
 
   // The fused path, where it can run this attention (else the reason, on stderr once).
