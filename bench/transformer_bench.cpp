@@ -14,10 +14,14 @@
 // program keeps per stream, is reported once, apart).
 //
 //   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
-//                     [--path fused|unfused|both] [--dropout P]
+//                     [--path fused|unfused|both] [--dropout P] [--fp8]
 //
 // --dropout P drops attention weights with probability P in the training forwards (inside
 // the fused kernel where it runs): what dropout costs each path.
+//
+// --fp8 times the layer under mpx::mixed_fp8 instead: the projections in fp8 with the
+// attention between them in bfloat16 ("fp8 proj"), and the attention in fp8 too
+// ("fp8 all": fp8_attention, cuDNN's fp8 SDPA where it runs, mpx's fp8 core elsewhere).
 //
 // TFLOP/s counts the model's products once, as FlashAttention's papers do: the two
 // projections (8 N D^2 for N tokens of width D) and, under the causal mask, half of each
@@ -49,6 +53,7 @@ struct options {
   std::vector<std::int64_t> tokens;  // empty: the executor's default
   bool fused = true, unfused = true;
   float dropout = 0.0f;  // on the attention weights
+  bool fp8 = false;      // the layer under mixed_fp8, its core in bfloat16 and in fp8
 };
 
 struct attention_size {
@@ -99,17 +104,18 @@ struct row {
 //! layer is gone: the fused attention's workspace, which the program keeps for the
 //! stream (made when a layer first needs it), is not the layer's. Its growth is added to
 //! `workspace_bytes`.
-template <class T, class Exec>
-row time_attention(Exec const& exec, options const& opt, attention_size const z, bool fused,
+template <class P, class Exec>
+row time_attention(Exec const& exec, options const& opt, attention_size const z, bool fused, bool fp8_core,
                    std::int64_t& workspace_bytes) {
   using space = mpx::memory_space_t<Exec>;
-  using P = typename mpx_bench::policy_for<T>::type;
+  using T = typename P::storage_type;
   std::int64_t const before = pool_bytes_in_use(exec);
   row r;
   std::int64_t with_layer = 0;
   {
     mpx::causal_self_attention<P> layer(
-        mpx::causal_self_attention_config{.heads = z.heads, .dropout = opt.dropout, .fused = fused});
+        mpx::causal_self_attention_config{
+            .heads = z.heads, .dropout = opt.dropout, .fused = fused, .fp8_attention = fp8_core});
     layer.set_name("attention");
     layer.build(exec, {z.tokens, z.width}, 1);
     layer.reserve(exec, z.batch);
@@ -136,10 +142,12 @@ row time_attention(Exec const& exec, options const& opt, attention_size const z,
   return r;
 }
 
-template <class T, class Exec>
-void bench_attention(Exec const& exec, options const& opt, attention_size const z, bool fused,
+template <class P, class Exec>
+void bench_attention(Exec const& exec, options const& opt, attention_size const z, bool fused, bool fp8_core,
                      std::int64_t& workspace_bytes) {
-  row const r = time_attention<T>(exec, opt, z, fused, workspace_bytes);
+  row const r = time_attention<P>(exec, opt, z, fused, fp8_core, workspace_bytes);
+  std::string const label = mpx::computes_in_fp8<P> ? (fp8_core ? "fp8 all" : "fp8 proj")
+                                                    : std::string(mpx::dtype_name<typename P::storage_type>);
   double const n = static_cast<double>(z.batch * z.tokens), d = static_cast<double>(z.width),
                t = static_cast<double>(z.tokens);
   double const forward_flops = 8 * n * d * d + 2 * n * t * d;
@@ -147,7 +155,7 @@ void bench_attention(Exec const& exec, options const& opt, attention_size const 
   double const unit = gpu ? 1e12 : 1e9;
   std::string const mib = gpu ? std::to_string(std::llround(static_cast<double>(r.layer_bytes) / (1 << 20))) : "-";
   std::printf("%-6s %-9s %-22s %-8s %10.3f %9.1f %12.3f %9.1f %11s\n", std::string(Exec::name).c_str(),
-              std::string(mpx::dtype_name<T>).c_str(),
+              label.c_str(),
               (mpx_bench::shape_text({z.batch, z.tokens, z.width}) + " / " + std::to_string(z.heads)).c_str(),
               r.fused ? "fused" : "unfused", r.forward * 1e3, forward_flops / r.forward / unit, r.both * 1e3,
               3 * forward_flops / r.both / unit, mib.c_str());
@@ -165,13 +173,18 @@ void run_all(Exec const& exec, options const& opt) {
               gpu ? "TFLOP/s" : "GFLOP/s", "memory MiB");
   std::int64_t workspace_bytes = 0;
   for (auto const z : sizes_for(opt, gpu)) {
-    auto for_type = [&](auto tag) {
-      using T = decltype(tag);
-      if (opt.fused && gpu) bench_attention<T>(exec, opt, z, true, workspace_bytes);  // (the host has no fused path)
-      if (opt.unfused || !gpu) bench_attention<T>(exec, opt, z, false, workspace_bytes);
+    auto for_policy = [&](auto tag, bool fp8_core = false) {
+      using P = typename decltype(tag)::type;
+      if (opt.fused && gpu) bench_attention<P>(exec, opt, z, true, fp8_core, workspace_bytes);  // (the host has no fused path)
+      if (opt.unfused || !gpu) bench_attention<P>(exec, opt, z, false, fp8_core, workspace_bytes);
     };
-    for_type(mpx::bfloat16{});
-    for_type(mpx::half{});
+    if (opt.fp8) {
+      for_policy(boost::hana::type_c<mpx::mixed_fp8>);
+      for_policy(boost::hana::type_c<mpx::mixed_fp8>, true);
+    } else {
+      for_policy(boost::hana::type_c<mpx::mixed_bfloat16>);
+      for_policy(boost::hana::type_c<mpx::mixed_float16>);
+    }
   }
   if (gpu)
     std::printf("(memory: what each layer holds in the stream-ordered pool; beside the rows, the program keeps %lld "
@@ -185,7 +198,7 @@ int main(int argc, char** argv) try {
   options opt;
   mpx_programs::command_line args(argc, argv,
                                   "[--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]\n"
-                                  "          [--path fused|unfused|both] [--dropout P]");
+                                  "          [--path fused|unfused|both] [--dropout P] [--fp8]");
   while (args.next()) {
     if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
     else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
@@ -196,6 +209,7 @@ int main(int argc, char** argv) try {
       opt.fused = path != "unfused";
       opt.unfused = path != "fused";
     } else if (args.is("--dropout")) opt.dropout = static_cast<float>(args.real(0.0, 0.9, true));
+    else if (args.is("--fp8")) opt.fp8 = true;
     else args.unknown();
   }
   std::printf("median of %d runs%s; causal model FLOPs (the masked half of each [T, T] product not counted)%s\n",

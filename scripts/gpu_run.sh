@@ -407,6 +407,8 @@ fi
 extra=1
 [ -z "$has_torch" ] || step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py  # beside transformer_bench's rows
 mpx_step transformer_bench_dropout 15 transformer_bench --executor cuda --repeat 5 --path fused --dropout 0.1
+# Under mixed_fp8: the attention core in bfloat16 and in fp8 (cuDNN's fp8 SDPA where it runs).
+mpx_step transformer_bench_fp8 15 transformer_bench --executor cuda --repeat 5 --path fused --fp8
 mpx_step scaling_bench 15 scaling_bench --executor cuda --tensors 100,1000 --repeat 10
 [ -z "$has_torch" ] || step torch_compare 20 env PYTHONUNBUFFERED=1 python3 bench/torch_compare.py --tensors 100,1000
 mpx_step numerics_bench 10 numerics_bench --executor cuda --repeat 10

@@ -19,6 +19,7 @@
 //           [--context N] [--width N] [--heads N] [--layers N] [--preset gpt2-small] [--lr X]
 //           [--corpus PATH] [--seed N] [--sample N] [--log-every N] [--eval-batches N]
 //           [--executor auto|host|cuda] [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]
+//           [--fp8-attention]
 //
 // --preset gpt2-small is GPT-2 small's shape on bytes, for a GPU: 12 layers, width 768,
 // 12 heads, 1,024 tokens of context, GPT-2's initialisation, batch 8, AdamW(6e-4) (the
@@ -34,6 +35,10 @@
 // embeddings), or gpt2 (GPT-2's: every weight N(0, 0.02), zero biases, and the
 // projections that end a residual branch N(0, 0.02/sqrt(2 x blocks))). A model ported
 // from PyTorch trains as it did there with --init torch.
+//
+// --fp8-attention (with --policy mixed_fp8 or mixed_fp8_current) runs the attention
+// between the projections in fp8 too (causal_self_attention_config::fp8_attention:
+// cuDNN's fp8 SDPA on a Hopper GPU with heads of 128 values, mpx's fp8 core elsewhere).
 //
 // --shadow N measures every layer against its float32 twin every N steps (mpx::model_shadow)
 // and prints, after training, which layers cost the model its precision.
@@ -91,6 +96,7 @@ struct settings {
   std::size_t eval_batches = 40;  // validation batches (of --batch windows) scored at the end
   bool scale_logits = true;
   bool demo_overflow = false;
+  bool fp8_attention = false;  // the attention's core in fp8 (per-tensor fp8 policies only)
   std::size_t shadow = 0;  // measure each layer against its float32 twin every N steps
   std::string init = "keras";
   initialisation weights;  // what `init` names (initialisation_of), set once the flags are read
@@ -133,7 +139,8 @@ auto attention_layer(settings const& s) {
                                             .scale_logits = s.scale_logits,
                                             .kernel_initializer = init.kernel,
                                             .output_kernel_initializer = init.residual_kernel,
-                                            .bias_initializer = init.bias};
+                                            .bias_initializer = init.bias,
+                                            .fp8_attention = s.fp8_attention};
   if constexpr (Guarded)
     return mpx::tiered<mpx::causal_self_attention, P, mpx::mixed_bfloat16>(c);
   else
@@ -439,7 +446,8 @@ constexpr char const* usage_text =
     "          [--steps N] [--batch N]\n"
     "          [--context N] [--width N] [--heads N] [--layers N] [--preset gpt2-small] [--lr X]\n"
     "          [--corpus PATH] [--seed N] [--sample N] [--log-every N] [--eval-batches N]\n"
-    "          [--executor auto|host|cuda] [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]";
+    "          [--executor auto|host|cuda] [--shadow N] [--demo-overflow] [--init keras|torch|gpt2]\n"
+    "          [--fp8-attention]";
 
 settings parse(int argc, char** argv) {
   settings s;
@@ -469,6 +477,7 @@ settings parse(int argc, char** argv) {
     else if (args.is("--demo-overflow")) s.demo_overflow = true;
     else if (args.is("--shadow")) s.shadow = args.whole<std::size_t>(1, 1'000'000);
     else if (args.is("--init")) s.init = args.choice({"keras", "torch", "gpt2"});
+    else if (args.is("--fp8-attention")) s.fp8_attention = true;
     else args.unknown();
   }
   if (s.preset == "gpt2-small") {
@@ -483,6 +492,12 @@ settings parse(int argc, char** argv) {
     unless_given("--init", s.init, std::string("gpt2"));
     unless_given("--lr", s.lr, 6e-4f);  // GPT-2 small's; 3e-3 is for the small default model
   }
+  if (s.fp8_attention && s.policy != "mixed_fp8" && s.policy != "mixed_fp8_current")
+    throw mpx_programs::usage_error("--fp8-attention needs --policy mixed_fp8 or mixed_fp8_current (per-tensor fp8 "
+                                    "scales), not " + s.policy);
+  if (s.fp8_attention && s.demo_overflow)
+    throw mpx_programs::usage_error("--fp8-attention and --demo-overflow do not go together (the demonstration runs "
+                                    "under mixed_float16)");
   if (s.width % s.heads != 0)
     throw mpx_programs::usage_error("--width " + std::to_string(s.width) + " must be a multiple of --heads " +
                                     std::to_string(s.heads));

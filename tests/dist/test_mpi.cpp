@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <set>
 #include <vector>
 
@@ -931,4 +932,49 @@ int main(int argc, char** argv) {
     world = nullptr;
   }
   return failed ? 1 : 0;
+}
+
+TEST_CASE("a step that throws after its all-reduces started leaves none started: the next step is as if it never ran",
+          "[dist]") {
+  mpx::host_executor exec;
+  auto batch = [&](float shift) {
+    std::vector<float> pixels(16 * 4);
+    for (std::size_t i = 0; i < pixels.size(); ++i)
+      pixels[i] = shift + 0.1f * static_cast<float>(comm().rank() + 1) + static_cast<float>(i % 5) / 8.0f;
+    return pixels;
+  };
+  auto const first = batch(0.0f), other = batch(3.0f);
+  std::vector<std::int32_t> labels(16);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 4);
+  mpx::tensor_view<std::int32_t const, mpx::host_space> const yv(labels.data(), mpx::shape{16});
+  auto view = [](std::vector<float> const& p) { return mpx::tensor_view<float const, mpx::host_space>(p.data(), mpx::shape{16, 2, 2}); };
+  struct thrown_by_test {};
+  auto const run = [&](bool abandon_one) {
+    auto model = small_model<mpx::mixed_float16>();
+    model.build(exec, {2, 2}, 1);
+    auto opt = sgd_with_dynamic_scale(exec, model);
+    mpx::data_parallel dp(exec, comm(), opt, {.bucket_bytes = 64});  // several buckets: some start in the backward
+    mpx::classifier_trainer trainer(exec, model, opt);
+    auto hooks = dp.hooks(exec);
+    if (abandon_one) {  // the first step, on another batch, throws on every rank once a bucket started
+      auto const reduce_final = hooks.gradients_final;
+      auto thrown = std::make_shared<bool>(false);
+      hooks.gradients_final = [reduce_final, thrown, &dp](mpx::step_executor at, std::size_t from) {
+        reduce_final(at, from);
+        if (!*thrown && dp.buckets_started() > 0) {
+          *thrown = true;
+          throw thrown_by_test{};
+        }
+      };
+      trainer.run_as_replica(hooks);
+      CHECK_THROWS_AS(trainer.step(exec, view(other), yv), thrown_by_test);
+      CHECK(dp.buckets_started() == 0);  // forgotten: the next step starts every bucket anew
+    } else {
+      trainer.run_as_replica(hooks);
+    }
+    trainer.step(exec, view(first), yv);
+    return dp.parameter_checksum(exec);
+  };
+  auto const clean = run(false);
+  CHECK(run(true) == clean);
 }

@@ -2,6 +2,7 @@
 // layer forward and backward against a float64 reference at awkward sizes, the causal
 // softmax with fully masked rows, and the float16 overflow that the 1/sqrt(d) scaling
 // prevents.
+#include "support/reference/fp8_tensorwise.hpp"
 #include "support/reference/matmul.hpp"
 #include "support/reference/softmax.hpp"
 #include "support/testing.hpp"
@@ -208,25 +209,18 @@ namespace {
 // the value (rounded to bfloat16, as the layer stores it) times its scale, saturated,
 // then times the float inverse scale.
 struct fp8_projection_scales {
-  struct roles {
-    float activation = 1, weight = 1, gradient = 1;
-  } qkv, out;
+  using roles = mpx_test::reference::fp8_role_scales;
+  roles qkv, out;
 
   template <class Layer, class Exec>
   static fp8_projection_scales of(Layer& layer, Exec const& exec) {
-    auto const scales = [&](auto& dense) {
-      auto const& p = dense.products();
-      return roles{p.template scale<mpx::operand_role::activation>(exec).values(exec).scale,
-                   p.template scale<mpx::operand_role::weight>(exec).values(exec).scale,
-                   p.template scale<mpx::operand_role::gradient>(exec).values(exec).scale};
-    };
-    return {scales(layer.query_key_value()), scales(layer.output())};
+    return {mpx_test::reference::role_scales_of(layer.query_key_value(), exec),
+            mpx_test::reference::role_scales_of(layer.output(), exec)};
   }
   [[nodiscard]] double read(double v, projection_operand what) const {
     using op = projection_operand;
-    auto const quantized = [v]<class Format>(Format, float scale) {
-      float const scaled = mpx::cast<float>(mpx::cast<mpx::bfloat16>(static_cast<float>(v))) * scale;
-      return mpx::detail::to_double(mpx::saturate_cast<Format>(scaled)) * static_cast<double>(1.0f / scale);
+    auto const quantized = [v]<class Format>(Format, float scale) {  // v as the layer holds it: bfloat16
+      return mpx_test::reference::dequantised<Format>(mpx::cast<mpx::bfloat16>(static_cast<float>(v)), scale);
     };
     switch (what) {
       case op::x: return quantized(mpx::float8_e4m3{}, qkv.activation);
@@ -320,7 +314,7 @@ attention_run_16bit attention_errors_16bit(Exec const& exec, std::size_t B, std:
   if constexpr (mpx::computes_in_fp8<P>) {
     // Delayed scaling cast with the scales from before this step; current scaling with
     // each tensor's own, which the layer then holds.
-    constexpr bool current = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<P>)>, mpx::current_scaling>;
+    constexpr bool current = mpx_test::reference::current_scaling_v<P>;
     fp8_projection_scales const used = current ? fp8_projection_scales::of(layer, exec) : before;
     for (auto const& r : {used.qkv, used.out})  // else a scale left out would pass
       CHECK((r.activation != 1.0f && r.weight != 1.0f && r.gradient != 1.0f));

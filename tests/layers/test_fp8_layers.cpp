@@ -15,6 +15,7 @@
 // col2im sums them.
 #include "../support/reference/conv2d.hpp"
 #include "../support/reference/fp8_blocks.hpp"
+#include "../support/reference/fp8_tensorwise.hpp"
 #include "../support/reference/nvfp4.hpp"
 #include "../support/reference/matmul.hpp"
 #include "../support/testing.hpp"
@@ -23,6 +24,7 @@
 #include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -34,25 +36,12 @@ using fp8_storage = mpx::bfloat16;
 using mpx::operand_role;
 
 //! What one role's scale was when the layer cast with it.
-struct fp8_scales {
-  float activation = 1, weight = 1, gradient = 1;
-};
+using fp8_scales = mpx_test::reference::fp8_role_scales;
+using mpx_test::reference::dequantised;
 
 template <class Layer, class Exec>
 fp8_scales scales_of(Layer const& layer, Exec const& exec) {
-  auto const& p = layer.products();
-  return {p.template scale<operand_role::activation>(exec).values(exec).scale,
-          p.template scale<operand_role::weight>(exec).values(exec).scale,
-          p.template scale<operand_role::gradient>(exec).values(exec).scale};
-}
-
-//! The dequantised fp8 value of x under `scale` (the cast's float multiply, saturating),
-//! as fp8_gemm sees it: the fp8 value times the float inverse scale.
-template <class Format>
-double dequantised(fp8_storage x, float scale) {
-  float const scaled = mpx::cast<float>(x) * scale;
-  double const q = mpx::detail::to_double(mpx::saturate_cast<Format>(scaled));
-  return q * static_cast<double>(1.0f / scale);
+  return mpx_test::reference::role_scales_of(layer, exec);
 }
 
 template <class Format>
@@ -124,7 +113,7 @@ float amax_of(std::vector<fp8_storage> const& v) {
 template <class P, class Exec>
 void check_fp8_dense(Exec const& exec, std::int64_t rows, std::int64_t in, std::int64_t units) {
   using Space = mpx::memory_space_t<Exec>;
-  constexpr bool current = std::is_same_v<std::remove_cvref_t<decltype(mpx::fp8_recipe_for<P>)>, mpx::current_scaling>;
+  constexpr bool current = mpx_test::reference::current_scaling_v<P>;
   INFO(P::name << " dense rows=" << rows << " in=" << in << " units=" << units);
   mpx::dense<P> layer(units);
   layer.set_name("dense");
@@ -338,11 +327,13 @@ namespace {
 
 // A small classifier under an fp8 policy P: fp8 hidden layers, the last layer kept out
 // of fp8. With Attention, the 4 tokens of 8 features go through a dense layer and a
-// causal self-attention (its projections in fp8) first.
-template <class P = mpx::mixed_fp8, bool Attention = false>
+// causal self-attention (its projections in fp8) first; with_fp8_core: its core too.
+enum attention_kind { without_attention, with_attention, with_fp8_core };
+template <class P = mpx::mixed_fp8, int Attention = without_attention>
 auto make_fp8_classifier() {
-  if constexpr (Attention)
-    return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu), mpx::causal_self_attention<>(2),
+  if constexpr (Attention != without_attention)
+    return mpx::sequential<P>(mpx::dense<>(32, mpx::activation::relu),
+                              mpx::causal_self_attention<>({.heads = 2, .fp8_attention = Attention == with_fp8_core}),
                               mpx::flatten<>(), mpx::dense<mpx::without_fp8<P>>(3), mpx::softmax_layer<mpx::float32>());
   else
     return mpx::sequential<P>(mpx::flatten<>(), mpx::dense<>(32, mpx::activation::relu),
@@ -350,7 +341,7 @@ auto make_fp8_classifier() {
                               mpx::softmax_layer<mpx::float32>());
 }
 
-template <class P = mpx::mixed_fp8, bool Attention = false>
+template <class P = mpx::mixed_fp8, int Attention = without_attention>
 struct fp8_run {
   mpx::host_executor exec;
   decltype(make_fp8_classifier<P, Attention>()) model = make_fp8_classifier<P, Attention>();
@@ -428,11 +419,12 @@ TEST_CASE("a mixed_fp8 run resumed from its training state continues bit for bit
 TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 or mixed_nvfp4 run resumed from its "
           "training state continues bit for bit",
           "[layers][fp8][fp8_block][resume]") {
-  auto const check_resume = []<bool Attention = false>(auto policy, std::bool_constant<Attention> = {}) {
+  auto const check_resume = []<int Attention = without_attention>(auto policy,
+                                                                   std::integral_constant<int, Attention> = {}) {
     using P = typename decltype(policy)::type;
-    INFO(P::name << (Attention ? " with attention" : ""));
+    INFO(P::name << (Attention == with_fp8_core ? " with fp8 attention" : Attention ? " with attention" : ""));
     auto const dir = std::filesystem::temp_directory_path() /
-                     ("mpx_test_fp8_block_resume_" + std::string(P::name) + (Attention ? "_attention_" : "_") +
+                     ("mpx_test_fp8_block_resume_" + std::string(P::name) + "_" + std::to_string(Attention) + "_" +
                       std::to_string(::getpid()));
     std::filesystem::remove_all(dir);
     std::vector<float> whole_tail;
@@ -442,12 +434,21 @@ TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 
       run.train(optimizer, 0, 5);
       mpx::save_training_state(run.exec, run.model, optimizer, dir, {.steps = 5});
       whole_tail = run.train(optimizer, 5, 5);
-      if constexpr (Attention) {  // the attention's two projections keep fp8 state, and it is saved
-        std::size_t projections = 0;
-        for (auto const& e : mpx::detail::model_fp8_scales<mpx::host_executor>(run.model))
+      if constexpr (Attention != without_attention) {  // the attention's projections keep fp8 state, and it is saved
+        std::size_t projections = 0, cores = 0;
+        for (auto const& e : mpx::detail::model_fp8_scales<mpx::host_executor>(run.model)) {
           projections += e.name.find("query_key_value") != std::string::npos || e.name.find("/output") != std::string::npos;
+          cores += e.name.find("/attention_core") != std::string::npos;
+        }
         constexpr bool per_tensor = std::is_same_v<P, mpx::mixed_fp8> || std::is_same_v<P, mpx::mixed_fp8_current>;
         CHECK(projections == (per_tensor ? 2u : 0u));  // block recipes keep no scales between steps
+        CHECK(cores == (Attention == with_fp8_core ? 1u : 0u));
+        if constexpr (Attention == with_fp8_core) {  // the core's six scales moved off 1 (delayed: from their amaxes)
+          auto const& attention = run.model.template layer<1>();
+          auto const s = attention.template attention_core_scales<mpx::host_executor>();
+          std::array<mpx::fp8_scale_values const*, 6> const all{s.qkv, s.s, s.o, s.d_o, s.dp, s.dqkv};
+          for (auto const* v : all) CHECK(v->scale != 1.0f);
+        }
       }
     }
     fp8_run<P, Attention> resumed(2);  // another initialisation: everything must come from the save
@@ -468,11 +469,15 @@ TEST_CASE("a mixed_fp8_current, mixed_fp8_block, mixed_fp8_rowwise, mixed_mxfp8 
   check_resume(boost::hana::type_c<mpx::mixed_mxfp8>);
   check_resume(boost::hana::type_c<mpx::mixed_nvfp4>);  // its stochastic rounding's draw count included
   // The same with a causal self-attention whose projections run in the recipe.
-  check_resume(boost::hana::type_c<mpx::mixed_fp8>, std::true_type{});
-  check_resume(boost::hana::type_c<mpx::mixed_fp8_current>, std::true_type{});
-  check_resume(boost::hana::type_c<mpx::mixed_fp8_block>, std::true_type{});
-  check_resume(boost::hana::type_c<mpx::mixed_mxfp8>, std::true_type{});
-  check_resume(boost::hana::type_c<mpx::mixed_nvfp4>, std::true_type{});
+  using attention = std::integral_constant<int, with_attention>;
+  check_resume(boost::hana::type_c<mpx::mixed_fp8>, attention{});
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_current>, attention{});
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_block>, attention{});
+  check_resume(boost::hana::type_c<mpx::mixed_mxfp8>, attention{});
+  check_resume(boost::hana::type_c<mpx::mixed_nvfp4>, attention{});
+  // And with the attention's core in fp8: its six scales saved and restored too.
+  check_resume(boost::hana::type_c<mpx::mixed_fp8>, std::integral_constant<int, with_fp8_core>{});
+  check_resume(boost::hana::type_c<mpx::mixed_fp8_current>, std::integral_constant<int, with_fp8_core>{});
 }
 #endif
 

@@ -132,6 +132,18 @@ class data_parallel {
     }
   }
 
+  //! Forgets the all-reduces an abandoned step started (a step that threw after
+  //! gradients_final_from), after waiting for those in flight, so the next step starts
+  //! every bucket anew. Never throws: it runs while an exception unwinds the step.
+  void abandon_step(executor_type const& exec) noexcept {
+    if (buckets_started() == 0) return;
+    try {
+      if constexpr (requires { comm_->finish_all_reduces(exec); }) comm_->finish_all_reduces(exec);
+    } catch (...) {  // the step's own exception is the one to report
+    }
+    for (auto& b : buckets_) b.started = false;
+  }
+
   //! During the backward pass: the gradients from `first` on (in the optimizer's order)
   //! are final. Starts the all-reduce of every bucket that holds only such gradients; on
   //! a GPU it runs while the earlier layers' backward does.
@@ -220,6 +232,7 @@ class data_parallel {
       gradients_final_from(at.as<executor_type>(), first);
     };
     h.after_backward = [this](step_executor at) { all_reduce_gradients(at.as<executor_type>()); };
+    h.step_abandoned = [this](step_executor at) noexcept { abandon_step(at.as<executor_type>()); };
     if (options_.check_replicas_agree)
       h.after_step = [this](step_executor at) { check_replicas_agree(at.as<executor_type>()); };
     h.sum_values = [this](std::span<double> v) { comm_->all_reduce_values(v, reduce_op::sum); };

@@ -28,6 +28,10 @@ struct replica_hooks {
   std::function<void(step_executor, std::size_t first)> gradients_final;
   //! After the backward pass, before the optimizer step: finish averaging the gradients.
   std::function<void(step_executor)> after_backward;
+  //! When a step throws after its backward pass began (a user's hook, a bad batch): wait
+  //! for the all-reduces it started and forget them, so the next step starts its own
+  //! rather than averaging what this one left on the wire. Must not throw.
+  std::function<void(step_executor)> step_abandoned;
   //! After the optimizer step, on the caller's executor: in debug builds, check that
   //! every replica skipped alike and holds the same loss scale.
   std::function<void(step_executor)> after_step;

@@ -83,6 +83,7 @@ class cudnn_attention final : public fused_attention_backend {
         {q_uid, const_cast<void*>(a.q)}, {k_uid, const_cast<void*>(a.k)}, {v_uid, const_cast<void*>(a.v)},
         {o_uid, a.o}, {stats_uid, a.stats}};
     add_dropout_key(s, a.dropout_key, pack, "forward");
+    add_fp8_scalars(s, a.fp8_scalars, pack, true, "forward");
     run(s, stream, pack, true);
   }
 
@@ -92,6 +93,7 @@ class cudnn_attention final : public fused_attention_backend {
         {o_uid, const_cast<void*>(a.o)},   {d_o_uid, const_cast<void*>(a.d_o)}, {stats_uid, const_cast<float*>(a.stats)},
         {d_q_uid, a.d_q},                  {d_k_uid, a.d_k},                     {d_v_uid, a.d_v}};
     add_dropout_key(s, a.dropout_key, pack, "backward");
+    add_fp8_scalars(s, a.fp8_scalars, pack, false, "backward");
     run(s, stream, pack, false);
   }
 
@@ -118,6 +120,7 @@ class cudnn_attention final : public fused_attention_backend {
         {q_uid, const_cast<void*>(a.q)}, {k_uid, const_cast<void*>(a.k)}, {v_uid, const_cast<void*>(a.v)},
         {o_uid, nullptr},                {stats_uid, nullptr},            {keeps_uid, keeps}};
     add_dropout_key(s, a.dropout_key, pack, pass);
+    add_fp8_scalars(s, a.fp8_scalars, pack, true, pass);
     // Scratch for what the caller keeps from its own forward: O, the statistics, a
     // workspace; freed, and the stream waited for, on every way out.
     struct scratch_blocks {
@@ -130,7 +133,7 @@ class cudnn_attention final : public fused_attention_backend {
         (void)cudaGetLastError();
       }
     } scratch{cuda_stream};
-    std::size_t const element = 2;  // half or bfloat16
+    std::size_t const element = s.io == fused_attention_io::float8 ? 1 : 2;
     std::size_t const sizes[] = {static_cast<std::size_t>(s.batch * s.tokens * s.o_row_stride) * element,
                                  static_cast<std::size_t>(s.batch * s.heads * s.tokens) * sizeof(float),
                                  static_cast<std::size_t>(std::max<std::int64_t>(p->workspace_bytes, 1))};
@@ -174,6 +177,9 @@ class cudnn_attention final : public fused_attention_backend {
 
  private:
   enum : std::int64_t { q_uid = 1, k_uid, v_uid, o_uid, stats_uid, d_o_uid, d_q_uid, d_k_uid, d_v_uid, seed_uid, offset_uid, keeps_uid };
+  // The fp8 path's scalars: uid fp8_uid + slot (fused_fp8_slot), and Q's, K's and V's
+  // descales, which share slot descale_qkv, under three uids of their own.
+  enum : std::int64_t { fp8_uid = 100, descale_k_uid = 200, descale_v_uid, scale_dk_uid, scale_dv_uid };
   using graph = cudnn_frontend::graph::Graph;
   using attributes = cudnn_frontend::graph::Tensor_attributes;
   struct key {
@@ -239,6 +245,43 @@ class cudnn_attention final : public fused_attention_backend {
                              "the shape has dropout and the arguments no dropout key");
     pack[seed_uid] = const_cast<std::int64_t*>(key);
     pack[offset_uid] = const_cast<std::int64_t*>(key + 1);
+  }
+
+  // The fp8 path's scales and amaxes in a pass's variant pack, where the shape is fp8:
+  // each slot the pass's graph has (forward and backward read different ones).
+  static void add_fp8_scalars(fused_attention_shape const& s, float* scalars, std::unordered_map<std::int64_t, void*>& pack,
+                              bool forward, char const* pass) {
+    if (s.io != fused_attention_io::float8) return;
+    if (!scalars)
+      fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
+                             "the shape is fp8 and the arguments hold no fp8 scalars");
+    for (fused_fp8_slot const slot : forward ? fp8_forward_slots() : fp8_backward_slots())
+      pack[fp8_uid + static_cast<int>(slot)] = scalars + fused_fp8_offset(slot);
+    pack[descale_k_uid] = pack[descale_v_uid] = scalars + fused_fp8_offset(fused_fp8_slot::descale_qkv);
+    if (!forward) pack[scale_dk_uid] = pack[scale_dv_uid] = scalars + fused_fp8_offset(fused_fp8_slot::scale_dqkv);
+  }
+  static std::vector<fused_fp8_slot> fp8_forward_slots() {
+    using f = fused_fp8_slot;
+    return {f::descale_qkv, f::descale_s, f::scale_s, f::scale_o, f::amax_s, f::amax_o};
+  }
+  static std::vector<fused_fp8_slot> fp8_backward_slots() {
+    using f = fused_fp8_slot;
+    return {f::descale_qkv, f::descale_s, f::scale_s,   f::descale_o, f::descale_d_o, f::descale_dp, f::scale_dqkv,
+            f::scale_dp,    f::amax_dq,   f::amax_dk,   f::amax_dv,   f::amax_dp};
+  }
+  // A float scalar of the fp8 path, [1, 1, 1, 1]: an input (a scale) or an output (an
+  // amax the kernel writes).
+  static std::shared_ptr<attributes> fp8_scalar(graph& g, fused_fp8_slot slot, std::int64_t uid = 0) {
+    return g.tensor(attributes()
+                        .set_name("fp8_scalar_" + std::to_string(static_cast<int>(slot)))
+                        .set_uid(uid ? uid : fp8_uid + static_cast<int>(slot))
+                        .set_dim({1, 1, 1, 1})
+                        .set_stride({1, 1, 1, 1})
+                        .set_data_type(cudnn_frontend::DataType_t::FLOAT));
+  }
+  static void fp8_amax_output(std::shared_ptr<attributes> const& t, fused_fp8_slot slot) {
+    t->set_output(true).set_uid(fp8_uid + static_cast<int>(slot)).set_dim({1, 1, 1, 1}).set_stride({1, 1, 1, 1})
+        .set_data_type(cudnn_frontend::DataType_t::FLOAT);
   }
 
   // Gives the stream a workspace of at least `bytes`, outside a capture: "" or why not.
@@ -326,7 +369,9 @@ class cudnn_attention final : public fused_attention_backend {
   static std::shared_ptr<graph> new_graph(fused_attention_shape const& s) {
     namespace fe = cudnn_frontend;
     auto g = std::make_shared<graph>();
-    g->set_io_data_type(s.io == fused_attention_io::half ? fe::DataType_t::HALF : fe::DataType_t::BFLOAT16)
+    g->set_io_data_type(s.io == fused_attention_io::half       ? fe::DataType_t::HALF
+                        : s.io == fused_attention_io::bfloat16 ? fe::DataType_t::BFLOAT16
+                                                               : fe::DataType_t::FP8_E4M3)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
     return g;
@@ -366,13 +411,29 @@ class cudnn_attention final : public fused_attention_backend {
                                            .set_data_type(fe::DataType_t::FLOAT)));
       }
     }
-    auto [o, stats] = g->sdpa(q, k, v, options);
+    std::shared_ptr<attributes> o, stats;
+    if (s.io == fused_attention_io::float8) {  // Transformer Engine's fp8_dpa: per-tensor scales, O in e4m3
+      using f = fused_fp8_slot;
+      auto outputs = g->sdpa_fp8(q, k, v, fp8_scalar(*g, f::descale_qkv), fp8_scalar(*g, f::descale_qkv, descale_k_uid),
+                                 fp8_scalar(*g, f::descale_qkv, descale_v_uid), fp8_scalar(*g, f::descale_s),
+                                 fp8_scalar(*g, f::scale_s), fp8_scalar(*g, f::scale_o), options);
+      o = outputs[0];
+      stats = outputs[1];
+      fp8_amax_output(outputs[2], f::amax_s);
+      fp8_amax_output(outputs[3], f::amax_o);
+      o->set_data_type(fe::DataType_t::FP8_E4M3);
+    } else {
+      auto const outputs = g->sdpa(q, k, v, options);
+      o = outputs[0];
+      stats = outputs[1];
+    }
     o->set_output(true).set_uid(o_uid).set_dim(dims(s)).set_stride(strides(s, s.o_row_stride));
     stats->set_output(true).set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT).set_dim(stats_dims(s)).set_stride(stats_strides(s));
     return g;
   }
 
   static std::shared_ptr<graph> backward_graph(fused_attention_shape const& s) {
+    if (s.io == fused_attention_io::float8) return fp8_backward_graph(s);
     namespace fe = cudnn_frontend;
     auto g = new_graph(s);
     auto const qkv = strides(s, s.qkv_row_stride), o_strides = strides(s, s.o_row_stride);
@@ -396,6 +457,44 @@ class cudnn_attention final : public fused_attention_backend {
     d_q->set_output(true).set_uid(d_q_uid).set_dim(dims(s)).set_stride(qkv);
     d_k->set_output(true).set_uid(d_k_uid).set_dim(dims(s)).set_stride(qkv);
     d_v->set_output(true).set_uid(d_v_uid).set_dim(dims(s)).set_stride(qkv);
+    return g;
+  }
+
+  // The fp8 backward pass (Transformer Engine's fp8_dpa): Q K V and O in e4m3, dO and
+  // dQ dK dV in e5m2, dS cast to e5m2 inside, every scale per tensor.
+  static std::shared_ptr<graph> fp8_backward_graph(fused_attention_shape const& s) {
+    namespace fe = cudnn_frontend;
+    using f = fused_fp8_slot;
+    auto g = new_graph(s);
+    auto const qkv = strides(s, s.qkv_row_stride), o_strides = strides(s, s.o_row_stride);
+    auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
+         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_strides),
+         d_o = input(*g, "dO", d_o_uid, dims(s), o_strides);
+    d_o->set_data_type(fe::DataType_t::FP8_E5M2);
+    auto stats = g->tensor(attributes().set_name("stats").set_uid(stats_uid).set_dim(stats_dims(s)).set_stride(stats_strides(s))
+                               .set_data_type(fe::DataType_t::FLOAT));
+    auto options = fe::graph::SDPA_fp8_backward_attributes()
+                       .set_name("attention_backward_fp8")
+                       .set_attn_scale(s.scale)
+                       .set_causal_mask(true)
+                       .set_deterministic_algorithm(true);
+    if (s.dropout > 0.0f) {
+      auto [seed, offset] = dropout_key(*g);
+      options.set_dropout(s.dropout, seed, offset);
+    }
+    auto out = g->sdpa_fp8_backward(
+        q, k, v, o, d_o, stats, fp8_scalar(*g, f::descale_qkv), fp8_scalar(*g, f::descale_qkv, descale_k_uid),
+        fp8_scalar(*g, f::descale_qkv, descale_v_uid), fp8_scalar(*g, f::descale_o), fp8_scalar(*g, f::descale_d_o),
+        fp8_scalar(*g, f::descale_s), fp8_scalar(*g, f::descale_dp), fp8_scalar(*g, f::scale_s),
+        fp8_scalar(*g, f::scale_dqkv), fp8_scalar(*g, f::scale_dqkv, scale_dk_uid),
+        fp8_scalar(*g, f::scale_dqkv, scale_dv_uid), fp8_scalar(*g, f::scale_dp), options);
+    std::int64_t const uids[] = {d_q_uid, d_k_uid, d_v_uid};
+    for (int i = 0; i < 3; ++i)
+      out[i]->set_output(true).set_uid(uids[i]).set_dim(dims(s)).set_stride(qkv).set_data_type(fe::DataType_t::FP8_E5M2);
+    fp8_amax_output(out[3], f::amax_dq);
+    fp8_amax_output(out[4], f::amax_dk);
+    fp8_amax_output(out[5], f::amax_dv);
+    fp8_amax_output(out[6], f::amax_dp);
     return g;
   }
 

@@ -28,8 +28,21 @@
 
 namespace mpx {
 
-//! The element type of Q, K, V, O and their gradients on the fused path.
-enum class fused_attention_io : std::uint8_t { half, bfloat16 };
+//! The element type of Q, K, V, O and their gradients on the fused path. float8: Q, K,
+//! V and O in e4m3, dO, dQ, dK and dV in e5m2, each with a per-tensor scale (the fp8
+//! attention core of <mpx/kernels/fp8_attention.hpp>), the scales in fp8_scalars.
+enum class fused_attention_io : std::uint8_t { half, bfloat16, float8 };
+
+//! Where the fp8 path's scalars are: floats in device memory, slot k at fp8_scalars +
+//! 4 * k (16 bytes apart, the alignment cuDNN asks of a tensor). The kernel reads the
+//! scales (a tensor's fp8 value = value * scale) and inverses (descale) and writes the
+//! amaxes of what it cast: P (the probabilities after dropout) and O forward; dS (dP
+//! in cuDNN's names), dQ, dK and dV backward. Q, K and V share a scale, as do dQ, dK, dV.
+enum class fused_fp8_slot : int {
+  descale_qkv, descale_s, scale_s, scale_o, descale_o, descale_d_o, descale_dp, scale_dqkv, scale_dp,
+  amax_s, amax_o, amax_dq, amax_dk, amax_dv, amax_dp, count
+};
+[[nodiscard]] MPX_HD constexpr int fused_fp8_offset(fused_fp8_slot slot) noexcept { return 4 * static_cast<int>(slot); }
 
 //! One attention's shape: Q, K, V, O are [batch, heads, tokens, head_width] with the
 //! strides of the layer's token-major buffers (a row of `row_stride` elements per
@@ -55,6 +68,7 @@ struct fused_attention_forward_args {
   //! Where shape.dropout > 0: device memory holding the Philox {seed, offset} of this
   //! forward (int64 each; fused_dropout_key writes them).
   std::int64_t const* dropout_key = nullptr;
+  float* fp8_scalars = nullptr;  //!< io float8 only: see fused_fp8_slot
 };
 
 //! The backward pass: dQ, dK, dV (in the layout of Q, K, V) from dO (in O's layout).
@@ -69,6 +83,7 @@ struct fused_attention_backward_args {
   void* d_k = nullptr;
   void* d_v = nullptr;
   std::int64_t const* dropout_key = nullptr;  //!< the forward's, where shape.dropout > 0
+  float* fp8_scalars = nullptr;               //!< io float8 only: see fused_fp8_slot
 };
 
 //! A fused attention implementation. `prepare` runs where buffers are reserved (never

@@ -21,7 +21,11 @@
 // their products in fp8 with the policy's recipe, and the three middle lines in the
 // storage dtype (mpx::without_fp8<Policy>): Transformer Engine's default, which puts its
 // attention's linear layers under fp8_autocast and keeps the dot-product attention in
-// bfloat16. The projections' scales are the layer's training state.
+// bfloat16. The projections' scales are the layer's training state. Under a per-tensor
+// recipe (mixed_fp8, mixed_fp8_current), config.fp8_attention runs those three lines in
+// fp8 too, as Transformer Engine's fp8 dot-product attention does
+// (<mpx/kernels/fp8_attention.hpp> says where it quantizes): on the GPU cuDNN's fp8
+// SDPA where it runs (Hopper and later), else mpx's fp8 core, the host's path.
 //
 // On the CUDA executor, with half or bfloat16 storage, scaled logits and config.fused
 // left on, the three middle lines (dropout included) run as one fused kernel where the
@@ -36,6 +40,7 @@
 #include <mpx/kernels/fused_attention.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/layers/dense.hpp>
+#include <mpx/layers/fp8_attention_core.hpp>
 #include <mpx/layers/initializers.hpp>
 #include <mpx/layers/layer.hpp>
 
@@ -70,6 +75,13 @@ struct causal_self_attention_config {
   //! as PyTorch's sdpa_kernel(SDPBackend.MATH) does: to compare the two, or to read
   //! probabilities(), which the fused path never stores.
   bool fused = true;
+  //! Under a per-tensor fp8 recipe (mixed_fp8, mixed_fp8_current): run the attention
+  //! between the projections in fp8 as well (Q K V and O in e4m3, their gradients in
+  //! e5m2, six per-tensor scales kept as training state), as Transformer Engine's
+  //! fp8_dpa. Off by default, as there: the core in the storage dtype is more accurate,
+  //! and costs little beside the projections at short sequences. Another policy with it
+  //! on is an mpx::invalid_argument; so are heads wider than 256 values.
+  bool fp8_attention = false;
 };
 
 template <class Policy = model_policy>
@@ -86,6 +98,7 @@ class causal_self_attention : public layer_base {
   explicit causal_self_attention(causal_self_attention_config c) : config_(c) {
     if (c.heads <= 0) detail::fail<invalid_argument>("causal_self_attention", "heads must be positive");
     detail::require_dropout_rate("causal_self_attention (dropout)", c.dropout);
+    if constexpr (!std::is_same_v<Policy, model_policy>) require_fp8_core_policy();  // (else: when the model gives one)
   }
   [[nodiscard]] causal_self_attention_config config() const noexcept { return config_; }
   //! A training forward draws a dropout mask (mpx::model_shadow cannot rerun it with the same one).
@@ -103,6 +116,7 @@ class causal_self_attention : public layer_base {
   template <executor Exec>
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
+    require_fp8_core_policy();
     width_ = compute_output_shape(in)[1];
     qkv_ = dense<Policy>({.units = 3 * width_, .kernel_initializer = config_.kernel_initializer,
                           .bias_initializer = config_.bias_initializer, .in_features = width_});
@@ -112,6 +126,13 @@ class causal_self_attention : public layer_base {
     out_.set_name(name_ + "/output");
     qkv_.build(exec, shape{width_}, seed);
     out_.build(exec, shape{width_}, seed + 1);
+    if (fp8_core()) {
+      if (width_ / config_.heads > fp8_attention_max_head_width)
+        detail::fail<invalid_argument>(name_.empty() ? "causal_self_attention" : name_,
+                                       "fp8_attention takes heads of up to " + std::to_string(fp8_attention_max_head_width) +
+                                           " values; these have " + std::to_string(width_ / config_.heads));
+      fp8_core_.build(exec, core_recipe());
+    }
     // Not seed + 2 or + 3: under NVFP4 the projections' stochastic rounding draws from
     // those keys, with counters that would repeat the dropout's.
     dropout_seed_ = seed + 4;
@@ -129,7 +150,6 @@ class causal_self_attention : public layer_base {
     out_.reserve(exec, d.rows());
     std::int64_t const bh = d.batch * d.heads;
     qkv_tokens_.ensure(exec, shape{d.rows(), 3 * width_});
-    o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});  // fused: dO
     o_tokens_.ensure(exec, shape{d.rows(), width_});
     // The backward pass's own buffers, made here with the others (on the caller's
     // executor, counted by the model's buffer_generation), never inside a step.
@@ -139,7 +159,11 @@ class causal_self_attention : public layer_base {
     // ignored, since each sequence attends only to itself), so no plan is built and no
     // [tokens, tokens] buffer made inside a step or a CUDA-graph capture.
     fused_batch_ = 0;
-    if (fusable(exec, d)) {
+    if (fp8_core()) {  // its own buffers, all linear in the tokens
+      fp8_core_.reserve(exec, d);
+      if (fusable(exec, d)) fused_batch_ = batch;
+    } else if (fusable(exec, d)) {
+      o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});  // dO
       statistics_.ensure(exec, shape{bh, d.tokens});  // the layer's memory linear in the tokens (cuDNN's workspace: see cudnn_attention.hpp)
       fused_batch_ = batch;
     } else {
@@ -158,7 +182,9 @@ class causal_self_attention : public layer_base {
     auto const merged = o_tokens_.template view<Space>(shape{d.rows(), width_});
     latest_batch_ = batch;
     latest_plan_batch_ = fused_batch_;
-    if (fused()) {  // (never on the host executor) Q, K, V read in place; O straight into merged
+    if (fp8_core()) {
+      if constexpr (fp8_core_possible) attend_fp8(exec, tensor_view<input_type const, Space>(qkv), merged, d, training);
+    } else if (fused()) {  // (never on the host executor) Q, K, V read in place; O straight into merged
       attention_dims const planned = dims(latest_plan_batch_);
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       dropped_ = training && config_.dropout > 0.0f;
@@ -184,7 +210,11 @@ class causal_self_attention : public layer_base {
     auto const merged = o_tokens_.template view<Space>(tokens);
     auto const qkv = qkv_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
-    if (fused()) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
+    if (fp8_core()) {
+      auto const d_merged = d_qkv.flat(0, tokens.size()).reshape(tokens);
+      out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens), d_merged);
+      if constexpr (fp8_core_possible) backward_fp8(exec, tensor_view<input_type const, Space>(d_merged), d_qkv, d);
+    } else if (fused()) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
       attention_dims const planned = dims(latest_plan_batch_);  // the forward's plan
       auto const d_o = o_heads_.template view<Space>(shape{planned.rows(), width_});
       out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
@@ -232,6 +262,15 @@ class causal_self_attention : public layer_base {
   void append_fp8_scales(std::vector<fp8_scales_entry<Exec>>& out) {
     qkv_.template append_fp8_scales<Exec>(out);
     out_.template append_fp8_scales<Exec>(out);
+    if (fp8_core()) fp8_core_.append_to(out, name() + "/attention_core");
+  }
+  //! The fp8 attention core's six scale states (fp8_attention on; else mpx::invalid_argument),
+  //! where the executor computes: for inspection and tests.
+  template <executor Exec>
+  [[nodiscard]] fp8_attention_scales attention_core_scales() const {
+    if (!fp8_core()) detail::fail<invalid_argument>(name(), "attention_core_scales: the core does not run in fp8");
+    require_built("attention_core_scales");
+    return fp8_core_.template scales<Exec>();
   }
   //! The dropout of the latest training forward on the unfused path, its count folded in
   //! (for mpx::dropout_keeps). Synchronises a cuda_executor. After a fused forward it
@@ -271,9 +310,14 @@ class causal_self_attention : public layer_base {
       std::int64_t const row = fused_dropout_keeps_row(planned.tokens);
       tensor<float, device_space> drawn(exec, shape{planned.batch * planned.heads, planned.tokens, row});
       fill(exec, drawn, std::numeric_limits<float>::quiet_NaN());  // what cuDNN leaves unwritten stays NaN
-      input_type const* const q = qkv_tokens_.template view<device_space>(shape{planned.rows(), 3 * width_}).data();
+      bool const fp8 = fp8_core();
+      char const* const q = fp8 ? reinterpret_cast<char const*>(fp8_core_.template qkv8<device_space>())
+                                : reinterpret_cast<char const*>(qkv_tokens_.template view<device_space>().data());
+      std::int64_t const part = width_ * (fp8 ? 1 : static_cast<std::int64_t>(sizeof(input_type)));  // bytes from Q to K
+      if (fp8) fp8_core_.gather_scalars(exec);
       fused_attention()->dropout_keeps(fused_shape(planned, true),
-                                       {q, q + width_, q + 2 * width_, nullptr, nullptr, fused_key<device_space>()},
+                                       {q, q + part, q + 2 * part, nullptr, nullptr, fused_key<device_space>(),
+                                        fp8 ? fp8_core_.template scalars<device_space>() : nullptr},
                                        drawn.data(), step_executor(exec).stream());
       auto const host = to_host(exec, view(drawn));
       for (std::size_t i = 0; i < keeps.size(); ++i) {  // the planned batch's first rows
@@ -294,12 +338,16 @@ class causal_self_attention : public layer_base {
   //! Where the backward pass's buffers are (dO / d(QKV), the per-head gradients;
   //! nullptr before reserve), for tests that no step moves them.
   [[nodiscard]] std::array<void const*, 2> gradient_buffers() const noexcept {
+    if (fp8_core()) return {d_tokens_.address(), fp8_core_.gradient_buffer()};
     return {d_tokens_.address(), fused_batch_ > 0 ? statistics_.address() : d_heads_.address()};
   }
   //! The latest forward's attention probabilities [batch * heads, tokens, tokens] (float).
   //! The unfused path only: the fused one keeps none (fused()).
   template <memory_space Space>
   [[nodiscard]] tensor_view<float const, Space> probabilities(std::int64_t batch) const {
+    if (fp8_core())
+      detail::fail<invalid_argument>(name(), "probabilities: the attention runs in fp8 (fp8_attention), which keeps no "
+                                             "[tokens, tokens] probabilities");
     if (fused())
       detail::fail<invalid_argument>(name(), "probabilities: the latest forward ran fused, which keeps no "
                                              "[tokens, tokens] probabilities");
@@ -309,10 +357,101 @@ class causal_self_attention : public layer_base {
 
   //! Whether the latest forward ran the fused attention (CUDA executor only).
   [[nodiscard]] bool fused() const noexcept { return latest_plan_batch_ > 0; }
+  //! Whether the core runs in fp8: fp8_attention under a per-tensor fp8 policy. (Under a
+  //! policy without fp8 the option has nothing to act on, as with a dense layer's fp8:
+  //! model_shadow's float32 twin, a tier that leaves fp8.)
+  [[nodiscard]] bool fp8_core() const noexcept { return fp8_core_possible && config_.fp8_attention; }
 
  private:
   // The products between the projections: never fp8 (see the top of this file).
   using core_policy = without_fp8<Policy>;
+  void require_fp8_core_policy() const {
+    if (config_.fp8_attention && computes_in_fp8<Policy> && !fp8_core_possible)
+      detail::fail<invalid_argument>(name_.empty() ? "causal_self_attention" : name_,
+                                     "fp8_attention needs a policy that scales fp8 per tensor (mixed_fp8, "
+                                     "mixed_fp8_current); this one is block-scaled, and its attention core runs in "
+                                     "the storage dtype");
+  }
+  // Whether fp8_attention can run: a per-tensor recipe; and the recipe its core takes.
+  static constexpr bool fp8_core_possible = matrix_products<Policy>::tensorwise;
+  using core_recipe_type =
+      std::conditional_t<fp8_core_possible, typename matrix_products<Policy>::recipe_type, delayed_scaling>;
+  static constexpr core_recipe_type core_recipe() {
+    if constexpr (fp8_core_possible) return fp8_recipe_for<Policy>;
+    else return {};
+  }
+
+  // The core in fp8: Q K V cast, the fused kernel or mpx's fp8 core, O back to the
+  // storage type for the output projection.
+  template <executor Exec, class Space>
+  void attend_fp8(Exec const& exec, tensor_view<input_type const, Space> qkv, tensor_view<input_type, Space> merged,
+                  attention_dims const& d, bool training) {
+    fp8_core_.cast_qkv(exec, qkv);
+    dropped_ = training && config_.dropout > 0.0f;
+    if (fused()) {
+      attention_dims const planned = dims(latest_plan_batch_);
+      zero_unbatched_rows(exec, fp8_core_.template qkv8<Space>(), d, planned, 3);
+      if (dropped_)
+        detail::run_once(exec, detail::fused_dropout_key{dropout_seed_, dropout_step_.template view<Space>().data(),
+                                                         fused_dropout_key_.template view<Space>().data()});
+      float8_e4m3 const* const q = fp8_core_.template qkv8<Space>();
+      fp8_core_.gather_scalars(exec);
+      fused_attention()->forward(fused_shape(planned, dropped_),
+                                 {q, q + width_, q + 2 * width_, fp8_core_.template o8<Space>(),
+                                  fp8_core_.template stats<Space>(), fused_key<Space>(), fp8_core_.template scalars<Space>()},
+                                 step_executor(exec).stream());
+      fp8_core_.fold_amaxes(exec);
+    } else {
+      if (dropped_) {
+        auto const step = dropout_step_.template view<Space>();
+        advance_dropout_step(exec, step);
+        dropout_options_ = dropout_options{config_.dropout, dropout_seed_, 0, step.data()};
+      }
+      fp8_attention_forward(exec, fp8_core_.template problem<Exec>(d, logit_scale(d), core_dropout()),
+                            fp8_core_.template o8<Space>());
+    }
+    fp8_dequantize(exec, fp8_core_.template o8<Space>(), fp8_core_.template scales<Exec>().o, merged.data(), merged.size());
+  }
+
+  // dO cast, dQ dK dV from the fused kernel or mpx's fp8 core, back to the storage type
+  // in d_qkv; then the six scales' step ends.
+  template <executor Exec, class Space>
+  void backward_fp8(Exec const& exec, tensor_view<input_type const, Space> d_merged, tensor_view<input_type, Space> d_qkv,
+                    attention_dims const& d) {
+    fp8_core_.cast_d_o(exec, d_merged);
+    if (fused()) {
+      attention_dims const planned = dims(latest_plan_batch_);
+      zero_unbatched_rows(exec, fp8_core_.template d_o8<Space>(), d, planned, 1);
+      float8_e4m3 const* const q = fp8_core_.template qkv8<Space>();
+      float8_e5m2* const dq = fp8_core_.template dqkv8<Space>();
+      fp8_core_.gather_scalars(exec);
+      fused_attention()->backward(fused_shape(planned, dropped_),
+                                  {q, q + width_, q + 2 * width_, fp8_core_.template o8<Space>(),
+                                   fp8_core_.template d_o8<Space>(), fp8_core_.template stats<Space>(), dq, dq + width_,
+                                   dq + 2 * width_, fused_key<Space>(), fp8_core_.template scalars<Space>()},
+                                  step_executor(exec).stream());
+      fp8_core_.fold_amaxes(exec);
+    } else {
+      fp8_attention_backward(exec, fp8_core_.template problem<Exec>(d, logit_scale(d), core_dropout()),
+                             fp8_core_.template o8<Space>(), fp8_core_.template d_o8<Space>(),
+                             fp8_core_.template delta<Space>(), fp8_core_.template dqkv8<Space>());
+    }
+    fp8_dequantize(exec, fp8_core_.template dqkv8<Space>(), fp8_core_.template scales<Exec>().dqkv, d_qkv.data(),
+                   d_qkv.size());
+    fp8_core_.end_step(exec);
+  }
+  // The latest training forward's dropout for mpx's fp8 core (rate 0: none).
+  [[nodiscard]] dropout_options core_dropout() const { return dropped_ ? dropout_options_ : dropout_options{0.0f}; }
+  // Zeros in the rows of an fp8 buffer that a plan for a larger batch reads past this
+  // batch's: they would enter the amaxes the kernel records.
+  template <executor Exec, class T>
+  void zero_unbatched_rows(Exec const& exec, T* data, attention_dims const& d, attention_dims const& planned,
+                           std::int64_t parts) const {
+    if (planned.batch <= d.batch) return;
+    std::int64_t const row = parts * width_;
+    fill(exec, tensor_view<T, memory_space_t<Exec>>(data + d.rows() * row, shape{(planned.rows() - d.rows()) * row}),
+         detail::from_bits<T>(detail::bits_t<T>{0}));
+  }
 
   template <executor Exec, class Space>
   void attend_unfused(Exec const& exec, tensor_view<input_type, Space> qkv, tensor_view<input_type, Space> merged,
@@ -375,7 +514,8 @@ class causal_self_attention : public layer_base {
     } else {
       if (!config_.fused) return false;  // the user's choice: nothing to note
       std::string why;
-      if constexpr (!std::is_same_v<input_type, half> && !std::is_same_v<input_type, bfloat16>)
+      constexpr bool sixteen_bit = std::is_same_v<input_type, half> || std::is_same_v<input_type, bfloat16>;
+      if (!sixteen_bit && !fp8_core())  // (in fp8, Q K V are cast whatever the storage type)
         why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
               " (the fused attention takes half and bfloat16)";
       else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
@@ -389,13 +529,15 @@ class causal_self_attention : public layer_base {
         if (why.empty()) why = fused_attention()->prepare(fused_shape(d, false), stream);
       }
       if (why.empty()) return true;
-      detail::note_unfused_attention(why);
+      detail::note_unfused_attention(fp8_core() ? why + " (its fp8 core runs mpx's kernels: right, and slow)" : why);
       return false;
     }
   }
   [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d, bool dropping) const {
-    return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_,
-            std::is_same_v<input_type, half> ? fused_attention_io::half : fused_attention_io::bfloat16, logit_scale(d),
+    fused_attention_io const io = fp8_core()                     ? fused_attention_io::float8
+                                  : std::is_same_v<input_type, half> ? fused_attention_io::half
+                                                                     : fused_attention_io::bfloat16;
+    return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_, io, logit_scale(d),
             dropping ? config_.dropout : 0.0f};
   }
   // The latest training forward's {seed, offset} for cuDNN (nullptr without dropout).
@@ -413,6 +555,7 @@ class causal_self_attention : public layer_base {
   void reserve_unfused(Exec const& exec, attention_dims const& d) {
     std::int64_t const bh = d.batch * d.heads;
     qkv_heads_.ensure(exec, shape{3 * bh, d.tokens, d.head_width});
+    o_heads_.ensure(exec, shape{bh, d.tokens, d.head_width});  // O per head, then dO
     logits_.ensure(exec, shape{bh, d.tokens, d.tokens});
     p_.ensure(exec, shape{bh, d.tokens, d.tokens});
     p_store_.ensure(exec, shape{bh, d.tokens, d.tokens});
@@ -453,6 +596,7 @@ class causal_self_attention : public layer_base {
   std::int64_t latest_batch_ = 0;       // the latest forward's batch
   std::int64_t latest_plan_batch_ = 0;  // the batch of the fused plan it ran (0: it ran unfused)
   std::int64_t fused_batch_ = 0;  // the batch the fused attention's plan is for (0: unfused)
+  detail::fp8_attention_core<core_recipe_type> fp8_core_;  // fp8_attention only
 };
 
 }  // namespace mpx

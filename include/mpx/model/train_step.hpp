@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -303,10 +304,17 @@ class classifier_trainer {
                  step_record* rec, bool shadow = false) {
     step_at_->exec = step_executor(exec);  // where the model's replica hooks enqueue (see run_as_replica)
     step_at_->running = true;
+    // On the way out; when an exception leaves the step, the all-reduces its backward
+    // started are forgotten (a replica's next step starts its own).
     struct step_ends {
       step_in_flight& step;
-      ~step_ends() { step.running = false; }
-    } const ends{*step_at_};
+      replica_hooks const& replicas;
+      int exceptions = std::uncaught_exceptions();
+      ~step_ends() {
+        step.running = false;
+        if (std::uncaught_exceptions() > exceptions && replicas.step_abandoned) replicas.step_abandoned(step.exec);
+      }
+    } const ends{*step_at_, replicas_};
     precision_guard<Space>* const guard = active_guard();
     if (guard && replicas_.active()) guard->begin_replica_step(exec);
     model_.forward(exec, images, true);
