@@ -14,6 +14,7 @@
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/embedding.hpp>
+#include <mpx/kernels/fp8_attention.hpp>
 #include <mpx/kernels/fp8_block_gemm.hpp>
 #include <mpx/kernels/fp8_block_layout.hpp>
 #include <mpx/kernels/fp8_block_quantize.hpp>

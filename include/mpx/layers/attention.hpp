@@ -78,9 +78,9 @@ struct causal_self_attention_config {
   //! Under a per-tensor fp8 recipe (mixed_fp8, mixed_fp8_current): run the attention
   //! between the projections in fp8 as well (Q K V and O in e4m3, their gradients in
   //! e5m2, six per-tensor scales kept as training state), as Transformer Engine's
-  //! fp8_dpa. Off by default, as there: the core in the storage dtype is more accurate,
-  //! and costs little beside the projections at short sequences. Another policy with it
-  //! on is an mpx::invalid_argument; so are heads wider than 256 values.
+  //! fp8_dpa. Off by default, as there: the core in bfloat16 is more accurate and costs
+  //! little beside the projections at short sequences. Under a block recipe it is an
+  //! mpx::invalid_argument, as are heads over 256 values; without fp8 it does nothing.
   bool fp8_attention = false;
 };
 
