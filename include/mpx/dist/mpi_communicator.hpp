@@ -162,13 +162,17 @@ class mpi_communicator {
 
   //! In place: every rank's `data` becomes the element-wise reduction over all ranks.
   //! The same bits on every rank (MPI's algorithms combine each element along one
-  //! schedule; data_parallel checks it in debug builds).
+  //! schedule; data_parallel checks it in debug builds). All-reduces started before it
+  //! stay started (an fp8 layer's amax is reduced while later layers' gradient buckets
+  //! are on the wire): MPI lets collectives overlap where every rank issues them in the
+  //! same order.
   void all_reduce(host_executor const& exec, tensor_ref<host_space> data, reduce_op op) {
-    if (!started_.empty())
-      detail::fail<invalid_argument>("mpi_communicator::all_reduce",
-                                     "all-reduces were started and not finished (finish_all_reduces first)");
     start_all_reduce(exec, data, op);
-    finish_all_reduces(exec);
+    started const mine = started_.back();
+    started_.pop_back();
+    current_ = mine.what;
+    MPI_Request request = mine.request;
+    wait(request);
   }
 
   //! all_reduce, started: it may progress while this rank computes; `data` must stay
@@ -190,13 +194,20 @@ class mpi_communicator {
     started_.push_back({request, current_});
   }
 
-  //! Waits (with the deadline) for every all-reduce start_all_reduce began.
+  //! Waits (with the deadline) for every all-reduce start_all_reduce began. They are
+  //! forgotten on every way out: after a failed wait the communicator is broken, and a
+  //! second call (a step being abandoned) throws at once rather than wait again.
   void finish_all_reduces(host_executor const&) {
-    for (auto& s : started_) {
+    std::vector<started> pending;
+    pending.swap(started_);
+    if (broken_ && !pending.empty())
+      throw collective_error("mpx::mpi_communicator: an earlier collective failed (" + current_ +
+                                 "); this communicator cannot be used again: end the job",
+                             {});
+    for (auto& s : pending) {
       current_ = s.what;
       wait(s.request);
     }
-    started_.clear();
   }
 
   //! Root's bytes into every rank's `data` (same dtype and size everywhere).

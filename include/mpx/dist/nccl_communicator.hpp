@@ -178,8 +178,9 @@ class nccl_communicator {
   }
   //! The executor's stream waits (on the GPU) for every started all-reduce.
   void finish_all_reduces(cuda_executor const& exec) {
-    for (auto const& e : unfinished_) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
-    unfinished_.clear();
+    std::vector<std::shared_ptr<detail::ordering_event>> pending;
+    pending.swap(unfinished_);  // forgotten on every way out: a failed wait leaves none for the next step
+    for (auto const& e : pending) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
   }
 
   void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {

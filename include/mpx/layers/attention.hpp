@@ -520,6 +520,8 @@ class causal_self_attention : public layer_base {
               " (the fused attention takes half and bfloat16)";
       else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
         why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
+      else if (fp8_core() && config_.dropout > 0.0f)  // (docs/transformers.md, "The attention in fp8 too")
+        why = "dropout in fp8: cuDNN's fp8 backward graph, as cudnn-frontend writes it, puts no dropout mask on dP";
       else if (fused_attention() == nullptr)
         why = "this program has no fused attention (include <mpx/kernels/cudnn_attention.hpp> in one C++ source file "
               "and link cuDNN: docs/transformers.md)";

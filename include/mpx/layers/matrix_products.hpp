@@ -82,7 +82,7 @@ struct fp8_scales_entry {
   //! Installs (or, given an empty function, removes) the max-reduction of each amax over
   //! data-parallel replicas that end_step runs before the updates.
   std::function<void(std::function<void(float*)>)> set_amax_reduction;
-  //! The delayed scales (none under current scaling, which cannot saturate).
+  //! The delayed scales (current scaling, which cannot saturate, has none of its own).
   std::vector<fp8_watched_scale> watched{};
 };
 
