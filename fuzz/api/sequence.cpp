@@ -134,7 +134,8 @@ ball store(ball a) {
     if (std::isnan(a.v) || std::isinf(a.v) || !known(a)) return a;
     using traits = mpx::dtype_traits<S>;
     double const max = mpx::detail::to_double(traits::max());
-    double const overflow = max + std::ldexp(max, -(traits::mantissa_bits + 1)) / 2;  // rounds to inf from here
+    // max plus half an ulp of max rounds to inf (max's last bit is odd), anything below to max.
+    double const overflow = max + std::ldexp(1.0, std::ilogb(max) - traits::mantissa_bits - 1);
     if (std::fabs(a.v) - a.e >= overflow) return {std::copysign(inf, a.v), 0};
     double const tiny = mpx::detail::to_double(mpx::detail::from_bits<S>(typename traits::bits_type(1))) / 2;
     double const e = a.e + unit_roundoff<S>() * (std::fabs(a.v) + a.e) + tiny;
