@@ -47,7 +47,7 @@ sanitize=(-O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
 # a compile-and-link), as many at a time as there are cores; then the two links.
 # CCACHE_BASEDIR makes the cache key relative to the checkout, so a fresh clone hits.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=true
-api_units=(fuzz/fuzz_api.cpp fuzz/api/elementwise.cpp fuzz/api/matmul.cpp fuzz/api/rows.cpp fuzz/api/sequence.cpp fuzz/api/optim.cpp)
+api_units=(fuzz/fuzz_api.cpp fuzz/api/elementwise.cpp fuzz/api/matmul.cpp fuzz/api/rows.cpp fuzz/api/sequence.cpp fuzz/api/optim.cpp fuzz/api/fp8_layers.cpp)
 object() { echo "$out/obj/$(basename "${1%.cpp}").o"; }
 mkdir -p "$out/obj"
 build_jobs=${MPX_FUZZ_JOBS:-$(nproc)}

@@ -20,6 +20,7 @@ void run_matmul(draw& d);       // matmul.cpp
 void run_rows(draw& d);         // rows.cpp
 void run_sequence(draw& d);     // sequence.cpp
 void run_optim(draw& d);        // optim.cpp
+void run_fp8_layers(draw& d);   // fp8_layers.cpp
 
 struct group {
   std::string_view name;
@@ -33,6 +34,7 @@ inline constexpr group groups[] = {
     {"rows", run_rows, "layer and batch norm, dropout, softmax, the losses, embedding"},
     {"sequence", run_sequence, "attention, LSTM"},
     {"optim", run_optim, "unscale and check, every optimizer's step"},
+    {"fp8_layers", run_fp8_layers, "dense and attention under every fp8 and fp4 preset, NaN and inf in their inputs"},
 };
 
 //! The group a fuzzer or corpus folder ("api_<group>") is named after.

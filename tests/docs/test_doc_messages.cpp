@@ -388,6 +388,17 @@ TEST_CASE("docs/gemm.md, docs/lstm.md, docs/policies.md: shapes that do not agre
   CHECK_THAT(unknown, Catch::Contains("test_doc_messages.cpp:"));  // the caller's line
 }
 
+TEST_CASE("docs/fp8_training.md: an fp8 layer whose width cuBLASLt's fp8 products cannot take", "[docs]") {
+  mpx::host_executor exec;
+  mpx::dense<mpx::mixed_fp8> hidden(24);
+  hidden.set_name("hidden");
+  check_doc_quote("fp8_training.md",
+                  "mpx::hidden: under mixed_fp8 N must be a multiple of 16 in every fp8 product (cuBLASLt's fp8 "
+                  "kernels tile N by 16, as PyTorch's _scaled_mm requires); N is this layer's unit count, got N = "
+                  "24. Make it a multiple of 16, or give this layer mpx::without_fp8<Policy>",
+                  message_of([&] { hidden.build(exec, mpx::shape{32}, 1); }));
+}
+
 TEST_CASE("docs/executors_and_tensors.md, docs/data.md: refused views and a truncated data file", "[docs]") {
   std::vector<float> values(6);
   mpx::tensor_view<float> v(values.data(), {2, 3});

@@ -270,9 +270,10 @@ TEMPLATE_LIST_TEST_CASE("conv2d under mixed_fp8 matches the float64 fp8 recipe, 
   check_fp8_conv(exec, 1, 5, 7, 16, 32);  // 15 output pixels: the weight gradient's K, padded
 }
 
-// What the GPU's fp8 kernels refuse, every executor refuses, with mpx's message, before
-// anything runs: N (the product's output columns: a layer's units or filters, or its
-// input width for dx) not a multiple of 16. K needs nothing (it is padded).
+// What the GPU's fp8 kernels refuse, every executor refuses, with mpx's message naming
+// the layer, before anything runs: N (the product's output columns: a layer's units or
+// filters, when it is built, or its input width, before an input gradient) not a
+// multiple of 16. K needs nothing (it is padded).
 TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU's fp8 products cannot take",
                         "[layers][fp8]", mpx_test::executors) {
   using Catch::Matchers::Contains;
@@ -280,15 +281,21 @@ TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU'
   TestType const exec;
   std::int64_t const rows = 13;
   auto const x24 = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(static_cast<std::size_t>(rows * 24), -1, 1, 3), {rows, 24});
-  {  // 24 units: N = 24 in the forward product (16-byte rows of a bfloat16 C, yet refused)
-    mpx::dense<mpx::mixed_fp8> layer(24);
-    layer.build(exec, mpx::shape{24}, 1);
-    layer.reserve(exec, rows);
-    auto y = mpx_test::poisoned<fp8_storage>(exec, {rows, 24});
-    CHECK_THROWS_TYPE_WITH(layer.forward(exec, mpx::view(std::as_const(x24)), mpx::view(y), true),
-                           mpx::invalid_argument, Contains("N must be a multiple of 16") && Contains("got N = 24"));
-    // Refused before the cast: no amax was recorded.
-    CHECK(layer.products().template scale<operand_role::activation>(exec).values(exec).step_amax_bits == 0u);
+  for (std::string_view const policy : {"mixed_fp8", "mixed_mxfp8"}) {  // 24 units: N = 24 in the forward product
+    INFO(policy);
+    auto const build = [&](auto layer) {
+      layer.set_name("hidden");
+      layer.build(exec, mpx::shape{24}, 1);
+    };
+    std::string message = "built";
+    try {
+      if (policy == "mixed_fp8") build(mpx::dense<mpx::mixed_fp8>(24));
+      else build(mpx::dense<mpx::mixed_mxfp8>(24));
+    } catch (mpx::invalid_argument const& e) {
+      message = e.what();
+    }
+    CHECK_THAT(message, Contains("mpx::hidden: under " + std::string(policy) + " N must be a multiple of 16") &&
+                            Contains("N is this layer's unit count, got N = 24") && Contains("without_fp8"));
   }
   {  // 24 inputs, 16 units: the forward (K = 24, padded) and dW run; dx has N = 24.
     mpx::dense<mpx::mixed_fp8> layer(16);
@@ -299,17 +306,33 @@ TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU'
     layer.forward(exec, mpx::view(std::as_const(x24)), mpx::view(y), true);
     CHECK_NOTHROW(layer.backward(exec, mpx::view(std::as_const(x24)), mpx::view(std::as_const(y)),
                                  mpx::view(std::as_const(dy)), mpx::tensor_view<fp8_storage, Space>{}));
+    // Refused before anything runs: the gradient step's amax is the one dW recorded above.
+    auto const& gradient_scale = layer.products().template scale<operand_role::gradient>(exec);
+    auto const amax_before = gradient_scale.values(exec).step_amax_bits;
     CHECK_THROWS_TYPE_WITH(layer.backward(exec, mpx::view(std::as_const(x24)), mpx::view(std::as_const(y)),
                                           mpx::view(std::as_const(dy)), mpx::view(dx)),
-                           mpx::invalid_argument, Contains("got N = 24"));
+                           mpx::invalid_argument, Contains("N is this layer's input width, in its input gradient's "
+                                                           "product, got N = 24"));
+    CHECK(gradient_scale.values(exec).step_amax_bits == amax_before);
   }
-  {  // 5 filters
+  {  // 5 filters: refused when built
     mpx::conv2d<mpx::mixed_fp8> layer(mpx::conv2d_config{.filters = 5});
-    layer.build(exec, mpx::shape{5, 5, 16}, 1);
-    auto const x = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(5 * 5 * 16, -1, 1, 5), {1, 5, 5, 16});
-    auto y = mpx_test::poisoned<fp8_storage>(exec, {1, 3, 3, 5});
-    CHECK_THROWS_TYPE_WITH(layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true),
-                           mpx::invalid_argument, Contains("got N = 5"));
+    CHECK_THROWS_TYPE_WITH(layer.build(exec, mpx::shape{5, 5, 16}, 1), mpx::invalid_argument,
+                           Contains("mpx::conv2d: under mixed_fp8") && Contains("filter count, got N = 5"));
+  }
+  {  // 16 filters over 3x3 taps of 3 channels: dx's N is 27
+    mpx::conv2d<mpx::mixed_fp8> layer(mpx::conv2d_config{.filters = 16});
+    layer.build(exec, mpx::shape{5, 5, 3}, 1);
+    auto const x = mpx_test::upload(exec, mpx_test::random_values<fp8_storage>(5 * 5 * 3, -1, 1, 5), {1, 5, 5, 3});
+    auto y = mpx_test::poisoned<fp8_storage>(exec, {1, 3, 3, 16});
+    auto dx = mpx_test::poisoned<fp8_storage>(exec, {1, 5, 5, 3});
+    layer.forward(exec, mpx::view(std::as_const(x)), mpx::view(y), true);
+    CHECK_NOTHROW(layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)),
+                                 mpx::view(std::as_const(y)), mpx::tensor_view<fp8_storage, Space>{}));
+    CHECK_THROWS_TYPE_WITH(layer.backward(exec, mpx::view(std::as_const(x)), mpx::view(std::as_const(y)),
+                                          mpx::view(std::as_const(y)), mpx::view(dx)),
+                           mpx::invalid_argument, Contains("kernel taps x input channels, in its input gradient's "
+                                                           "product, got N = 27"));
   }
 }
 

@@ -118,6 +118,8 @@ class causal_self_attention : public layer_base {
     detail::require_layer_policy<Policy>();
     require_fp8_core_policy();
     width_ = compute_output_shape(in)[1];
+    matrix_products<Policy>::require_fp8_width(name_.empty() ? "causal_self_attention" : name_,
+                                               "width (its projections have 3 x width and width units)", width_);
     qkv_ = dense<Policy>({.units = 3 * width_, .kernel_initializer = config_.kernel_initializer,
                           .bias_initializer = config_.bias_initializer, .in_features = width_});
     out_ = dense<Policy>({.units = width_, .kernel_initializer = config_.output_kernel_initializer,

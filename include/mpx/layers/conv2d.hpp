@@ -67,6 +67,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
     shape const out = compute_output_shape(in);
+    this->products_.require_fp8_width(display_name(), "filter count", config_.filters);
     options_ = options_for(in);
     shape const k = kernel_shape(in[2]);
     this->allocate_kernel_and_bias(exec, k, config_.filters);
@@ -119,6 +120,9 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
                 tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
     check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
+    if (dx.data() != nullptr)  // before anything runs (a model's first layer computes no dx)
+      this->products_.require_fp8_width(display_name(), "kernel taps x input channels, in its input gradient's product",
+                                        config_.kernel_h * config_.kernel_w * input_shape_[2]);
     auto const rows = shape{static_cast<std::int64_t>(y.size()) / config_.filters, config_.filters};
     auto const w = this->template kernel<Space>();
     auto const b = this->template bias<Space>();

@@ -64,6 +64,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   void build(Exec const& exec, shape const& in, std::uint64_t seed) {
     detail::require_layer_policy<Policy>();
     shape const out = compute_output_shape(in);
+    this->products_.require_fp8_width(name_or_kind(), "unit count", config_.units);
     std::int64_t const fan_in = in[in.rank() - 1];
     this->allocate_kernel_and_bias(exec, {fan_in, config_.units}, config_.units);
     using Space = memory_space_t<Exec>;
@@ -110,6 +111,8 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
     std::int64_t const batch = check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
     auto const [rows, in] = matrix_of(batch);
+    if (dx.data() != nullptr)  // before anything runs (a model's first layer computes no dx)
+      this->products_.require_fp8_width(name_or_kind(), "input width, in its input gradient's product", in);
     auto const xm = x.reshape({rows, in});
     auto const dym = dy.reshape({rows, config_.units});
     auto const w = this->template kernel<Space>();

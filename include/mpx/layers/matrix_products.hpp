@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -304,6 +305,21 @@ class matrix_products {
   static constexpr bool nvfp4 = block_scaled && std::is_same_v<recipe_type, nvfp4_scaling>;
   //! Per-tensor scales kept as an amax history and moved at the end of each step.
   static constexpr bool delayed = tensorwise && std::is_same_v<recipe_type, delayed_scaling>;
+
+  //! Under fp8, N (a product's output columns) must be a multiple of 16 in every product,
+  //! the GPU's rule (check_fp8_gemm_layout) held on every executor. A layer checks its
+  //! own N where it knows them, naming itself: its units or filters when it is built,
+  //! its input width before an input gradient's product. `what` says what N is.
+  static void require_fp8_width(std::string_view layer, std::string_view what, std::int64_t n) {
+    if constexpr (fp8) {
+      if (n % fp8_gemm_multiple != 0)
+        detail::fail<invalid_argument>(
+            layer, "under " + std::string(Policy::name) +
+                       " N must be a multiple of 16 in every fp8 product (cuBLASLt's fp8 kernels tile N by 16, as "
+                       "PyTorch's _scaled_mm requires); N is this layer's " + std::string(what) + ", got N = " +
+                       std::to_string(n) + ". Make it a multiple of 16, or give this layer mpx::without_fp8<Policy>");
+    }
+  }
 
   template <executor Exec>
   void build([[maybe_unused]] Exec const& exec, [[maybe_unused]] std::uint64_t seed = 0) {
