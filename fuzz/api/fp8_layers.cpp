@@ -1,9 +1,10 @@
-// The API fuzzer's fp8_layers group: mpx::dense under every fp8 and fp4 preset, and
-// causal_self_attention under them (its core in bfloat16, or in fp8 under the per-tensor
+// The API fuzzer's fp8_layers group: mpx::dense and conv2d under every fp8 and fp4
+// preset, and causal_self_attention under them (its core in bfloat16, or in fp8 under the per-tensor
 // recipes), trained two steps on inputs that hold NaN, ±inf, ±0 and subnormals. The
 // values stay moderate otherwise, so nothing can overflow and what fp8 training owes is
 // exact (docs/fp8_training.md, "NaN and inf"):
-//   - A NaN in row r of x makes every output of row r NaN (in the attention, of token t
+//   - A NaN in row r of x makes every output of row r NaN (in conv2d, of the pixels whose
+//     windows hold it, so its claims are per image; in the attention, of token t
 //     and of every later token of its sequence: each attends to it; the earlier tokens
 //     stay finite where the core sums only the keys each attends to). An inf saturates to
 //     the format's largest value under per-tensor scaling, as Transformer Engine's casts
@@ -23,6 +24,7 @@
 
 #include <mpx/core/policy.hpp>
 #include <mpx/layers/attention.hpp>
+#include <mpx/layers/conv2d.hpp>
 #include <mpx/layers/dense.hpp>
 #include <mpx/scaling/fp8_block_scaling.hpp>
 
@@ -176,6 +178,74 @@ void run_dense(draw& d, std::string_view policy) {
   }
 }
 
+// ---- conv2d ----
+
+//! conv2d: a NaN reaches the output pixels whose windows hold it, so the claims are per
+//! image: an image without one comes out finite, and so does its dx.
+template <class P>
+void run_conv(draw& d, std::string_view policy) {
+  exec_type exec;
+  constexpr bool block = block_recipe<P>;
+  mpx::conv2d_config config;
+  config.filters = d.pick<std::int64_t>({16, 32, 16, 12});
+  config.kernel_h = d.pick<std::int64_t>({1, 3, 2});
+  config.kernel_w = d.pick<std::int64_t>({1, 3, 2});
+  config.padding = d.coin() ? mpx::padding::same : mpx::padding::valid;
+  config.stride_h = config.stride_w = d.pick<std::int64_t>({1, 2});
+  config.activation = d.pick<mpx::activation>({mpx::activation::linear, mpx::activation::relu});
+  std::int64_t const batch = d.pick<std::int64_t>({1, 2, 3});
+  std::int64_t const height = d.pick<std::int64_t>({5, 3, 8, 7}), width = d.pick<std::int64_t>({5, 4, 9, 3});
+  std::int64_t const channels = d.pick<std::int64_t>({16, 3, 32, 8});
+  call_name call("conv2d<");
+  call << policy << ">(" << config.filters << ", " << config.kernel_h << "x" << config.kernel_w
+       << (config.padding == mpx::padding::same ? ", same" : ", valid") << ", stride " << config.stride_h << ", "
+       << config.activation.name() << ") x " << shape_text<S>({batch, height, width, channels});
+  mpx::conv2d<P> layer(config);
+  layer.set_name("conv");
+  mpx::shape const in{height, width, channels};
+  if (config.filters % 16 != 0) {  // N of its forward product
+    call << " (filters not a multiple of 16)";
+    require_refusal(call, {"conv", "multiple of 16", "filter count"}, [&] { layer.build(exec, in, 1); });
+    return;
+  }
+  if (config.padding == mpx::padding::valid && (config.kernel_h > height || config.kernel_w > width)) return;
+  require_accepted(call, [&] { layer.build(exec, in, 1 + d.byte()); });
+  mpx::shape const out = layer.output_shape();
+  std::vector<std::int64_t> const xs{batch, height, width, channels}, ys{batch, out[0], out[1], out[2]};
+  guarded<S> x(exec, xs, d), dy(exec, ys, d);
+  assign(d, dy, false);
+  bool const dx_refused = config.kernel_h * config.kernel_w * channels % 16 != 0;  // N of dx's product
+  std::size_t const image = static_cast<std::size_t>(height * width * channels);
+  std::size_t const image_out = static_cast<std::size_t>(out.size());
+  for (int step = 1; step <= 2; ++step) {
+    assign(d, x, step == 1);
+    guarded<S> y(exec, ys, d), dx(exec, xs, d);
+    call_name const at = call_name(call.str()) << " step " << step;
+    require_accepted(at, [&] { layer.forward(exec, x.cview(), y.view(), true); });
+    if (dx_refused) {
+      require_refusal(at, {"conv", "multiple of 16", "kernel taps x input channels"},
+                      [&] { layer.backward(exec, x.cview(), y.cview(), dy.cview(), dx.view()); });
+      require_accepted(at, [&] {  // a model's first layer: no dx
+        layer.backward(exec, x.cview(), y.cview(), dy.cview(), mpx::tensor_view<S, mpx::host_space>{});
+      });
+    } else {
+      require_accepted(at, [&] { layer.backward(exec, x.cview(), y.cview(), dy.cview(), dx.view()); });
+    }
+    for (std::size_t n = 0; n < static_cast<std::size_t>(batch); ++n) {
+      bool clean = true;
+      for (std::size_t i = 0; i < image; ++i) clean = clean && !becomes_nan(x.data()[n * image + i], block);
+      row_due const due = clean ? row_due::finite : row_due::written;
+      require_row(at, "y", y, image_out, n, due);
+      if (!dx_refused) require_row(at, "dx", dx, image, n, due);
+    }
+    y.require_guards_intact(at, "y");
+    dx.require_guards_intact(at, "dx");
+    x.require_guards_intact(at, "x");
+    dy.require_guards_intact(at, "dy");
+    require_scales_sound(at, layer, step);
+  }
+}
+
 // ---- causal_self_attention ----
 
 template <class P>
@@ -272,10 +342,11 @@ void with_fp8_preset(draw& d, F&& f) {
 
 void run_fp8_layers(draw& d) {
   using namespace fp8_layers_detail;
-  bool const attention = d.coin();
+  std::uint8_t const layer = d.byte() % 3;
   with_fp8_preset(d, [&](auto p, std::string_view name) {
     using P = typename decltype(p)::type;
-    if (attention) run_attention<P>(d, name);
+    if (layer == 1) run_attention<P>(d, name);
+    else if (layer == 2) run_conv<P>(d, name);
     else run_dense<P>(d, name);
   });
 }
