@@ -2,7 +2,7 @@
 // preset, and causal_self_attention under them (its core in bfloat16, or in fp8 under the per-tensor
 // recipes), trained two steps on inputs that hold NaN, ±inf, ±0 and subnormals. The
 // values stay moderate otherwise, so nothing can overflow and what fp8 training owes is
-// exact (docs/fp8_training.md, "NaN and inf"):
+// exact (docs/fp8_training.md, "How the tests prove it"):
 //   - A NaN in row r of x makes every output of row r NaN (in conv2d, of the pixels whose
 //     windows hold it, so its claims are per image; in the attention, of token t
 //     and of every later token of its sequence: each attends to it; the earlier tokens
@@ -11,7 +11,9 @@
 //     do, and is NaN under the block recipes (a block's scale comes from its finite
 //     values; the value itself cannot be represented).
 //   - Every other row comes out finite, and so does every row of dx that no NaN reaches:
-//     one bad row never spoils the batch through a tensor-wide amax or scale.
+//     a bad row never makes another non-finite through a tensor-wide amax or scale (under
+//     current scaling it leaves the previous scale in force for the step, which the
+//     unit tests' references cover).
 //   - After each step every delayed scale is finite and positive, and the second step,
 //     on clean inputs, is finite everywhere: a NaN in one step's amax never poisons the
 //     next.
@@ -107,18 +109,32 @@ void require_row(call_name const& call, std::string_view what, guarded<S> const&
   require_row(call, what, t, width, r, nan_due ? row_due::nan : row_due::finite);
 }
 
-//! Every delayed scale of the layer finite and positive, and its inverse too.
+void require_scale_sound(call_name const& call, mpx::fp8_scale_values const& v, std::string_view whose, int step) {
+  if (!(std::isfinite(v.scale) && v.scale > 0 && std::isfinite(v.inverse_scale) && v.inverse_scale > 0))
+    fail(call.str() + ": after step " + std::to_string(step) + " a scale of " + std::string(whose) + " is " +
+         std::to_string(v.scale) + " (inverse " + std::to_string(v.inverse_scale) + "): finite and positive due");
+}
+
+//! Every per-tensor scale of the layer finite and positive, and its inverse too: the
+//! delayed ones it lists for the precision guard, and under a per-tensor recipe the
+//! three of a layer's own products (current scaling's among them). Block recipes keep no
+//! scale between casts (their scales are checked where they are made: the unit tests).
 template <class Layer>
 void require_scales_sound(call_name const& call, Layer& layer, int step) {
   std::vector<mpx::fp8_scales_entry<exec_type>> entries;
   layer.template append_fp8_scales<exec_type>(entries);
   for (auto const& e : entries)
-    for (auto const& w : e.watched) {
-      float const s = w.state->scale, inv = w.state->inverse_scale;
-      if (!(std::isfinite(s) && s > 0 && std::isfinite(inv) && inv > 0))
-        fail(call.str() + ": after step " + std::to_string(step) + " a scale of " + e.name + " is " +
-             std::to_string(s) + " (inverse " + std::to_string(inv) + "): finite and positive due");
+    for (auto const& w : e.watched) require_scale_sound(call, *w.state, e.name, step);
+  if constexpr (requires { layer.products(); }) {
+    using products = std::remove_cvref_t<decltype(layer.products())>;
+    if constexpr (products::tensorwise) {
+      exec_type exec;
+      using role = mpx::operand_role;
+      require_scale_sound(call, layer.products().template scale<role::activation>(exec).values(exec), "x", step);
+      require_scale_sound(call, layer.products().template scale<role::weight>(exec).values(exec), "the kernel", step);
+      require_scale_sound(call, layer.products().template scale<role::gradient>(exec).values(exec), "dy", step);
     }
+  }
 }
 
 // ---- dense ----
@@ -201,11 +217,11 @@ void run_conv(draw& d, std::string_view policy) {
        << (config.padding == mpx::padding::same ? ", same" : ", valid") << ", stride " << config.stride_h << ", "
        << config.activation.name() << ") x " << shape_text<S>({batch, height, width, channels});
   mpx::conv2d<P> layer(config);
-  layer.set_name("conv");
+  layer.set_name("image_conv");
   mpx::shape const in{height, width, channels};
   if (config.filters % 16 != 0) {  // N of its forward product
     call << " (filters not a multiple of 16)";
-    require_refusal(call, {"conv", "multiple of 16", "filter count"}, [&] { layer.build(exec, in, 1); });
+    require_refusal(call, {"image_conv", "multiple of 16", "filter count"}, [&] { layer.build(exec, in, 1); });
     return;
   }
   if (config.padding == mpx::padding::valid && (config.kernel_h > height || config.kernel_w > width)) return;
@@ -223,7 +239,7 @@ void run_conv(draw& d, std::string_view policy) {
     call_name const at = call_name(call.str()) << " step " << step;
     require_accepted(at, [&] { layer.forward(exec, x.cview(), y.view(), true); });
     if (dx_refused) {
-      require_refusal(at, {"conv", "multiple of 16", "kernel taps x input channels"},
+      require_refusal(at, {"image_conv", "multiple of 16", "kernel taps x input channels"},
                       [&] { layer.backward(exec, x.cview(), y.cview(), dy.cview(), dx.view()); });
       require_accepted(at, [&] {  // a model's first layer: no dx
         layer.backward(exec, x.cview(), y.cview(), dy.cview(), mpx::tensor_view<S, mpx::host_space>{});
@@ -268,16 +284,16 @@ void run_attention(draw& d, std::string_view policy) {
     return;
   }
   mpx::causal_self_attention<P> layer(config);
-  layer.set_name("attention");
+  layer.set_name("token_mixer");
   if (D % 16 != 0) {  // its projections' units (3 D and D): refused when built
     call << " (width not a multiple of 16)";
-    require_refusal(call, {"attention", "multiple of 16", "width"}, [&] { layer.build(exec, mpx::shape{T, D}, 1); });
+    require_refusal(call, {"token_mixer", "multiple of 16", "width"}, [&] { layer.build(exec, mpx::shape{T, D}, 1); });
     return;
   }
   if (config.fp8_attention && d.byte() % 8 == 0) {  // a head wider than the fp8 core takes
     std::int64_t const wide = config.heads * (mpx::fp8_attention_max_head_width + 16);
     call << " built for width " << wide;
-    require_refusal(call, {"attention", std::to_string(mpx::fp8_attention_max_head_width)},
+    require_refusal(call, {"token_mixer", std::to_string(mpx::fp8_attention_max_head_width)},
                     [&] { layer.build(exec, mpx::shape{T, wide}, 1); });
     return;
   }

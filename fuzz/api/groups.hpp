@@ -34,7 +34,7 @@ inline constexpr group groups[] = {
     {"rows", run_rows, "layer and batch norm, dropout, softmax, the losses, embedding"},
     {"sequence", run_sequence, "attention, LSTM"},
     {"optim", run_optim, "unscale and check, every optimizer's step"},
-    {"fp8_layers", run_fp8_layers, "dense and attention under every fp8 and fp4 preset, NaN and inf in their inputs"},
+    {"fp8_layers", run_fp8_layers, "dense, conv2d and attention under every fp8 and fp4 preset, NaN and inf in their inputs"},
 };
 
 //! The group a fuzzer or corpus folder ("api_<group>") is named after.

@@ -86,7 +86,8 @@ double smallest_subnormal() {
 //! Where rounding to T overflows: max plus half an ulp of max.
 template <class T>
 double overflow_threshold() {
-  return to_double(mpx::dtype_traits<T>::max()) * (1 + unit_roundoff<T>());
+  double const max = to_double(mpx::dtype_traits<T>::max());
+  return max + std::ldexp(1.0, std::ilogb(max) - mpx::dtype_traits<T>::mantissa_bits - 1);
 }
 
 //! A tolerance that a non-finite input term made NaN or infinite asks nothing finite.

@@ -315,6 +315,14 @@ TEMPLATE_LIST_TEST_CASE("fp8 layers refuse on every executor the shapes the GPU'
                                                            "product, got N = 24"));
     CHECK(gradient_scale.values(exec).step_amax_bits == amax_before);
   }
+  {  // attention 24 wide: its projections' 72 and 24 units
+    mpx::causal_self_attention<mpx::mixed_fp8> mixer(2);
+    mixer.set_name("mixer");
+    CHECK_THROWS_TYPE_WITH(mixer.build(exec, mpx::shape{4, 24}, 1), mpx::invalid_argument,
+                           Contains("mpx::mixer: under mixed_fp8 N must be a multiple of 16") &&
+                               Contains("N is this layer's width (its projections have 3 x width and width units), "
+                                        "got N = 24"));
+  }
   {  // 5 filters: refused when built
     mpx::conv2d<mpx::mixed_fp8> layer(mpx::conv2d_config{.filters = 5});
     CHECK_THROWS_TYPE_WITH(layer.build(exec, mpx::shape{5, 5, 16}, 1), mpx::invalid_argument,
