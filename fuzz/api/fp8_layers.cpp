@@ -125,6 +125,12 @@ void require_scales_sound(call_name const& call, Layer& layer, int step) {
   layer.template append_fp8_scales<exec_type>(entries);
   for (auto const& e : entries)
     for (auto const& w : e.watched) require_scale_sound(call, *w.state, e.name, step);
+  if constexpr (requires { layer.fp8_core(); }) {  // attention's fp8 core: its six states, current ones too
+    if (layer.fp8_core()) {
+      auto const sc = layer.template attention_core_scales<exec_type>();
+      for (auto const* v : {sc.qkv, sc.s, sc.o, sc.d_o, sc.dp, sc.dqkv}) require_scale_sound(call, *v, "the fp8 core", step);
+    }
+  }
   if constexpr (requires { layer.products(); }) {
     using products = std::remove_cvref_t<decltype(layer.products())>;
     if constexpr (products::tensorwise) {
@@ -135,6 +141,18 @@ void require_scales_sound(call_name const& call, Layer& layer, int step) {
       require_scale_sound(call, layer.products().template scale<role::gradient>(exec).values(exec), "dy", step);
     }
   }
+}
+
+//! What every step ends with: nothing written outside the outputs, nor into the
+//! inputs' guards, and the layer's scales sound.
+template <class Layer>
+void end_of_step(call_name const& at, Layer& layer, int step, guarded<S> const& x, guarded<S> const& dy,
+                 guarded<S> const& y, guarded<S> const& dx) {
+  y.require_guards_intact(at, "y");
+  dx.require_guards_intact(at, "dx");
+  x.require_guards_intact(at, "x");
+  dy.require_guards_intact(at, "dy");
+  require_scales_sound(at, layer, step);
 }
 
 // ---- dense ----
@@ -186,11 +204,7 @@ void run_dense(draw& d, std::string_view policy) {
       // dx = (dy · f'(z)) Wᵀ: a NaN row of z can reach its own row of dx only.
       if (!nan_row || act == mpx::activation::linear) require_row(at, "dx", dx, static_cast<std::size_t>(in), r, false);
     }
-    y.require_guards_intact(at, "y");
-    dx.require_guards_intact(at, "dx");
-    x.require_guards_intact(at, "x");
-    dy.require_guards_intact(at, "dy");
-    require_scales_sound(at, layer, step);
+    end_of_step(at, layer, step, x, dy, y, dx);
   }
 }
 
@@ -254,11 +268,7 @@ void run_conv(draw& d, std::string_view policy) {
       require_row(at, "y", y, image_out, n, due);
       if (!dx_refused) require_row(at, "dx", dx, image, n, due);
     }
-    y.require_guards_intact(at, "y");
-    dx.require_guards_intact(at, "dx");
-    x.require_guards_intact(at, "x");
-    dy.require_guards_intact(at, "dy");
-    require_scales_sound(at, layer, step);
+    end_of_step(at, layer, step, x, dy, y, dx);
   }
 }
 
@@ -326,18 +336,7 @@ void run_attention(draw& d, std::string_view policy) {
       if (sequence_clean)
         for (std::size_t t = 0; t < tokens; ++t) require_row(at, "dx", dx, width, b * tokens + t, false);
     }
-    y.require_guards_intact(at, "y");
-    dx.require_guards_intact(at, "dx");
-    x.require_guards_intact(at, "x");
-    dy.require_guards_intact(at, "dy");
-    require_scales_sound(at, layer, step);
-    if (layer.fp8_core()) {  // the core's six states, the four always delayed among them
-      auto const sc = layer.template attention_core_scales<exec_type>();
-      mpx::fp8_scale_values const* const all[] = {sc.qkv, sc.s, sc.o, sc.d_o, sc.dp, sc.dqkv};
-      for (auto const* v : all)
-        if (!(std::isfinite(v->scale) && v->scale > 0 && std::isfinite(v->inverse_scale) && v->inverse_scale > 0))
-          fail(at.str() + ": a scale of the fp8 core is " + std::to_string(v->scale) + ": finite and positive due");
-    }
+    end_of_step(at, layer, step, x, dy, y, dx);
   }
 }
 
