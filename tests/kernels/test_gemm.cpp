@@ -391,6 +391,98 @@ TEST_CASE("gemm folds a shared-B batch into one product only where the extents a
   CHECK(kept.m == 1 << 28);
 }
 
+// What only a GPU runs, checked on the host: the translation of mpx's row-major product
+// into cuBLASLt's column-major terms (detail::column_major_terms, after gemm_shapes and
+// fold_batch, as cuda_gemm calls them), interpreted as cuBLASLt's documentation defines
+// them: D[r + c * ldd] = sum_k op(first)[r, k] op(second)[k, c], where
+// op(X)[r, c] = X[c + r * ld] when X is transposed and X[r + c * ld] otherwise, batch
+// entry b at b * batch_stride (0: shared). Every transpose pair, batches with A, B or
+// neither shared, and the folded shared-B batch; integer operands, so the sums are exact.
+TEST_CASE("gemm's cuBLASLt terms, read column-major as cuBLASLt reads them, give the row-major product", "[gemm]") {
+  using mpx::detail::column_major_matrix;
+  auto const op_rows = [](column_major_matrix const& x) { return x.transposed ? x.cols : x.rows; };
+  auto const op_cols = [](column_major_matrix const& x) { return x.transposed ? x.rows : x.cols; };
+  // Element (r, c) of op(x), batch entry b, from `data` (which must hold it).
+  auto const element = [](std::vector<double> const& data, column_major_matrix const& x, std::int64_t b, std::int64_t r,
+                          std::int64_t c) {
+    std::int64_t const i = b * x.batch_stride + (x.transposed ? c + r * x.ld : r + c * x.ld);
+    REQUIRE(i >= 0);
+    REQUIRE(static_cast<std::size_t>(i) < data.size());
+    return data[static_cast<std::size_t>(i)];
+  };
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<int> small(-4, 4);
+  auto const values = [&](std::int64_t n) {
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (double& x : v) x = small(gen);
+    return v;
+  };
+  int checked = 0, folded = 0;
+  for (std::int64_t const m : {1, 3, 17})
+    for (std::int64_t const n : {1, 5, 16})
+      for (std::int64_t const k : {1, 7})
+        for (int const batching : {0, 1, 2, 3})  // none; both batched; A shared; B shared
+          for (bool const ta : {false, true})
+            for (bool const tb : {false, true}) {
+              std::int64_t const batch = batching == 0 ? 1 : 3;
+              bool const a_batched = batching == 1 || batching == 3, b_batched = batching == 1 || batching == 2;
+              mpx::shape const sa = a_batched ? mpx::shape{batch, ta ? k : m, ta ? m : k} : mpx::shape{ta ? k : m, ta ? m : k};
+              mpx::shape const sb = b_batched ? mpx::shape{batch, tb ? n : k, tb ? k : n} : mpx::shape{tb ? n : k, tb ? k : n};
+              mpx::shape const sc = batching ? mpx::shape{batch, m, n} : mpx::shape{m, n};
+              INFO("M=" << m << " N=" << n << " K=" << k << " A " << sa.to_string() << (ta ? " transposed" : "") << ", B "
+                        << sb.to_string() << (tb ? " transposed" : ""));
+              auto const a = values(static_cast<std::int64_t>(sa.size()));
+              auto const b = values(static_cast<std::int64_t>(sb.size()));
+              // Row-major, as mpx stores them.
+              std::vector<double> want(sc.size());
+              for (std::int64_t e = 0; e < batch; ++e)
+                for (std::int64_t i = 0; i < m; ++i)
+                  for (std::int64_t j = 0; j < n; ++j) {
+                    double sum = 0;
+                    for (std::int64_t kk = 0; kk < k; ++kk) {
+                      std::int64_t const ea = a_batched ? e * m * k : 0, eb = b_batched ? e * k * n : 0;
+                      sum += a[static_cast<std::size_t>(ea + (ta ? kk * m + i : i * k + kk))] *
+                             b[static_cast<std::size_t>(eb + (tb ? j * k + kk : kk * n + j))];
+                    }
+                    want[static_cast<std::size_t>((e * m + i) * n + j)] = sum;
+                  }
+              auto const d = mpx::detail::fold_batch(
+                  mpx::detail::gemm_shapes(sa, sb, sc, {.transpose_a = ta, .transpose_b = tb}), ta);
+              folded += d.batch != batch;
+              auto const t = mpx::detail::column_major_terms(d, ta, tb);
+              // What cuBLASLt checks of the layouts.
+              REQUIRE_FALSE(t.c.transposed);
+              REQUIRE(op_rows(t.first) == t.c.rows);
+              REQUIRE(op_cols(t.second) == t.c.cols);
+              REQUIRE(op_cols(t.first) == op_rows(t.second));
+              for (column_major_matrix const& x : {t.first, t.second, t.c}) REQUIRE(x.ld >= x.rows);
+              REQUIRE((t.batch == 1 || t.c.batch_stride >= t.c.rows * t.c.cols));
+              std::vector<double> got(want.size(), std::nan(""));
+              for (std::int64_t e = 0; e < t.batch; ++e)
+                for (std::int64_t r = 0; r < t.c.rows; ++r)
+                  for (std::int64_t c = 0; c < t.c.cols; ++c) {
+                    double sum = 0;
+                    for (std::int64_t kk = 0; kk < op_cols(t.first); ++kk)
+                      sum += element(b, t.first, e, r, kk) * element(a, t.second, e, kk, c);
+                    std::int64_t const at = e * t.c.batch_stride + r + c * t.c.ld;
+                    REQUIRE(static_cast<std::size_t>(at) < got.size());
+                    got[static_cast<std::size_t>(at)] = sum;
+                  }
+              REQUIRE(got == want);
+              ++checked;
+            }
+  CHECK(checked == 3 * 3 * 2 * 4 * 4);
+  CHECK(folded > 0);  // the shared-B batches with A as it is fold into one tall product
+  // The alignment cuBLASLt is told: the largest power of two dividing the address and the
+  // batch stride in bytes, at most 256.
+  auto const at = [](std::uintptr_t p) { return reinterpret_cast<void const*>(p); };
+  CHECK(mpx::detail::gemm_alignment(at(0x10000), 0) == 256);
+  CHECK(mpx::detail::gemm_alignment(at(0x10002), 0) == 2);
+  CHECK(mpx::detail::gemm_alignment(at(0x10000), 6) == 2);
+  CHECK(mpx::detail::gemm_alignment(at(0x10010), 48) == 16);
+  CHECK(mpx::detail::gemm_alignment(at(0x10100), 4096) == 256);
+}
+
 TEST_CASE("gemm's host widening and rounding are mpx::cast bit for bit", "[gemm]") {
   auto widen = [](auto tag) {
     using T = decltype(tag);

@@ -3,6 +3,7 @@
 // softmax with fully masked rows, and the float16 overflow that the 1/sqrt(d) scaling
 // prevents.
 #include "support/reference/fp8_tensorwise.hpp"
+#include "support/reference/fused_attention.hpp"
 #include "support/reference/matmul.hpp"
 #include "support/reference/softmax.hpp"
 #include "support/testing.hpp"
@@ -350,6 +351,25 @@ void check_errors(attention_run_16bit const& run, std::array<double, 6> const& b
   }
 }
 
+// A 16-bit step with dropout, checked through the masks the layer says it drew: each
+// result within `bound` of float64, the share dropped within five standard deviations of
+// the rate, and a second run from the same seed and count of forwards with the same masks
+// and the same bits.
+template <class P, class Exec>
+attention_run_16bit check_dropout_step(Exec const& exec, std::size_t B, std::size_t T, std::size_t D, std::size_t H,
+                                       float dropout, double bound) {
+  auto const run = attention_errors_16bit<P>(exec, B, T, D, H, dropout);
+  check_errors(run, {bound, bound, bound, bound, bound, bound});
+  double const n = static_cast<double>(B * H * T * (T + 1) / 2), p = dropout;
+  INFO("dropped " << run.dropped_fraction << " of " << n << " weights");
+  CHECK(std::abs(run.dropped_fraction - p) < 5 * std::sqrt(p * (1 - p) / n));
+  auto const again = attention_errors_16bit<P>(exec, B, T, D, H, dropout);
+  CHECK(again.keeps == run.keeps);
+  CHECK(again.y == run.y);
+  CHECK(again.dx == run.dx);
+  return run;
+}
+
 #if MPX_HAS_CUDNN
 // cuDNN has no deterministic backward with dropout on Blackwell (compute capability 10 and
 // up): there a layer with dropout runs unfused, and says why.
@@ -459,17 +479,7 @@ TEMPLATE_LIST_TEST_CASE("16-bit attention with dropout matches float64 through t
     INFO("B=" << z.B << " T=" << z.T << " D=" << z.D << " H=" << z.H << " dropout=" << z.dropout);
     auto check = [&]<class P>(P, char const* name, double bound) {
       INFO(name);
-      auto const run = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H, z.dropout);
-      check_errors(run, {bound, bound, bound, bound, bound, bound});
-      // The share dropped is the rate, within five standard deviations of the draws.
-      double const n = static_cast<double>(z.B * z.H * z.T * (z.T + 1) / 2), p = z.dropout;
-      INFO("dropped " << run.dropped_fraction << " of " << n << " weights");
-      CHECK(std::abs(run.dropped_fraction - p) < 5 * std::sqrt(p * (1 - p) / n));
-      // The same seed and count of forwards draw the same masks: the same bits.
-      auto const again = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H, z.dropout);
-      CHECK(again.keeps == run.keeps);
-      CHECK(again.y == run.y);
-      CHECK(again.dx == run.dx);
+      auto const run = check_dropout_step<P>(exec, z.B, z.T, z.D, z.H, z.dropout, bound);
 #if MPX_HAS_CUDNN
       if constexpr (!mpx::is_host_executor_v<TestType>) CHECK(run.fused == fused_dropout_on_this_gpu());
 #endif
@@ -528,6 +538,102 @@ TEMPLATE_LIST_TEST_CASE("attention dropout draws a new mask each training forwar
   forward(false);
   CHECK(mpx_test::download(exec, y) == y_inference);
 }
+
+#if !MPX_HAS_CUDA
+// The fused path on the host (the host suite only: the CUDA suite runs it on the GPU).
+// With a fused attention registered for host memory, a float64 reference that reads and
+// writes every tensor where the strides cuDNN is given say, the layer hands it what it
+// hands cuDNN: Q, K and V in place in the token-major buffer, O straight into the merged
+// rows, the statistics, dQ dK dV into d(QKV), the reserved batch's plan, a dropout key per
+// training forward. So this is the GPU's fused test with cuDNN's arithmetic swapped for
+// float64, and its bounds: a wrong pointer, stride or key fails it here.
+TEST_CASE("on the host with a float64 fused attention registered, the layer's fused path matches float64, with and "
+          "without dropout",
+          "[attention][layers][fused][dropout]") {
+  mpx::host_executor exec;
+  mpx_test::reference::host_fused_attention_registered host;
+  struct sizes {
+    std::size_t B, T, D, H;
+    float dropout;
+  };
+  for (auto const z : {sizes{2, 37, 128, 2, 0}, sizes{1, 129, 256, 2, 0}, sizes{3, 1, 64, 1, 0}, sizes{2, 37, 128, 2, 0.1f},
+                       sizes{1, 129, 256, 2, 0.3f}}) {
+    INFO("B=" << z.B << " T=" << z.T << " D=" << z.D << " H=" << z.H << " dropout=" << z.dropout);
+    auto check = [&]<class P>(P, double bound) {
+      INFO(P::name);
+      host.backend.forwards.clear();
+      host.backend.backwards.clear();
+      if (z.dropout == 0) {
+        auto const run = attention_errors_16bit<P>(exec, z.B, z.T, z.D, z.H);
+        CHECK(run.fused);
+        check_errors(run, {bound, bound, bound, bound, bound, bound});
+      } else {  // the reference drops what the implementation's dropout_keeps reports
+        CHECK(check_dropout_step<P>(exec, z.B, z.T, z.D, z.H, z.dropout, bound).fused);
+      }
+      // A forward and a backward per step, each on the plan of the reserved batch
+      // (attention_errors_16bit reserves one sequence more than it runs).
+      REQUIRE(!host.backend.forwards.empty());
+      REQUIRE(host.backend.backwards.size() == host.backend.forwards.size());
+      for (auto const* calls : {&host.backend.forwards, &host.backend.backwards})
+        for (auto const& s : *calls) {
+          CHECK(s.batch == static_cast<std::int64_t>(z.B + 1));
+          CHECK(s.tokens == static_cast<std::int64_t>(z.T));
+          CHECK(s.heads * s.head_width == static_cast<std::int64_t>(z.D));
+          CHECK(s.dropout == z.dropout);
+          CHECK(s.io == (std::is_same_v<typename P::storage_type, mpx::half> ? mpx::fused_attention_io::half
+                                                                               : mpx::fused_attention_io::bfloat16));
+        }
+    };
+    check(mpx::mixed_bfloat16{}, 1.6e-2);
+    check(mpx::mixed_float16{}, 2.4e-3);
+  }
+}
+
+TEST_CASE("on the host with a float64 fused attention registered, each training forward draws with a key of its own",
+          "[attention][layers][fused][dropout]") {
+  mpx::host_executor exec;
+  mpx_test::reference::host_fused_attention_registered host;
+  // Each training forward hands a key of its own; latest_dropout refuses on the fused path.
+  mpx::causal_self_attention<mpx::mixed_bfloat16> layer({.heads = 2, .dropout = 0.25f});
+  layer.build(exec, {33, 128}, 4);
+  layer.reserve(exec, 2);
+  mpx::shape const s{2, 33, 128};
+  auto x = mpx_test::upload(exec, mpx_test::random_values<mpx::bfloat16>(s.size(), -1, 1, 6), s);
+  auto y = mpx_test::poisoned<mpx::bfloat16>(exec, s);
+  layer.forward(exec, mpx::tensor_view<mpx::bfloat16 const>(mpx::view(x)), mpx::view(y), true);
+  auto const first = layer.latest_dropout_keeps(exec);
+  layer.forward(exec, mpx::tensor_view<mpx::bfloat16 const>(mpx::view(x)), mpx::view(y), true);
+  CHECK(layer.fused());
+  CHECK(layer.latest_dropout_keeps(exec) != first);
+  CHECK_THROWS_TYPE_WITH(layer.latest_dropout(exec), mpx::invalid_argument,
+                         Catch::Matchers::Contains("ran fused") && Catch::Matchers::Contains("latest_dropout_keeps"));
+}
+
+TEST_CASE("on the host with a float64 fused attention registered, fp8 projections run around a fused bfloat16 core",
+          "[attention][layers][fused][fp8]") {
+  mpx::host_executor exec;
+  mpx_test::reference::host_fused_attention_registered host;
+  auto check = [&]<class P>(P) {
+    INFO(P::name);
+    auto const run = attention_errors_16bit<P>(exec, 2, 37, 128, 2);
+    CHECK(run.fused);
+    check_errors(run, {3.8e-2, 4.3e-2, 1.4e-1, 9e-3, 3.3e-2, 6.4e-3});
+  };
+  check(mpx::mixed_fp8{});
+  check(mpx::mixed_fp8_current{});
+  // The core in fp8 goes to an implementation that takes float8; this one refuses it at
+  // reserve, and the layer runs mpx's fp8 core.
+  mpx::causal_self_attention<mpx::mixed_fp8> core8({.heads = 2, .fp8_attention = true});
+  core8.build(exec, {16, 64}, 3);
+  core8.reserve(exec, 1);
+  mpx::shape const s{1, 16, 64};
+  auto x = mpx_test::upload(exec, mpx_test::random_values<mpx::bfloat16>(s.size(), -1, 1, 7), s);
+  auto y = mpx_test::poisoned<mpx::bfloat16>(exec, s);
+  core8.forward(exec, mpx::tensor_view<mpx::bfloat16 const>(mpx::view(x)), mpx::view(y), true);
+  CHECK_FALSE(core8.fused());
+  CHECK(mpx::all_finite(exec, mpx::view(y)));
+}
+#endif
 
 TEMPLATE_LIST_TEST_CASE("attention in float32, or told not to fuse, runs unfused and keeps its probabilities",
                         "[attention][layers][fused]", mpx_test::executors) {

@@ -31,6 +31,7 @@
 #include <cudnn_frontend.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -356,14 +357,17 @@ class cudnn_attention final : public fused_attention_backend {
     check((forward ? p->forward : p->backward)->execute(h->second, pack, w->data), pass);
   }
 
-  // [batch, heads, tokens, head_width] in the layer's token-major buffers.
-  static std::vector<std::int64_t> dims(fused_attention_shape const& s) { return {s.batch, s.heads, s.tokens, s.head_width}; }
-  static std::vector<std::int64_t> strides(fused_attention_shape const& s, std::int64_t row) {
-    return {s.tokens * row, s.head_width, row, 1};
+  // [batch, heads, tokens, head_width] in the layer's token-major buffers
+  // (fused_attention.hpp's layouts, which the host suite's reference reads too).
+  static std::vector<std::int64_t> as_vector(std::array<std::int64_t, 4> const& a) { return {a.begin(), a.end()}; }
+  static std::vector<std::int64_t> dims(fused_attention_shape const& s) { return as_vector(fused_qkv_layout(s).dims); }
+  static std::vector<std::int64_t> qkv_strides(fused_attention_shape const& s) {
+    return as_vector(fused_qkv_layout(s).strides);
   }
-  static std::vector<std::int64_t> stats_dims(fused_attention_shape const& s) { return {s.batch, s.heads, s.tokens, 1}; }
+  static std::vector<std::int64_t> o_strides(fused_attention_shape const& s) { return as_vector(fused_o_layout(s).strides); }
+  static std::vector<std::int64_t> stats_dims(fused_attention_shape const& s) { return as_vector(fused_stats_layout(s).dims); }
   static std::vector<std::int64_t> stats_strides(fused_attention_shape const& s) {
-    return {s.heads * s.tokens, s.tokens, 1, 1};
+    return as_vector(fused_stats_layout(s).strides);
   }
 
   static std::shared_ptr<graph> new_graph(fused_attention_shape const& s) {
@@ -395,7 +399,7 @@ class cudnn_attention final : public fused_attention_backend {
   static std::shared_ptr<graph> forward_graph(fused_attention_shape const& s, bool write_keeps = false) {
     namespace fe = cudnn_frontend;
     auto g = new_graph(s);
-    auto const qkv = strides(s, s.qkv_row_stride);
+    auto const qkv = qkv_strides(s);
     auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
          v = input(*g, "V", v_uid, dims(s), qkv);
     auto options =
@@ -427,7 +431,7 @@ class cudnn_attention final : public fused_attention_backend {
       o = outputs[0];
       stats = outputs[1];
     }
-    o->set_output(true).set_uid(o_uid).set_dim(dims(s)).set_stride(strides(s, s.o_row_stride));
+    o->set_output(true).set_uid(o_uid).set_dim(dims(s)).set_stride(o_strides(s));
     stats->set_output(true).set_uid(stats_uid).set_data_type(fe::DataType_t::FLOAT).set_dim(stats_dims(s)).set_stride(stats_strides(s));
     return g;
   }
@@ -436,10 +440,10 @@ class cudnn_attention final : public fused_attention_backend {
     if (s.io == fused_attention_io::float8) return fp8_backward_graph(s);
     namespace fe = cudnn_frontend;
     auto g = new_graph(s);
-    auto const qkv = strides(s, s.qkv_row_stride), o_strides = strides(s, s.o_row_stride);
+    auto const qkv = qkv_strides(s), o_stride = o_strides(s);
     auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
-         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_strides),
-         d_o = input(*g, "dO", d_o_uid, dims(s), o_strides);
+         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_stride),
+         d_o = input(*g, "dO", d_o_uid, dims(s), o_stride);
     auto stats = g->tensor(attributes().set_name("stats").set_uid(stats_uid).set_dim(stats_dims(s)).set_stride(stats_strides(s))
                                .set_data_type(fe::DataType_t::FLOAT));
     // Deterministic: dQ summed in a fixed order, not with atomics (mpx's runs repeat bit
@@ -466,10 +470,10 @@ class cudnn_attention final : public fused_attention_backend {
     namespace fe = cudnn_frontend;
     using f = fused_fp8_slot;
     auto g = new_graph(s);
-    auto const qkv = strides(s, s.qkv_row_stride), o_strides = strides(s, s.o_row_stride);
+    auto const qkv = qkv_strides(s), o_stride = o_strides(s);
     auto q = input(*g, "Q", q_uid, dims(s), qkv), k = input(*g, "K", k_uid, dims(s), qkv),
-         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_strides),
-         d_o = input(*g, "dO", d_o_uid, dims(s), o_strides);
+         v = input(*g, "V", v_uid, dims(s), qkv), o = input(*g, "O", o_uid, dims(s), o_stride),
+         d_o = input(*g, "dO", d_o_uid, dims(s), o_stride);
     d_o->set_data_type(fe::DataType_t::FP8_E5M2);
     auto stats = g->tensor(attributes().set_name("stats").set_uid(stats_uid).set_dim(stats_dims(s)).set_stride(stats_strides(s))
                                .set_data_type(fe::DataType_t::FLOAT));
@@ -567,7 +571,7 @@ inline cudnn_attention& cudnn_attention_instance() {
 // Registers cuDNN's SDPA as the fused attention when the program starts (an inline
 // variable: once per program, however many files include this header).
 inline bool const cudnn_attention_registered = [] {
-  fused_attention_slot() = &cudnn_attention_instance();
+  fused_attention_slot<device_space>() = &cudnn_attention_instance();
   return true;
 }();
 

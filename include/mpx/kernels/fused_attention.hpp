@@ -1,25 +1,33 @@
-// The seam between causal_self_attention and a fused attention for the CUDA executor:
-// one kernel that computes softmax(Q Kᵀ · scale, causal) V without writing the
-// [tokens, tokens] logits to memory, and its backward pass from the softmax statistics.
+// The seam between causal_self_attention and a fused attention: one kernel that computes
+// softmax(Q Kᵀ · scale, causal) V without writing the [tokens, tokens] logits to memory,
+// and its backward pass from the softmax statistics.
 //
-// mpx's fused attention is cuDNN's SDPA through NVIDIA's cudnn-frontend. Its header costs
-// nvcc about two minutes per translation unit, so it is not included here: a program
-// that wants it includes <mpx/kernels/cudnn_attention.hpp> in one host source file
-// (compiled by the C++ compiler, linked with -lcudnn), which registers the
-// implementation below at start-up. Without that file, or where the implementation
-// refuses a shape, the layer runs its unfused path (two batched products around a
-// softmax kernel), the one the host executor runs, and says why once on stderr.
+// mpx's fused attention for the CUDA executor is cuDNN's SDPA through NVIDIA's
+// cudnn-frontend. Its header costs nvcc about two minutes per translation unit, so it is
+// not included here: a program that wants it includes <mpx/kernels/cudnn_attention.hpp>
+// in one host source file (compiled by the C++ compiler, linked with -lcudnn), which
+// registers the implementation below at start-up. Without that file, or where the
+// implementation refuses a shape, the layer runs its unfused path (two batched products
+// around a softmax kernel), the one the host executor runs, and says why once on stderr.
 //
-// Dropout on the attention weights runs inside the fused kernel: cuDNN draws the masks
-// (Philox, keyed by a seed the layer derives from its own seed and its count of training
-// forwards, in device memory so a captured step draws a fresh one each replay) and the
-// backward pass redraws them from the same key. They are cuDNN's draws, not the host
-// path's: dropout_keeps below says which weights a forward dropped.
+// A program may register an implementation for host memory too
+// (register_fused_attention<host_space>): then causal_self_attention on the host executor
+// runs the fused path. mpx's tests register a float64 reference there, which runs the
+// layer's fused path (every pointer, stride and dropout key it hands cuDNN) on the host.
+//
+// Dropout on the attention weights runs inside the fused kernel: the implementation draws
+// the masks (cuDNN: Philox, keyed by a seed the layer derives from its own seed and its
+// count of training forwards, in device memory so a captured step draws a fresh one each
+// replay) and the backward pass redraws them from the same key. They are the
+// implementation's draws, not the unfused path's: dropout_keeps below says which weights a
+// forward dropped.
 #pragma once
 
 #include <mpx/core/splitmix64.hpp>
 #include <mpx/exec/for_each.hpp>
+#include <mpx/exec/memory_space.hpp>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -57,6 +65,31 @@ struct fused_attention_shape {
   friend bool operator==(fused_attention_shape const&, fused_attention_shape const&) = default;
 };
 
+//! Where a fused attention's tensor lies, as cuDNN is told: element [b, h, t, d] (d = 0
+//! for the statistics) at dot(index, strides) elements from the tensor's pointer.
+struct fused_tensor_layout {
+  std::array<std::int64_t, 4> dims{}, strides{};
+  [[nodiscard]] constexpr std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t t,
+                                              std::int64_t d) const noexcept {
+    return b * strides[0] + h * strides[1] + t * strides[2] + d * strides[3];
+  }
+};
+//! Q, K, V and their gradients in the layer's token-major [batch * tokens, 3 * width]
+//! buffer: a row of qkv_row_stride elements per token, head h's values at h * head_width
+//! (K and V start width and 2 * width elements after Q).
+[[nodiscard]] constexpr fused_tensor_layout fused_qkv_layout(fused_attention_shape const& s) noexcept {
+  return {{s.batch, s.heads, s.tokens, s.head_width},
+          {s.tokens * s.qkv_row_stride, s.head_width, s.qkv_row_stride, 1}};
+}
+//! O and dO, token-major [batch * tokens, width].
+[[nodiscard]] constexpr fused_tensor_layout fused_o_layout(fused_attention_shape const& s) noexcept {
+  return {{s.batch, s.heads, s.tokens, s.head_width}, {s.tokens * s.o_row_stride, s.head_width, s.o_row_stride, 1}};
+}
+//! The softmax statistics (float), [batch, heads, tokens] packed.
+[[nodiscard]] constexpr fused_tensor_layout fused_stats_layout(fused_attention_shape const& s) noexcept {
+  return {{s.batch, s.heads, s.tokens, 1}, {s.heads * s.tokens, s.tokens, 1, 1}};
+}
+
 //! The forward pass: O and the softmax statistics (log-sum-exp per row, float,
 //! [batch, heads, tokens]) that the backward pass reads.
 struct fused_attention_forward_args {
@@ -65,8 +98,8 @@ struct fused_attention_forward_args {
   void const* v = nullptr;
   void* o = nullptr;
   float* stats = nullptr;
-  //! Where shape.dropout > 0: device memory holding the Philox {seed, offset} of this
-  //! forward (int64 each; fused_dropout_key writes them).
+  //! Where shape.dropout > 0: the {seed, offset} of this forward's draws (int64 each,
+  //! where the executor computes; fused_dropout_key writes them).
   std::int64_t const* dropout_key = nullptr;
   float* fp8_scalars = nullptr;  //!< io float8 only: see fused_fp8_slot
 };
@@ -86,11 +119,13 @@ struct fused_attention_backward_args {
   float* fp8_scalars = nullptr;               //!< io float8 only: see fused_fp8_slot
 };
 
-//! A fused attention implementation. `prepare` runs where buffers are reserved (never
-//! inside a CUDA-graph capture): it builds and caches what a shape needs and returns ""
-//! or why it cannot run the shape. forward and backward then launch work on the stream
-//! (a cudaStream_t), for shapes prepare accepted; on a stream prepare did not see they
-//! make its workspace first (outside a capture; inside one they refuse).
+//! A fused attention implementation, for the memory it is registered for
+//! (register_fused_attention). `prepare` runs where buffers are reserved (never inside a
+//! CUDA-graph capture): it builds and caches what a shape needs and returns "" or why it
+//! cannot run the shape. forward and backward then launch work on the stream (a
+//! cudaStream_t; null on the host), for shapes prepare accepted; on a stream prepare did
+//! not see they make its workspace first (outside a capture; inside one they refuse).
+//! The pointers lie as fused_qkv_layout, fused_o_layout and fused_stats_layout say.
 class fused_attention_backend {
  public:
   virtual ~fused_attention_backend() = default;
@@ -99,8 +134,8 @@ class fused_attention_backend {
   virtual void forward(fused_attention_shape const& shape, fused_attention_forward_args const& args, void* stream) = 0;
   virtual void backward(fused_attention_shape const& shape, fused_attention_backward_args const& args, void* stream) = 0;
   //! Which attention weights the forward with these arguments (shape.dropout > 0, Q, K,
-  //! V and the dropout key as that forward had them) dropped: keeps (float, device
-  //! memory, [batch, heads, tokens, fused_dropout_keeps_row(tokens)]) holds 1 at
+  //! V and the dropout key as that forward had them) dropped: keeps (float, in the
+  //! registered memory, [batch, heads, tokens, fused_dropout_keeps_row(tokens)]) holds 1 at
   //! [b, h, i, j] where weight (i, j) was kept, 0 where dropped. For tests and
   //! inspection: it reruns the forward pass with the masks written out (building that
   //! plan the first time), writes nothing else the caller sees (args.o and args.stats
@@ -118,8 +153,9 @@ class fused_attention_backend {
 [[nodiscard]] constexpr std::int64_t fused_dropout_keeps_row(std::int64_t tokens) noexcept { return (tokens + 3) / 4 * 4; }
 
 namespace detail {
-//! The registered implementation (nullptr: none). Set once at start-up by the file that
-//! defines one; read by every attention layer.
+//! The implementation registered for Space's memory (nullptr: none), read by every
+//! attention layer whose executor computes there. cuDNN's sets the device's at start-up.
+template <memory_space Space = device_space>
 inline fused_attention_backend*& fused_attention_slot() noexcept {
   static fused_attention_backend* backend = nullptr;
   return backend;
@@ -149,7 +185,20 @@ inline void note_unfused_attention(std::string const& why) {
 }
 }  // namespace detail
 
-//! The fused attention this program registered, or nullptr.
-[[nodiscard]] inline fused_attention_backend* fused_attention() noexcept { return detail::fused_attention_slot(); }
+//! The fused attention this program registered for Space's memory, or nullptr.
+template <memory_space Space = device_space>
+[[nodiscard]] inline fused_attention_backend* fused_attention() noexcept {
+  return detail::fused_attention_slot<Space>();
+}
+
+//! Makes `backend` (nullptr: none) the fused attention of the layers whose executor
+//! computes in Space's memory, from their next reserve on; returns the one it replaces.
+//! Not thread-safe: register before layers are reserved, as cuDNN's registers at start-up.
+template <memory_space Space>
+inline fused_attention_backend* register_fused_attention(fused_attention_backend* backend) noexcept {
+  fused_attention_backend* const previous = detail::fused_attention_slot<Space>();
+  detail::fused_attention_slot<Space>() = backend;
+  return previous;
+}
 
 }  // namespace mpx

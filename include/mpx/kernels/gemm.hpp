@@ -464,11 +464,38 @@ void host_gemm(gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const
 
 // ---- CUDA -----------------------------------------------------------------------------
 
-#if MPX_HAS_CUDA
-// From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile,
-// unless specialised (NVFP4's packed e2m1 pairs, in fp8_block_gemm.hpp).
-template <class T>
-inline constexpr cudaDataType_t cuda_data_type = dtype_traits<T>::cuda_data_type;
+//! One stored matrix as cuBLASLt sees it: column-major `rows` x `cols` with leading
+//! dimension `ld`, batch entries `batch_stride` elements apart (0: one matrix shared by
+//! every product), read transposed or not.
+struct column_major_matrix {
+  std::int64_t rows = 0, cols = 0, ld = 0, batch_stride = 0;
+  bool transposed = false;
+};
+
+//! A product in cuBLASLt's column-major terms, D = op(first) op(second) per batch entry.
+//! cuBLASLt is column-major, and a row-major X [r, c] is a column-major Xᵀ [c, r] with
+//! ld = c. So row-major C = op(A) op(B) is computed as column-major
+//! Cᵀ (N x M) = op(B)ᵀ (N x K) op(A)ᵀ (K x M): cuBLASLt's first operand is our B, its
+//! second our A, each with our transpose flag, its layout the stored matrix read as
+//! column-major (rows = the stored row length). Plain integers, so the host suite can
+//! check the translation (tests/kernels/test_gemm.cpp) that only a GPU runs.
+struct column_major_product {
+  column_major_matrix first;   //!< our B
+  column_major_matrix second;  //!< our A
+  column_major_matrix c;       //!< our C: N x M, never transposed
+  std::int64_t batch = 1;
+};
+
+//! The terms of the (already folded: fold_batch) row-major product d.
+inline column_major_product column_major_terms(gemm_dims const& d, bool ta, bool tb) {
+  bool const batched = d.batch > 1;
+  column_major_product t;
+  t.first = {tb ? d.k : d.n, tb ? d.n : d.k, tb ? d.k : d.n, batched ? d.stride_b : 0, tb};  // B [K, N] or [N, K]
+  t.second = {ta ? d.m : d.k, ta ? d.k : d.m, ta ? d.m : d.k, batched ? d.stride_a : 0, ta};  // A [M, K] or [K, M]
+  t.c = {d.n, d.m, d.n, batched ? d.stride_c : 0, false};
+  t.batch = d.batch;
+  return t;
+}
 
 //! The alignment cuBLASLt may assume for a matrix at p whose batch entries are
 //! stride_bytes apart: the largest power of two dividing both, at most 256.
@@ -476,6 +503,12 @@ inline std::uint32_t gemm_alignment(void const* p, std::int64_t stride_bytes) {
   std::uint64_t const v = reinterpret_cast<std::uintptr_t>(p) | static_cast<std::uint64_t>(stride_bytes) | 256u;
   return static_cast<std::uint32_t>(v & (~v + 1));
 }
+
+#if MPX_HAS_CUDA
+// From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile,
+// unless specialised (NVFP4's packed e2m1 pairs, in fp8_block_gemm.hpp).
+template <class T>
+inline constexpr cudaDataType_t cuda_data_type = dtype_traits<T>::cuda_data_type;
 
 //! `scales`, in cuBLASLt's terms (its A is our B), are the fp8 operands' inverse scales
 //! on the device (mpx::fp8_gemm); none for other products.
@@ -487,11 +520,8 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
     fail<invalid_argument>("gemm", "cuBLASLt takes extents up to 2^31 - 1; got M = " + std::to_string(d.m) +
                                        ", N = " + std::to_string(d.n) + ", K = " + std::to_string(d.k) +
                                        ", batch = " + std::to_string(d.batch));
-  // cuBLASLt is column-major, and a row-major X [r, c] is a column-major X^T [c, r] with
-  // ld = c. So row-major C = op(A) op(B) is computed as column-major
-  // C^T (N x M) = op(B)^T (N x K) op(A)^T (K x M): cuBLASLt's first operand is our B, its
-  // second our A, each with our transpose flag, its layout the stored matrix as
-  // column-major (rows = the stored row length).
+  // cuBLASLt's first operand is our B, its second our A (column_major_terms).
+  column_major_product const t = column_major_terms(d, ta, tb);
   lt_problem p;
   MPX_CUDA_CHECK(cudaGetDevice(&p.device));
   constexpr bool half_sums = std::is_same_v<Acc, half>;
@@ -500,22 +530,22 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
   p.c_type = cuda_data_type<TC>;
   p.scale_type = half_sums ? CUDA_R_16F : CUDA_R_32F;
   p.compute = half_sums ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F;  // never TF32: float32 means float
-  p.op_a = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  p.a_rows = static_cast<std::uint64_t>(tb ? d.k : d.n);  // B stored [K, N] -> col-major N x K
-  p.a_cols = static_cast<std::uint64_t>(tb ? d.n : d.k);
-  p.lda = static_cast<std::int64_t>(p.a_rows);
-  p.op_b = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  p.b_rows = static_cast<std::uint64_t>(ta ? d.m : d.k);  // A stored [M, K] -> col-major K x M
-  p.b_cols = static_cast<std::uint64_t>(ta ? d.k : d.m);
-  p.ldb = static_cast<std::int64_t>(p.b_rows);
-  p.c_rows = static_cast<std::uint64_t>(d.n);
-  p.c_cols = static_cast<std::uint64_t>(d.m);
-  p.ldc = d.n;
-  p.batch = static_cast<std::int32_t>(d.batch);
-  bool const batched = d.batch > 1;
-  p.stride_a = batched ? d.stride_b : 0;  // 0: shared by every product of the batch
-  p.stride_b = batched ? d.stride_a : 0;
-  p.stride_c = batched ? d.stride_c : 0;
+  auto const op = [](column_major_matrix const& x) { return x.transposed ? CUBLAS_OP_T : CUBLAS_OP_N; };
+  p.op_a = op(t.first);
+  p.op_b = op(t.second);
+  p.a_rows = static_cast<std::uint64_t>(t.first.rows);
+  p.a_cols = static_cast<std::uint64_t>(t.first.cols);
+  p.lda = t.first.ld;
+  p.b_rows = static_cast<std::uint64_t>(t.second.rows);
+  p.b_cols = static_cast<std::uint64_t>(t.second.cols);
+  p.ldb = t.second.ld;
+  p.c_rows = static_cast<std::uint64_t>(t.c.rows);
+  p.c_cols = static_cast<std::uint64_t>(t.c.cols);
+  p.ldc = t.c.ld;
+  p.batch = static_cast<std::int32_t>(t.batch);
+  p.stride_a = t.first.batch_stride;
+  p.stride_b = t.second.batch_stride;
+  p.stride_c = t.c.batch_stride;
   p.align_a = gemm_alignment(b, p.stride_a * static_cast<std::int64_t>(sizeof(TB)));
   p.align_b = gemm_alignment(a, p.stride_b * static_cast<std::int64_t>(sizeof(TA)));
   p.align_c = gemm_alignment(c, p.stride_c * static_cast<std::int64_t>(sizeof(TC)));

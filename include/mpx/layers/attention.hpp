@@ -30,8 +30,10 @@
 // On the CUDA executor, with half or bfloat16 storage, scaled logits and config.fused
 // left on, the three middle lines (dropout included) run as one fused kernel where the
 // program has one (<mpx/kernels/fused_attention.hpp>: cuDNN's SDPA, statistics in float,
-// no [tokens, tokens] tensor in memory); otherwise, and on the host executor always, as
-// written above. fused() says which path the latest forward took.
+// no [tokens, tokens] tensor in memory); otherwise as written above. The host executor
+// runs them as written, unless the program registered a fused attention for host memory
+// (mpx::register_fused_attention<host_space>; mpx's tests do). fused() says which path
+// the latest forward took.
 #pragma once
 
 #include <mpx/exec/step_executor.hpp>
@@ -186,14 +188,14 @@ class causal_self_attention : public layer_base {
     latest_plan_batch_ = fused_batch_;
     if (fp8_core()) {
       if constexpr (fp8_core_possible) attend_fp8(exec, tensor_view<input_type const, Space>(qkv), merged, d, training);
-    } else if (fused()) {  // (never on the host executor) Q, K, V read in place; O straight into merged
+    } else if (fused()) {  // Q, K, V read in place; O straight into merged
       attention_dims const planned = dims(latest_plan_batch_);
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       dropped_ = training && config_.dropout > 0.0f;
       if (dropped_)  // this forward's Philox key, where the count lives (a captured step draws anew each replay)
         detail::run_once(exec, detail::fused_dropout_key{dropout_seed_, dropout_step_.template view<Space>().data(),
                                                          fused_dropout_key_.template view<Space>().data()});
-      fused_attention()->forward(fused_shape(planned, dropped_),
+      fused_attention<Space>()->forward(fused_shape(planned, dropped_),
                                  {q, q + width_, q + 2 * width_, merged.data(), statistics<Space>(planned).data(),
                                   fused_key<Space>()},
                                  step_executor(exec).stream());
@@ -223,7 +225,7 @@ class causal_self_attention : public layer_base {
                     d_o.flat(0, tokens.size()).reshape(tokens));
       input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       input_type* const dq = d_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
-      fused_attention()->backward(fused_shape(planned, dropped_),
+      fused_attention<Space>()->backward(fused_shape(planned, dropped_),
                                   {q, q + width_, q + 2 * width_, merged.data(), d_o.data(),
                                    statistics<Space>(planned).data(), dq, dq + width_, dq + 2 * width_,
                                    fused_key<Space>()},
@@ -304,29 +306,27 @@ class causal_self_attention : public layer_base {
     if (!fused()) {  // mpx's Philox draws, as dropout_forward made them
       dropout_options const options = latest_dropout(exec);
       for (std::size_t i = 0; i < keeps.size(); ++i) keeps[i] = !above_diagonal(i) && dropout_keeps(options, i) ? 1 : 0;
-    } else if constexpr (!is_cuda_executor_v<Exec>) {
-      detail::fail<invalid_argument>(name(), "latest_dropout_keeps: the latest forward ran fused, on the CUDA executor: "
-                                             "ask with that executor");
     } else {
+      using Space = memory_space_t<Exec>;
       attention_dims const planned = dims(latest_plan_batch_);  // the plan that forward ran (a later reserve may differ)
       std::int64_t const row = fused_dropout_keeps_row(planned.tokens);
-      tensor<float, device_space> drawn(exec, shape{planned.batch * planned.heads, planned.tokens, row});
-      fill(exec, drawn, std::numeric_limits<float>::quiet_NaN());  // what cuDNN leaves unwritten stays NaN
+      tensor<float, Space> drawn(exec, shape{planned.batch * planned.heads, planned.tokens, row});
+      fill(exec, drawn, std::numeric_limits<float>::quiet_NaN());  // what the implementation leaves unwritten stays NaN
       bool const fp8 = fp8_core();
-      char const* const q = fp8 ? reinterpret_cast<char const*>(fp8_core_.template qkv8<device_space>())
-                                : reinterpret_cast<char const*>(qkv_tokens_.template view<device_space>().data());
+      char const* const q = fp8 ? reinterpret_cast<char const*>(fp8_core_.template qkv8<Space>())
+                                : reinterpret_cast<char const*>(qkv_tokens_.template view<Space>().data());
       std::int64_t const part = width_ * (fp8 ? 1 : static_cast<std::int64_t>(sizeof(input_type)));  // bytes from Q to K
       if (fp8) fp8_core_.gather_scalars(exec);
-      fused_attention()->dropout_keeps(fused_shape(planned, true),
-                                       {q, q + part, q + 2 * part, nullptr, nullptr, fused_key<device_space>(),
-                                        fp8 ? fp8_core_.template scalars<device_space>() : nullptr},
-                                       drawn.data(), step_executor(exec).stream());
+      fused_attention<Space>()->dropout_keeps(fused_shape(planned, true),
+                                              {q, q + part, q + 2 * part, nullptr, nullptr, fused_key<Space>(),
+                                               fp8 ? fp8_core_.template scalars<Space>() : nullptr},
+                                              drawn.data(), step_executor(exec).stream());
       auto const host = to_host(exec, view(drawn));
       for (std::size_t i = 0; i < keeps.size(); ++i) {  // the planned batch's first rows
         if (above_diagonal(i)) continue;  // (cuDNN may skip those tiles)
         float const drawn_keep = host[i / tokens * static_cast<std::size_t>(row) + i % tokens];
         if (drawn_keep != 0.0f && drawn_keep != 1.0f)
-          detail::fail<error>(name(), "latest_dropout_keeps: cuDNN's mask holds " + std::to_string(drawn_keep) +
+          detail::fail<error>(name(), "latest_dropout_keeps: the fused attention's mask holds " + std::to_string(drawn_keep) +
                                           " at entry " + std::to_string(i) + ", not 0 or 1");
         keeps[i] = drawn_keep != 0.0f ? 1 : 0;
       }
@@ -398,7 +398,7 @@ class causal_self_attention : public layer_base {
                                                          fused_dropout_key_.template view<Space>().data()});
       float8_e4m3 const* const q = fp8_core_.template qkv8<Space>();
       fp8_core_.gather_scalars(exec);
-      fused_attention()->forward(fused_shape(planned, dropped_),
+      fused_attention<Space>()->forward(fused_shape(planned, dropped_),
                                  {q, q + width_, q + 2 * width_, fp8_core_.template o8<Space>(),
                                   fp8_core_.template stats<Space>(), fused_key<Space>(), fp8_core_.template scalars<Space>()},
                                  step_executor(exec).stream());
@@ -427,7 +427,7 @@ class causal_self_attention : public layer_base {
       float8_e4m3 const* const q = fp8_core_.template qkv8<Space>();
       float8_e5m2* const dq = fp8_core_.template dqkv8<Space>();
       fp8_core_.gather_scalars(exec);
-      fused_attention()->backward(fused_shape(planned, dropped_),
+      fused_attention<Space>()->backward(fused_shape(planned, dropped_),
                                   {q, q + width_, q + 2 * width_, fp8_core_.template o8<Space>(),
                                    fp8_core_.template d_o8<Space>(), fp8_core_.template stats<Space>(), dq, dq + width_,
                                    dq + 2 * width_, fused_key<Space>(), fp8_core_.template scalars<Space>()},
@@ -509,33 +509,32 @@ class causal_self_attention : public layer_base {
   }
 
   // The fused path, where it can run this attention (else the reason, on stderr once).
+  // On the host only where the program registered a fused attention for host memory:
+  // without one the host's own path runs, with nothing to note.
   template <executor Exec>
   [[nodiscard]] bool fusable(Exec const& exec, attention_dims const& d) const {
-    if constexpr (!is_cuda_executor_v<Exec>) {
-      return false;
-    } else {
-      if (!config_.fused) return false;  // the user's choice: nothing to note
-      std::string why;
-      constexpr bool sixteen_bit = std::is_same_v<input_type, half> || std::is_same_v<input_type, bfloat16>;
-      if (!sixteen_bit && !fp8_core())  // (in fp8, Q K V are cast whatever the storage type)
-        why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
-              " (the fused attention takes half and bfloat16)";
-      else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
-        why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
-      else if (fp8_core() && config_.dropout > 0.0f)  // (docs/transformers.md, "The attention in fp8 too")
-        why = "dropout in fp8: cuDNN's fp8 backward graph, as cudnn-frontend writes it, puts no dropout mask on dP";
-      else if (fused_attention() == nullptr)
-        why = "this program has no fused attention (include <mpx/kernels/cudnn_attention.hpp> in one C++ source file "
-              "and link cuDNN: docs/transformers.md)";
-      else {  // a training forward's plan with dropout, and one without for the others
-        void* const stream = step_executor(exec).stream();
-        if (config_.dropout > 0.0f) why = fused_attention()->prepare(fused_shape(d, true), stream);
-        if (why.empty()) why = fused_attention()->prepare(fused_shape(d, false), stream);
-      }
-      if (why.empty()) return true;
-      detail::note_unfused_attention(fp8_core() ? why + " (its fp8 core runs mpx's kernels: right, and slow)" : why);
-      return false;
+    fused_attention_backend* const backend = fused_attention<memory_space_t<Exec>>();
+    if (!config_.fused || (is_host_executor_v<Exec> && backend == nullptr)) return false;  // nothing to note
+    std::string why;
+    constexpr bool sixteen_bit = std::is_same_v<input_type, half> || std::is_same_v<input_type, bfloat16>;
+    if (!sixteen_bit && !fp8_core())  // (in fp8, Q K V are cast whatever the storage type)
+      why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
+            " (the fused attention takes half and bfloat16)";
+    else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
+      why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
+    else if (fp8_core() && config_.dropout > 0.0f)  // (docs/transformers.md, "The attention in fp8 too")
+      why = "dropout in fp8: cuDNN's fp8 backward graph, as cudnn-frontend writes it, puts no dropout mask on dP";
+    else if (backend == nullptr)
+      why = "this program has no fused attention (include <mpx/kernels/cudnn_attention.hpp> in one C++ source file "
+            "and link cuDNN: docs/transformers.md)";
+    else {  // a training forward's plan with dropout, and one without for the others
+      void* const stream = step_executor(exec).stream();
+      if (config_.dropout > 0.0f) why = backend->prepare(fused_shape(d, true), stream);
+      if (why.empty()) why = backend->prepare(fused_shape(d, false), stream);
     }
+    if (why.empty()) return true;
+    detail::note_unfused_attention(fp8_core() ? why + " (its fp8 core runs mpx's kernels: right, and slow)" : why);
+    return false;
   }
   [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d, bool dropping) const {
     fused_attention_io const io = fp8_core()                     ? fused_attention_io::float8
