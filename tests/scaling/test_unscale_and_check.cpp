@@ -271,19 +271,21 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check never raises a false alarm", "[scalin
 TEMPLATE_LIST_TEST_CASE("unscale_and_check over more gradients than one launch holds", "[scaling]",
                         mpx_test::executors) {
   TestType exec;
-  // 1,610 single-pointer rows fit one launch's parameters: 4,000 tiny gradients need
-  // three launches per dtype, each gradient in exactly one.
-  mixed_gradients<TestType> g(exec, 4000, 7, 1.0, 40);
-  g.plant(exec, 3901, 0, std::numeric_limits<float>::infinity());
+  // 1,610 single-pointer rows fit one launch's parameters: 10,000 tiny gradients, 3,333
+  // or 3,334 of each dtype, need three launches per dtype, each gradient in exactly one.
+  // The inf is in a third launch (gradient 9,901 is bfloat16 number 3,300 of its dtype).
+  std::size_t const planted = 9901;
+  mixed_gradients<TestType> g(exec, 10000, 7, 1.0, 40);
+  g.plant(exec, planted, 0, std::numeric_limits<float>::infinity());
   mpx::gradient_list<TestType> list(exec, g.refs);
   auto s = scale_on(exec, 2.0f);
   mpx::unscale_and_check(exec, list, s.data(), 0.0f, mpx::unscaling::deferred);
-  CHECK(list.summary(exec).first_nonfinite == 3901);
-  CHECK(list.summary(exec).last_nonfinite == 3901);
+  CHECK(list.summary(exec).first_nonfinite == static_cast<std::int32_t>(planted));
+  CHECK(list.summary(exec).last_nonfinite == static_cast<std::int32_t>(planted));
   auto const ref = reference(g.values, 0.5);
   auto const norms = list.norms(exec);
   for (std::size_t i = 0; i < g.refs.size(); ++i) {
-    if (i == 3901) continue;
+    if (i == planted) continue;
     INFO("gradient " << i);
     REQUIRE(std::abs(norms[i] - ref.norms[i]) <= 1e-5 * ref.norms[i] + 1e-30);
   }

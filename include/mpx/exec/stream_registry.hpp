@@ -25,6 +25,14 @@ struct stream_handle_key {
   }
 };
 
+//! The key of `stream` (a cudaStream_t, as an address) on `device` in this thread.
+inline stream_handle_key stream_handle_key_of(int device, void const* stream) noexcept {
+  // The null handle (under --default-stream per-thread) and cudaStreamPerThread
+  // (((cudaStream_t)0x2) in CUDA's driver_types.h) name a different stream in each thread.
+  bool const per_thread = stream == nullptr || reinterpret_cast<std::uintptr_t>(stream) == 0x2;
+  return {device, reinterpret_cast<std::uintptr_t>(stream), per_thread ? std::this_thread::get_id() : std::thread::id{}};
+}
+
 //! Resources keyed by (device, stream id): a driver stream id (cudaStreamGetId) is never
 //! given to another stream, so a resource is never shared by two streams. Each handle
 //! key remembers the id it last named when used eagerly, for captures.

@@ -150,9 +150,7 @@ class lt_context {
   //! stream's handle may come back for a new stream. A capture finds the workspace that
   //! the same handle's last eager product used (one must have run: it made it).
   workspace workspace_for(int device, cudaStream_t stream, bool capturing) {
-    bool const per_thread = stream == nullptr || stream == cudaStreamPerThread;
-    stream_handle_key const key{device, reinterpret_cast<std::uintptr_t>(stream),
-                                per_thread ? std::this_thread::get_id() : std::thread::id{}};
+    stream_handle_key const key = stream_handle_key_of(device, stream);
     if (capturing) {
       std::lock_guard lock(mutex_);
       if (workspace const* ws = workspaces_.captured(key)) return *ws;
@@ -254,6 +252,30 @@ class lt_context {
                            "capturing");
   }
 
+  // Names for the message of a product cuBLASLt has no algorithm for.
+  static std::string type_name(cudaDataType_t t) {
+    switch (t) {
+      case CUDA_R_16F: return "half";
+      case CUDA_R_16BF: return "bfloat16";
+      case CUDA_R_32F: return "float";
+      case CUDA_R_8F_E4M3: return "e4m3";
+      case CUDA_R_8F_E5M2: return "e5m2";
+      case CUDA_R_4F_E2M1: return "e2m1";
+      default: return "cudaDataType " + std::to_string(static_cast<int>(t));
+    }
+  }
+  static std::string operand_name(cudaDataType_t t, std::int32_t scale_mode) {
+    switch (scale_mode) {
+      case 0: return type_name(t);
+      case CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F: return type_name(t) + " (rowwise scales)";
+      case CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F: return type_name(t) + " (1x128 block scales)";
+      case CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F: return type_name(t) + " (128x128 block scales)";
+      case CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0: return type_name(t) + " (1x32 E8M0 block scales)";
+      case CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3: return type_name(t) + " (1x16 UE4M3 block scales)";
+      default: return type_name(t) + " (scale mode " + std::to_string(scale_mode) + ")";
+    }
+  }
+
   static void set_layout(cublasLtMatrixLayout_t layout, std::int32_t batch, std::int64_t stride) {
     if (batch == 1) return;
     check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)),
@@ -286,7 +308,9 @@ class lt_context {
       check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)),
                    "cublasLtMatmulDescSetAttribute(POINTER_MODE)");
     }
-    if (p.a_scale_mode != 0 || p.b_scale_mode != 0) {  // set before the heuristic: it picks kernels by them
+    // Set before the heuristic, which picks kernels by them (as PyTorch's scaled_gemm and
+    // Transformer Engine set them), whenever the product has scales.
+    if (p.a_scale_mode != 0 || p.b_scale_mode != 0 || a_scale != nullptr || b_scale != nullptr) {
       check_cublas(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &p.a_scale_mode,
                                                   sizeof(p.a_scale_mode)),
                    "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)");
@@ -343,9 +367,13 @@ class lt_context {
                                     : found < 1                    ? CUBLAS_STATUS_NOT_SUPPORTED
                                                                    : result.state;
       std::uint64_t const k = p.op_a == CUBLAS_OP_N ? p.a_cols : p.a_rows;
+      // In mpx's terms: its A is cuBLASLt's B and its B cuBLASLt's A (cuda_gemm).
       throw cublas_error("mpx::gemm: cuBLASLt has no algorithm for this product (M x N x K = " +
                              std::to_string(p.c_cols) + " x " + std::to_string(p.c_rows) + " x " + std::to_string(k) +
-                             ", batch " + std::to_string(p.batch) + "): " + cublasLtGetStatusName(status),
+                             ", batch " + std::to_string(p.batch) + "; A " + operand_name(p.b_type, p.b_scale_mode) +
+                             ", B " + operand_name(p.a_type, p.a_scale_mode) + ", C " + type_name(p.c_type) +
+                             (p.alpha_beta_on_device ? ", alpha on the device" : "") +
+                             "): " + cublasLtGetStatusName(status),
                          static_cast<int>(status));
     }
     plan->algo = result.algo;

@@ -25,6 +25,7 @@
 #endif
 
 #include <mpx/core/error.hpp>
+#include <mpx/exec/stream_registry.hpp>
 #include <mpx/kernels/fused_attention.hpp>
 
 #include <cuda_runtime.h>
@@ -159,6 +160,7 @@ class cudnn_attention final : public fused_attention_backend {
       return;
     }
     std::lock_guard lock(mutex_);
+    std::erase_if(stream_ids_, [&](auto const& named) { return named.second == id; });
     auto const gone = std::partition(workspaces_.begin(), workspaces_.end(),
                                      [&](workspace const& w) { return w.stream_id != id; });
     if (gone == workspaces_.end()) return;
@@ -289,10 +291,7 @@ class cudnn_attention final : public fused_attention_backend {
   // A block it outgrows is kept (see retired).
   std::string workspace_for(int device, cudaStream_t stream, std::int64_t bytes) {
     unsigned long long id = 0;
-    if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
-      (void)cudaGetLastError();
-      return std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status);
-    }
+    if (std::string why = stream_id(device, stream, id); !why.empty()) return why;
     workspace* w = find_workspace(device, id);
     if (!w) w = &workspaces_.emplace_back(workspace{device, id, nullptr, 0, {}});
     if (w->bytes >= bytes) return "";
@@ -306,6 +305,16 @@ class cudnn_attention final : public fused_attention_backend {
     if (w->data) w->retired.push_back(w->data);
     w->data = grown;
     w->bytes = bytes;
+    return "";
+  }
+  // The driver id of `stream`, outside a capture, remembered under its handle for the
+  // captures that follow: "" or why it could not be had.
+  std::string stream_id(int device, cudaStream_t stream, unsigned long long& id) {
+    if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status);
+    }
+    stream_ids_[stream_handle_key_of(device, stream)] = id;
     return "";
   }
   // "" where the stream is not capturing a CUDA graph, else why work that allocates
@@ -339,16 +348,22 @@ class cudnn_attention final : public fused_attention_backend {
     if (!p || h == handles_.end())
       fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
                              "no plan for this shape on this device: the layer was not reserved on this executor");
+    // A capturing stream's driver id cannot be asked for (cudaStreamGetId refuses it):
+    // its workspace is the one the same handle's last eager pass used, as cuBLASLt's is.
+    std::string const capturing = not_capturing(cuda_stream);
     unsigned long long id = 0;
-    if (cudaError_t const status = cudaStreamGetId(cuda_stream, &id); status != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail_in(pass, std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status));
+    bool known = capturing.empty();
+    if (known) {
+      if (std::string why = stream_id(device, cuda_stream, id); !why.empty()) fail_in(pass, why);
+    } else if (auto const named = stream_ids_.find(stream_handle_key_of(device, stream)); named != stream_ids_.end()) {
+      id = named->second;
+      known = true;
     }
-    workspace const* w = find_workspace(device, id);
+    workspace const* w = known ? find_workspace(device, id) : nullptr;
     if (!w || w->bytes < p->workspace_bytes) {  // a stream the layer was not reserved on
-      if (std::string why = not_capturing(cuda_stream); !why.empty())
+      if (!capturing.empty())
         fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
-                               "no cuDNN workspace for this stream yet, and " + why);
+                               "no cuDNN workspace for this stream yet, and " + capturing);
       if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes); !why.empty()) fail_in(pass, why);
       w = find_workspace(device, id);
     }
@@ -560,6 +575,7 @@ class cudnn_attention final : public fused_attention_backend {
   std::vector<std::pair<key, std::unique_ptr<plan>>> plans_;  // a handful of shapes: a list is enough
   std::vector<std::pair<key, std::string>> refused_;          // shapes cuDNN refused, and why
   std::vector<workspace> workspaces_;                          // one per (device, stream)
+  std::map<stream_handle_key, unsigned long long> stream_ids_;  // the id each handle named when last used eagerly
   std::map<int, cudnnHandle_t> handles_;                       // one per device
 };
 

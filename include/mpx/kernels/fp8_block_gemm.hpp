@@ -12,10 +12,12 @@
 #include <mpx/core/block_formats.hpp>
 #include <mpx/core/dtype.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/exec/copy.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/for_each.hpp>
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/tensor.hpp>
+#include <mpx/kernels/elementwise.hpp>
 #include <mpx/kernels/fp8_gemm.hpp>
 #include <mpx/kernels/gemm.hpp>
 #include <mpx/kernels/fp8_block_layout.hpp>
@@ -189,6 +191,19 @@ float const* host_dequantize_blocks(fp8_block_operand<Format, Space, Scale> cons
   return out;
 }
 
+//! cuBLASLt's 1x128 and 128x128 scale modes take its M and N only in multiples of 4 (the
+//! cuBLAS documentation, "Scaling factors layouts"); its N is our M, A's rows (its
+//! operands are our B and A), and our N is a multiple of 16 already. Where A's rows are
+//! not, they are padded with zero rows (exact: they add nothing) and the product goes to
+//! a C of the padded rows, whose first M rows are copied out. The scales need no change:
+//! these layouts already hold pad4(M) rows (1x128) or whole 128-row tiles (128x128).
+//! Both executors pad, so the host suite runs what the GPU runs.
+inline constexpr std::int64_t block_scaled_row_multiple = 4;
+inline bool block_scaled_rows_padded(fp8_block_scale_layout const& a) noexcept {
+  return (a.kind == fp8_block_kind::vec128 || a.kind == fp8_block_kind::tile128) &&
+         a.outer % block_scaled_row_multiple != 0;
+}
+
 //! NVFP4 on the GPU: {alpha * decode(A) * decode(B), beta} where cuBLASLt reads them.
 struct nvfp4_alpha_beta {
   float* out;
@@ -240,7 +255,8 @@ inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
 //! blocks, two 128x128 operands, K that differs, N not a multiple of 16, C not [M, N], C
 //! overlapping an operand. On a cuda_executor too: pointers (scales included) not
 //! 16-byte aligned; for rowwise, 1x128 and 128x128 blocks a device other than Hopper
-//! (sm_90), for 1x32 blocks one older than Blackwell (sm_100).
+//! (sm_90), for 1x32 blocks one older than Blackwell (sm_100). Under 1x128 and 128x128
+//! blocks an M that is not a multiple of 4 costs a padded copy of A and of C.
 template <executor Exec, class FA, class FB, memory_space Space, class SA, class SB, tensor_like C>
 void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Space, SA> const& a,
                     fp8_block_operand<FB, Space, SB> const& b, C&& c, float alpha = 1.0f, float beta = 0.0f,
@@ -255,6 +271,24 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
   detail::require_disjoint("fp8_block_gemm", "C", cv, "A's scales", a.inverse_scales);
   detail::require_disjoint("fp8_block_gemm", "C", cv, "B's scales", b.inverse_scales);
   std::int64_t const m = a.layout.outer, n = b.layout.outer, k = a.layout.padded_k();
+  if constexpr (!std::is_same_v<FA, float4_e2m1x2>) {
+    if (detail::block_scaled_rows_padded(a.layout)) {
+      using TC = std::remove_const_t<value_t<C>>;
+      std::int64_t const rows = fp8_block_scale_layout::up(m, detail::block_scaled_row_multiple);
+      tensor<FA, Space> values(exec, shape{rows, k});
+      auto const flat = values.view().reshape(shape{rows * k});
+      copy(exec, a.values.reshape(shape{m * k}), flat.flat(0, static_cast<std::size_t>(m * k)));
+      fill(exec, flat.flat(static_cast<std::size_t>(m * k), static_cast<std::size_t>((rows - m) * k)), cast<FA>(0.0f));
+      fp8_block_operand<FA, Space, SA> const padded{values.view(), a.inverse_scales, {a.layout.kind, rows, a.layout.k},
+                                                    a.tensor_scale};
+      tensor<TC, Space> product(exec, shape{rows, n});
+      auto const first_rows = product.view().reshape(shape{rows * n}).flat(0, static_cast<std::size_t>(m * n)).reshape(cv.shape());
+      if (beta != 0.0f) copy(exec, cv, first_rows);
+      fp8_block_gemm(exec, padded, b, product, alpha, beta, loc);
+      copy(exec, first_rows, cv);
+      return;
+    }
+  }
   detail::gemm_dims const d{.batch = 1, .m = m, .n = n, .k = k, .stride_a = m * k, .stride_b = n * k, .stride_c = m * n};
   gemm_options const o{.transpose_a = false, .transpose_b = true, .alpha = alpha, .beta = beta};
   if constexpr (is_host_executor_v<Exec>) {

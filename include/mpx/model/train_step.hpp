@@ -381,9 +381,12 @@ class classifier_trainer {
     // A graph serves one batch shape and dtype: it was captured reading those bytes.
     // A capture follows an eager step in the same state (buffers, guard, tiers, hooks):
     // that step made whatever the captured one needs.
+    // (Not after release_gemm_resources since that eager step: the capture would find no
+    // cuBLASLt workspace for the stream, which only an eager product makes.)
     bool const replay = graph_exec_ ? images.shape() == graph_shape_ && detail::batch_type_key<T>() == graph_dtype_
                                     : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_ &&
-                                          graph_state_now() == eager_state_;
+                                          graph_state_now() == eager_state_ &&
+                                          detail::lt_context::instance().generation() == eager_gemm_generation_;
     if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
@@ -411,6 +414,7 @@ class classifier_trainer {
         eager_shape_ = images.shape();
         eager_dtype_ = detail::batch_type_key<T>();
         eager_state_ = graph_state_now();
+        eager_gemm_generation_ = detail::lt_context::instance().generation();
       }
     } catch (...) {
       // What was enqueued (a copy of the caller's batch, say) still runs on the side
@@ -443,6 +447,7 @@ class classifier_trainer {
         cudaStreamEndCapture(stream, &graph);  // invalidated, most likely: the error is not the news
         if (graph) cudaGraphDestroy(graph);
         static_cast<void>(cudaGetLastError());  // nor may it be blamed on the next launch
+        eager_shape_ = shape{0};  // the next step runs eagerly (and may make what this capture lacked)
         throw;
       }
       MPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -484,6 +489,7 @@ class classifier_trainer {
   void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
   void const* eager_dtype_ = nullptr;
   graph_state eager_state_{};  // at the latest eager step
+  std::uint64_t eager_gemm_generation_ = 0;  // detail::lt_context's, at the latest eager step
   graph_state captured_state_{};
   std::uint64_t captured_gemm_generation_ = 0;
   typename Model::in_flight captured_in_flight_{};
