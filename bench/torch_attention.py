@@ -11,7 +11,15 @@ after a warm-up, timed with CUDA events:
     dtype; PyTorch's autocast does too);
   * sdpa: torch.nn.functional.scaled_dot_product_attention(is_causal=True), which picks a
     fused kernel (FlashAttention, cuDNN's or the memory-efficient one) that never writes
-    the T x T matrix: what mpx's fused path (cuDNN's SDPA) runs beside.
+    the T x T matrix: what mpx's fused path (cuDNN's SDPA) runs beside. Which one it
+    picks differs between PyTorch versions, so on a GPU two more rows name the backend
+    (bfloat16): sdpa-cudnn (SDPBackend.CUDNN_ATTENTION, the kernel family mpx runs) and
+    sdpa-flash (SDPBackend.FLASH_ATTENTION).
+
+Every forward is timed as a training forward (autograd recording, the graph discarded),
+as transformer_bench times mpx's. PyTorch's SDPA backward is not deterministic by
+default (dQ summed with atomics); mpx's cuDNN backward is, which on Hopper costs a dP
+workspace written and read in every backward pass.
 
 TFLOP/s counts what transformer_bench counts: the projections (8 N D^2 for N = B T tokens)
 and the causal half of the two [T, T] products (2 B T^2 D) forward, backward twice that.
@@ -34,7 +42,7 @@ def attention(torch, x, qkv, out, heads, fused):
     b, t, d = x.shape
     q, k, v = qkv(x).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
     if fused:
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the backend: see forms)
     else:
         s = (q @ k.transpose(-1, -2)) * (1.0 / (d // heads) ** 0.5)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
@@ -78,8 +86,19 @@ def main():
     device = torch.device(args.device)
     sizes = SMALL_SIZES if args.small or device.type == "cpu" else GPU_SIZES
     unit, scale = ("TFLOP/s", 1e12) if device.type == "cuda" else ("GFLOP/s", 1e9)
-    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU'}; "
-          f"median of {args.repeat} runs")
+    cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU'}"
+          f"{f', cuDNN {cudnn}' if cudnn else ''}; median of {args.repeat} runs")
+    # (form, fused, the SDPA backend it is held to: None lets PyTorch choose)
+    forms = [("unfused", False, None), ("sdpa", True, None)]
+    backends = None
+    if device.type == "cuda":
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            backends = sdpa_kernel
+            forms += [("sdpa-cudnn", True, SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", True, SDPBackend.FLASH_ATTENTION)]
+        except ImportError:
+            print("torch_attention: this PyTorch has no torch.nn.attention.sdpa_kernel; the sdpa rows are its choice")
     print(f"{'form':<10} {'dtype':<9} {'B x T x D / heads':<22} {'fwd (ms)':>10} {unit:>9} {'fwd+bwd (ms)':>13} {unit:>9}")
     torch.manual_seed(0)
     for b, t, d, h in sizes:
@@ -91,20 +110,31 @@ def main():
             x = torch.randn(b, t, d, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn(b, t, d, device=device, dtype=dtype) * 0.01
             flops = 8 * b * t * d * d + 2 * b * t * t * d
-            for fused in (False, True):
+            for name, fused, backend in forms:
+                if backend is not None and dtype != torch.bfloat16:
+                    continue  # the named backends in bfloat16 only: the kit's time is short
+
                 def forward():
-                    with torch.no_grad():
-                        attention(torch, x, qkv, out, h, fused)
+                    attention(torch, x, qkv, out, h, fused)  # a training forward; the graph is dropped
 
                 def forward_backward():
                     y = attention(torch, x, qkv, out, h, fused)
                     y.backward(dy)
 
-                fwd = timed(torch, device, args.repeat, forward)
-                both = timed(torch, device, args.repeat, forward_backward)
-                name = "sdpa" if fused else "unfused"
-                print(f"{name:<10} {str(dtype).removeprefix('torch.'):<9} {f'{b}x{t}x{d} / {h}':<22} "
-                      f"{fwd * 1e3:>10.3f} {flops / fwd / scale:>9.1f} {both * 1e3:>13.3f} {3 * flops / both / scale:>9.1f}")
+                label = f"{name:<10} {str(dtype).removeprefix('torch.'):<9} {f'{b}x{t}x{d} / {h}':<22}"
+                try:
+                    if backend is None:
+                        fwd = timed(torch, device, args.repeat, forward)
+                        both = timed(torch, device, args.repeat, forward_backward)
+                    else:
+                        with backends(backend):
+                            fwd = timed(torch, device, args.repeat, forward)
+                            both = timed(torch, device, args.repeat, forward_backward)
+                except RuntimeError as e:  # the backend does not take this shape here
+                    print(f"{label} not available: {str(e).splitlines()[0][:100]}")
+                    continue
+                print(f"{label} {fwd * 1e3:>10.3f} {flops / fwd / scale:>9.1f} {both * 1e3:>13.3f} "
+                      f"{3 * flops / both / scale:>9.1f}")
     return 0
 
 

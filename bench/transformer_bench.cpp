@@ -14,7 +14,10 @@
 // program keeps per stream, is reported once, apart).
 //
 //   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
-//                     [--path fused|unfused|both] [--dropout P] [--fp8]
+//                     [--widths W[,W]] [--path fused|unfused|both] [--dropout P] [--fp8]
+//
+// --widths picks among the two models (768: GPT-2 small's heads of 64; 1024: heads of
+// 128), the wider first.
 //
 // --dropout P drops attention weights with probability P in the training forwards (inside
 // the fused kernel where it runs): what dropout costs each path.
@@ -23,9 +26,11 @@
 // attention between them in bfloat16 ("fp8 proj"), and the attention in fp8 too
 // ("fp8 all": fp8_attention, cuDNN's fp8 SDPA where it runs, mpx's fp8 core elsewhere).
 //
-// TFLOP/s counts the model's products once, as FlashAttention's papers do: the two
-// projections (8 N D^2 for N tokens of width D) and, under the causal mask, half of each
-// [T, T] product (2 B T^2 D for QK^T and P V together); backward twice the forward.
+// TFLOP/s counts the model's products once: the two projections (8 N D^2 for N tokens of
+// width D) and, under the causal mask, half of each [T, T] product (2 B T^2 D for QK^T and
+// P V together) forward, and twice that backward (fwd+bwd three times the forward).
+// FlashAttention's papers count the attention's backward as 2.5 times its forward (it
+// recomputes Q K^T), so their fwd+bwd rates for attention alone read 7/6 of this count's.
 // bench/torch_attention.py times PyTorch's same layer (unfused and through
 // scaled_dot_product_attention) at the same sizes; bench/NOTES.md has the predictions and
 // results. Every output is checked finite and not all zero before its row prints.
@@ -54,23 +59,28 @@ struct options {
   bool fused = true, unfused = true;
   float dropout = 0.0f;  // on the attention weights
   bool fp8 = false;      // the layer under mixed_fp8, its core in bfloat16 and in fp8
+  std::vector<std::int64_t> widths{1024, 768};  // the models timed, in this order
 };
 
 struct attention_size {
   std::int64_t batch, tokens, width, heads;
 };
 
-//! GPT-2 small's width and heads (head width 64) and a width-1,024 model with heads of
-//! 128, each at every sequence length, 16,384 tokens a batch on the GPU.
+//! A width-1,024 model with heads of 128 and GPT-2 small's width and heads (head width
+//! 64), each at every sequence length, 16,384 tokens a batch on the GPU. The wider first:
+//! on Hopper cuDNN's fp8 backward takes heads of 128 only, and under --fp8 the narrower
+//! model's fp8 rows run mpx's fp8 core, slowly.
 std::vector<attention_size> sizes_for(options const& opt, bool gpu) {
   if (opt.small) return {{2, 16, 32, 2}};
   std::vector<std::int64_t> const tokens =
       !opt.tokens.empty() ? opt.tokens : gpu ? std::vector<std::int64_t>{1024, 2048, 4096} : std::vector<std::int64_t>{128, 256};
   std::int64_t const tokens_per_batch = gpu ? 16384 : 512;
   std::vector<attention_size> out;
-  for (auto const& [width, heads] : {std::pair<std::int64_t, std::int64_t>{768, 12}, {1024, 8}})
-    for (auto const t : tokens)
+  for (std::int64_t const width : opt.widths)
+    for (auto const t : tokens) {
+      std::int64_t const heads = width == 768 ? 12 : 8;
       out.push_back({std::max<std::int64_t>(1, tokens_per_batch / t), t, gpu ? width : width / 4, gpu ? heads : heads / 2});
+    }
   return out;
 }
 
@@ -188,7 +198,8 @@ void run_all(Exec const& exec, options const& opt) {
   }
   if (gpu)
     std::printf("(memory: what each layer holds in the stream-ordered pool; beside the rows, the program keeps %lld "
-                "MiB of fused-attention workspace for the stream)\n",
+                "MiB of fused-attention workspace for the stream: each size it grew to, since a workspace keeps the "
+                "blocks it outgrew for graphs captured on them)\n",
                 static_cast<long long>(std::llround(static_cast<double>(workspace_bytes) / (1 << 20))));
 }
 
@@ -198,12 +209,18 @@ int main(int argc, char** argv) try {
   options opt;
   mpx_programs::command_line args(argc, argv,
                                   "[--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]\n"
-                                  "          [--path fused|unfused|both] [--dropout P] [--fp8]");
+                                  "          [--widths W[,W]] [--path fused|unfused|both] [--dropout P] [--fp8]");
   while (args.next()) {
     if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
     else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
     else if (args.is("--small")) opt.small = true;
     else if (args.is("--tokens")) opt.tokens = args.wholes<std::int64_t>(1, 65'536);
+    else if (args.is("--widths")) {
+      opt.widths = args.wholes<std::int64_t>(768, 1024);
+      for (std::int64_t const w : opt.widths)
+        if (w != 768 && w != 1024)
+          throw mpx_programs::usage_error("--widths takes 768 and 1024 (the two models), got " + std::to_string(w));
+    }
     else if (args.is("--path")) {
       std::string const path = args.choice({"fused", "unfused", "both"});
       opt.fused = path != "unfused";

@@ -12,8 +12,12 @@
 #                                run  command="bash scripts/gpu_run.sh perf"   carry=[".gpu"]
 #
 # BUILD_DIR (default: build-cuda if it exists, else build) is a build directory configured
-# with -Dcuda=enabled whose targets are built (.ci/run builds build-cuda); this script builds
-# nothing but gpu_probe. --only packs just what one phase of gpu_run.sh needs, for when the
+# as .ci/run configures build-cuda (-Dcuda=enabled -Dgpu_architectures=90 -Dbenchmarks=true
+# -Dhost_isa=baseline -Donednn=disabled) whose targets are built. This script builds
+# gpu_probe, and rebuilds the CUDA objects of BUILD_DIR that are older than a source: Meson
+# 1.0 records no header dependencies for nvcc, so ninja alone never rebuilds them after a
+# header or a test file changes, and a kit would pack programs built from older headers
+# (or mixing two versions of them). --only packs just what one phase of gpu_run.sh needs, for when the
 # whole kit does not fit. The check at the end counts everything the device call sends, the
 # working tree (tracked files, untracked files git does not ignore, shared/) and .gpu/,
 # against the 64 MiB a call carries.
@@ -39,7 +43,7 @@ case $only in all|tests|perf) ;; *) die "--only takes tests or perf, not '$only'
 if [ -z "$build" ]; then
   if [ -d build-cuda ]; then build='build-cuda'; else build='build'; fi
 fi
-[ -d "$build" ] || die "no build directory $build (configure one: meson setup build-cuda -Dcuda=enabled -Dgpu_architectures=90 && meson compile -C build-cuda)"
+[ -d "$build" ] || die "no build directory $build (configure one: meson setup build-cuda -Dcuda=enabled -Dgpu_architectures=90 -Dbenchmarks=true -Donednn=disabled -Dhost_isa=baseline && meson compile -C build-cuda)"
 if [ "$only" != perf ] && [ ! -x "$build/tests/mpx_tests_cuda" ]; then
   die "$build has no tests/mpx_tests_cuda: configure it with -Dcuda=enabled and build it (meson compile -C $build), or pass another build directory"
 fi
@@ -60,9 +64,22 @@ case ",${archs// /}," in
   ,native,) echo "gpu_kit: warning: $build was built for gpu_architectures=native, the GPUs of the machine that built it, not necessarily sm_90 (H100/H200)" >&2 ;;
   *) echo "gpu_kit: warning: $build has no sm_90 code (gpu_architectures=$archs): on an H100/H200 the driver compiles PTX at start, if there is PTX for an older architecture at all" >&2 ;;
 esac
-newer=$(find "$source_dir/include" "$source_dir/tests" "$source_dir/examples" "$source_dir/bench" -type f \
-  \( -name '*.hpp' -o -name '*.cpp' -o -name '*.cu' \) -newer "$build/tests/mpx_tests_cuda" -print -quit 2>/dev/null || true)
-[ -z "$newer" ] || echo "gpu_kit: warning: sources changed after $build was built (e.g. $newer): meson compile -C $build first, unless the older build is what you mean to run" >&2
+isa=$(meson_info intro-buildoptions.json '",".join(str(o["value"]) for o in j if o["name"] == "host_isa")')
+[ -z "$isa" ] || [ "$isa" = baseline ] ||
+  echo "gpu_kit: warning: $build compiles its C++ objects with host_isa=$isa (-march=native here), which the GPU machine's CPU may lack: configure it with -Dhost_isa=baseline, as .ci/run does" >&2
+# The newest source, and every CUDA object older than it: deleted and rebuilt.
+newest=$(find "$source_dir/include" "$source_dir/tests" "$source_dir/examples" "$source_dir/bench" -type f \
+  \( -name '*.hpp' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.in' \) -printf '%T@ %p\n' 2>/dev/null |
+  sort -n | tail -n 1 | cut -d' ' -f2-)
+if [ -n "$newest" ]; then
+  stale=$(find "$build" -name '*.cu.o' ! -newer "$newest" -print 2>/dev/null || true)
+  if [ -n "$stale" ]; then
+    [ -f "$build/build.ninja" ] || die "$build has CUDA objects older than $newest, and no build.ninja to rebuild them with"
+    echo "gpu_kit: $(printf '%s\n' "$stale" | wc -l) CUDA objects of $build are older than $newest (nvcc's header dependencies are not recorded): rebuilding them"
+    printf '%s\n' "$stale" | xargs -r rm -f
+    ninja -C "$build" || die "rebuilding $build failed"
+  fi
+fi
 
 kit=.gpu
 rm -rf "$kit"
@@ -84,7 +101,7 @@ fi
 # gpu_probe: a device, an allocation, a kernel and a copy back, with the runtime linked
 # statically, so that it tells a broken driver or device apart from a missing library.
 nvcc=${GPU_KIT_NVCC:-}
-[ -n "$nvcc" ] || nvcc=$(meson_info intro-compilers.json 'j["host"]["cuda"]["exelist"][0]')
+[ -n "$nvcc" ] || nvcc=$(meson_info intro-compilers.json 'next((e for e in j["host"]["cuda"]["exelist"] if e.endswith("nvcc")), "")')
 [ -n "$nvcc" ] || nvcc=$(command -v nvcc || true)
 [ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; } || true
 if [ "$nvcc" = none ] || [ -z "$nvcc" ]; then
@@ -167,18 +184,20 @@ while read -r name path; do
   esac
 done < <(printf '%s\n' "$ldd_out" | awk '/=> \// {print $1, $3}' | sort -u)
 not_here=$(printf '%s\n' "$ldd_out" | awk '/=> not found/ {print $1}' | sort -u | tr '\n' ' ')
+case " $(printf '%s\n' "$ldd_out" | awk '{print $1}' | tr '\n' ' ')" in
+  *" libdnnl.so"*) echo "gpu_kit: warning: the programs link oneDNN (40 MB, and libgomp): configure $build with -Donednn=disabled, as .ci/run does, or the kit may not fit" >&2 ;;
+esac
 [ ${#device_provides[@]} -eq 0 ] ||
   echo "gpu_kit: left for the GPU machine to provide: ${device_provides[*]} (gpu_run.sh looks in its CUDA toolkit and Python's nvidia-* packages)"
 [ -z "$not_here" ] ||
   echo "gpu_kit: not found on this machine, so not packed (gpu_run.sh looks for them there): $not_here"
 echo "gpu_kit: packed libraries: $(cd "$stage" && find lib fallback -type f -printf '%p ')"
 
-if [ "$only" != tests ]; then
-  # char_lm's corpus: the fortune files themselves (2.6 MB), not fortune's indexes
-  mkdir -p "$kit/data/fortunes"
-  find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} "$kit/data/fortunes/" \; 2>/dev/null ||
-    echo "gpu_kit: warning: no fortunes under /usr/share/games/fortunes (scripts/setup.sh installs them)" >&2
-fi
+# char_lm's corpus, which the suite's text-corpus cases read too (gpu_run.sh links it where
+# they look for it): the fortune files themselves (2.6 MB), not fortune's indexes.
+mkdir -p "$kit/data/fortunes"
+find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} "$kit/data/fortunes/" \; 2>/dev/null ||
+  echo "gpu_kit: warning: no fortunes under /usr/share/games/fortunes (scripts/setup.sh installs them)" >&2
 # Both phases run the main example on Fashion-MNIST.
 data=${GPU_KIT_DATA:-/usr/share/datasets/fashion-mnist}
 mkdir -p "$kit/data/fashion-mnist"
@@ -192,6 +211,7 @@ cp "$data"/*.gz "$kit/data/fashion-mnist/" 2>/dev/null ||
   [ "$commit" = unknown ] || git -C "$source_dir" diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
   echo "commit $commit"
   echo "build $(cd "$build" && pwd), packed $(date -u '+%Y-%m-%d %H:%M UTC') for phase $only"
+  echo "source $source_dir"  # compiled into the suite's doc-quote cases: gpu_run.sh links it to the device's checkout
   echo "programs $(find "$stage/bin" -type f -printf '%f ')"
 } > "$kit/info"
 # Programs and libraries shrink about fivefold under xz (the data is gzip already);

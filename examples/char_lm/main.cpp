@@ -56,15 +56,14 @@
 #include <mpx/mpx.hpp>
 
 #include "../common/command_line.hpp"
+#include "../common/memory_peak.hpp"
 
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -110,6 +109,7 @@ struct outcome {
   std::size_t skipped = 0;
   float final_scale = 0;
   double peak_mib = 0;
+  char const* memory_kind = "";  // what peak_mib measures
   std::string sample;
   std::string shadow_table;  // --shadow: the layers' errors against their float32 twins
 };
@@ -200,14 +200,6 @@ struct first_batches {
   }
 };
 
-double peak_mib() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
-}
 
 // The cross-entropy (nats per byte) of a unigram model fitted on `train` (add-one
 // smoothing), on `validation`: the loss a model that ignores the context reaches.
@@ -252,17 +244,10 @@ std::string sample_text(Exec const& exec, Model& model, std::string const& promp
   return out;
 }
 
-// Linux keeps a process's peak resident size; writing 5 to clear_refs resets it, so each
-// policy's run reports its own.
-void reset_peak() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-}
-
 template <class P, class Exec>
 outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) {
   using storage = typename P::storage_type;
-  reset_peak();
+  mpx_programs::memory_peak<Exec> const peak;  // this run's, from here
   auto model = make_gpt<P>(s);
   model.build(exec, {s.context}, s.seed);
   std::printf("\n== %s on the %s executor: %zu parameters\n", std::string(P::name).c_str(),
@@ -327,7 +312,8 @@ outcome train(Exec const& exec, settings const& s, mpx::text_split const& text) 
     mpx::loss_scale_optimizer optimizer(std::move(adam), mpx::static_loss_scaler(exec, 1.0f));
     run(optimizer);
   }
-  o.peak_mib = peak_mib();
+  o.peak_mib = peak.mib();
+  o.memory_kind = peak.kind();
   o.sample = sample_text(exec, model, "Q: ", s.sample, s.context, s.seed);
   return o;
 }
@@ -595,6 +581,7 @@ int main(int argc, char** argv) try {
   if (peak > 0)
     std::printf("(MFU: the model's FLOP rate over this GPU's dense bfloat16 peak at its highest clock, %.0f TFLOP/s)\n",
                 peak / 1e12);
+  if (!results.empty()) std::printf("(peak memory: %s)\n", results.front().memory_kind);
   std::printf("%-16s %16.4f   (a model that ignores the context; nats per byte)\n", "unigram", unigram);
   for (auto const& r : results) std::printf("\n-- sampled from %s:\n%s\n", r.policy.c_str(), r.sample.c_str());
   for (auto const& r : results)

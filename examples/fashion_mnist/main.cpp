@@ -52,8 +52,8 @@
 #endif
 
 #include "../common/command_line.hpp"
+#include "../common/memory_peak.hpp"
 
-#include <sys/resource.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -150,51 +150,12 @@ auto make_cnn() {
                             mpx::softmax_layer<mpx::float32>());
 }
 
-// Linux keeps a process's peak resident size (VmHWM in /proc/self/status), and writing
-// 5 to /proc/self/clear_refs resets it: so each policy's run reports its own peak. Where
-// that cannot be done, the figure is the peak of the whole process so far.
-bool reset_host_peak() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";
-  clear.close();
-  return !clear.fail();
-}
-
-double host_peak_mib() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;  // in kB
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;  // kilobytes on Linux
-}
-
 template <class P, class Exec>
 outcome train(Exec const& exec, settings const& s, cluster const& job, mpx::image_dataset const& train_set,
               mpx::image_dataset const& test_set) {
   using storage = typename P::storage_type;
   constexpr bool on_gpu = !mpx::is_host_executor_v<Exec>;
-  [[maybe_unused]] bool host_peak_is_this_run = false;
-#if MPX_HAS_CUDA
-  // The GPU figure: the high-water marks of the stream-ordered pool (tensors) and of the
-  // graph pool (what a captured step allocates), plus cuBLASLt's workspaces, which are
-  // plain allocations. The two marks may be reached at different times, so their sum is
-  // an upper bound. The previous run's frees are let finish before the marks are reset.
-  [[maybe_unused]] int device = 0;
-  [[maybe_unused]] cudaMemPool_t pool{};
-  if constexpr (on_gpu) {
-    MPX_CUDA_CHECK(cudaDeviceSynchronize());
-    MPX_CUDA_CHECK(cudaGetDevice(&device));
-    MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-    std::uint64_t zero = 0;
-    MPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
-    MPX_CUDA_CHECK(cudaDeviceSetGraphMemAttribute(device, cudaGraphMemAttrUsedMemHigh, &zero));
-  } else {
-    host_peak_is_this_run = reset_host_peak();
-  }
-#else
-  host_peak_is_this_run = reset_host_peak();
-#endif
+  mpx_programs::memory_peak<Exec> const peak;  // this run's, from here
 
   auto model = make_cnn<P>();
   model.build(exec, {28, 28, 1}, s.seed);
@@ -252,19 +213,8 @@ outcome train(Exec const& exec, settings const& s, cluster const& job, mpx::imag
     run(optimizer);
   }
 
-  if constexpr (on_gpu) {
-#if MPX_HAS_CUDA
-    std::uint64_t pool_high = 0, graph_high = 0;
-    MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &pool_high));
-    MPX_CUDA_CHECK(cudaDeviceGetGraphMemAttribute(device, cudaGraphMemAttrUsedMemHigh, &graph_high));
-    double const bytes = static_cast<double>(pool_high + graph_high + mpx::gemm_workspace_bytes());
-    o.peak_memory_mib = bytes / (1024.0 * 1024.0);
-    o.memory_kind = "GPU (pools' high-water + cuBLASLt workspaces)";
-#endif
-  } else {
-    o.peak_memory_mib = host_peak_mib();
-    o.memory_kind = host_peak_is_this_run ? "host (peak RSS of this run)" : "host (process peak RSS)";
-  }
+  o.peak_memory_mib = peak.mib();
+  o.memory_kind = peak.kind();
   return o;
 }
 

@@ -187,7 +187,17 @@ expect "$tmp/kit-tests.list" '^bin/gpu_probe$' "--only tests packs gpu_probe"
 expect "$tmp/kit-tests.list" '^bin/fashion_mnist$' "--only tests packs the main example (one epoch in the tests phase)"
 expect_not "$tmp/kit-tests.list" 'binary_classifier|_bench' "--only tests packs no other example and no benchmark"
 [ -f "$repo/.gpu/data/fashion-mnist/train-images-idx3-ubyte.gz" ] || fail "--only tests did not pack Fashion-MNIST"
-[ ! -e "$repo/.gpu/data/fortunes" ] || fail "--only tests packed the fortunes"
+[ ! -d /usr/share/games/fortunes ] || [ -n "$(ls -A "$repo/.gpu/data/fortunes" 2> /dev/null)" ] ||
+  fail "--only tests did not pack the fortunes (the suite's text-corpus cases read them)"
+
+# A CUDA object older than a source (nvcc's header dependencies are not recorded) is
+# rebuilt, or, with nothing to rebuild it with, refused.
+touch -d '2000-01-01' "$build/stale.cu.o"
+if "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" --only tests > "$tmp/kit-stale.log" 2>&1; then
+  fail "gpu_kit.sh packed a build with a stale CUDA object" "$tmp/kit-stale.log"
+fi
+expect "$tmp/kit-stale.log" 'CUDA objects older than' "gpu_kit.sh names the stale CUDA objects"
+rm -f "$build/stale.cu.o"
 
 "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" > "$tmp/kit.log" 2>&1 || fail "gpu_kit.sh failed" "$tmp/kit.log"
 tar -tJf "$repo/.gpu/programs.tar.xz" > "$tmp/kit.list"
@@ -197,6 +207,7 @@ done
 expect_not "$tmp/kit.list" 'fashion_mnist\.p|libmpxfake' "the kit holds no folder and no library found nowhere here"
 expect "$tmp/tools/nvcc.args" 'code=sm_90' "gpu_probe is built for sm_90"
 expect "$repo/.gpu/info" '^commit ' "the kit records the commit"
+expect "$repo/.gpu/info" '^source /' "the kit records the source folder the suite reads its docs under"
 [ -f "$repo/.gpu/data/fashion-mnist/train-images-idx3-ubyte.gz" ] || fail "the kit has no Fashion-MNIST" "$tmp/kit.log"
 expect "$tmp/kit.log" 'not found on this machine.*libmpxfake_site\.so\.1' "gpu_kit.sh names the libraries it cannot pack"
 carried=$(sed -n 's/.*carries [0-9.]* MiB (\([0-9]*\) bytes.*/\1/p' "$tmp/kit.log")
