@@ -15,12 +15,17 @@
 //
 //   transformer_bench [--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]
 //                     [--widths W[,W]] [--path fused|unfused|both] [--dropout P] [--fp8]
+//                     [--nondeterministic]
 //
 // --widths picks among the two models (768: GPT-2 small's heads of 64; 1024: heads of
 // 128), the wider first.
 //
 // --dropout P drops attention weights with probability P in the training forwards (inside
 // the fused kernel where it runs): what dropout costs each path.
+//
+// --nondeterministic lets the fused backward sum dQ with atomics (the layer's
+// deterministic = false), as PyTorch's SDPA does by default: what mpx's bit-for-bit
+// backward costs beside it.
 //
 // --fp8 times the layer under mpx::mixed_fp8 instead: the projections in fp8 with the
 // attention between them in bfloat16 ("fp8 proj"), and the attention in fp8 too
@@ -59,6 +64,7 @@ struct options {
   bool fused = true, unfused = true;
   float dropout = 0.0f;  // on the attention weights
   bool fp8 = false;      // the layer under mixed_fp8, its core in bfloat16 and in fp8
+  bool deterministic = true;  // the fused backward in a fixed order (the layer's default)
   std::vector<std::int64_t> widths{1024, 768};  // the models timed, in this order
 };
 
@@ -125,7 +131,8 @@ row time_attention(Exec const& exec, options const& opt, attention_size const z,
   {
     mpx::causal_self_attention<P> layer(
         mpx::causal_self_attention_config{
-            .heads = z.heads, .dropout = opt.dropout, .fused = fused, .fp8_attention = fp8_core});
+            .heads = z.heads, .dropout = opt.dropout, .fused = fused, .fp8_attention = fp8_core,
+            .deterministic = opt.deterministic});
     layer.set_name("attention");
     layer.build(exec, {z.tokens, z.width}, 1);
     layer.reserve(exec, z.batch);
@@ -176,8 +183,11 @@ template <class Exec>
 void run_all(Exec const& exec, options const& opt) {
   bool constexpr gpu = !mpx::is_host_executor_v<Exec>;
   if (gpu && opt.fused)
-    std::printf("fused attention: %s\n", mpx::fused_attention() ? std::string(mpx::fused_attention()->name()).c_str()
-                                                                : "none registered: the fused rows run unfused (stderr says why)");
+    std::printf("fused attention: %s; its backward %s\n",
+                mpx::fused_attention() ? std::string(mpx::fused_attention()->name()).c_str()
+                                       : "none registered: the fused rows run unfused (stderr says why)",
+                opt.deterministic ? "deterministic (the layer's default)"
+                                  : "not deterministic (dQ summed with atomics, as PyTorch's SDPA by default)");
   std::printf("\n%-6s %-9s %-22s %-8s %10s %9s %12s %9s %11s\n", std::string(Exec::name).c_str(), "dtype",
               "B x T x D / heads", "path", "fwd (ms)", gpu ? "TFLOP/s" : "GFLOP/s", "fwd+bwd (ms)",
               gpu ? "TFLOP/s" : "GFLOP/s", "memory MiB");
@@ -209,7 +219,7 @@ int main(int argc, char** argv) try {
   options opt;
   mpx_programs::command_line args(argc, argv,
                                   "[--executor host|cuda|all] [--repeat R] [--small] [--tokens T[,T...]]\n"
-                                  "          [--widths W[,W]] [--path fused|unfused|both] [--dropout P] [--fp8]");
+                                  "          [--widths W[,W]] [--path fused|unfused|both] [--dropout P] [--fp8] [--nondeterministic]");
   while (args.next()) {
     if (args.is("--executor")) opt.executor = args.choice({"host", "cuda", "all"});
     else if (args.is("--repeat")) opt.repeat = args.whole<int>(1, 10'000);
@@ -227,6 +237,7 @@ int main(int argc, char** argv) try {
       opt.unfused = path != "fused";
     } else if (args.is("--dropout")) opt.dropout = static_cast<float>(args.real(0.0, 0.9, true));
     else if (args.is("--fp8")) opt.fp8 = true;
+    else if (args.is("--nondeterministic")) opt.deterministic = false;
     else args.unknown();
   }
   std::printf("median of %d runs%s; causal model FLOPs (the masked half of each [T, T] product not counted)%s\n",

@@ -435,6 +435,9 @@ extra=1
 mpx_step numerics_bench 10 numerics_bench --executor cuda --repeat 10
 mpx_step scaling_bench 15 scaling_bench --executor cuda --tensors 100,1000 --repeat 10
 [ -z "$has_torch" ] || step torch_attention 20 env PYTHONUNBUFFERED=1 python3 bench/torch_attention.py --repeat 5  # beside transformer_bench's rows
+# The fused backward without its fixed order (atomics, as PyTorch's default): what mpx's
+# bit-for-bit backward costs, at GPT-2 small's width.
+mpx_step transformer_bench_atomic 15 transformer_bench --executor cuda --repeat 5 --path fused --widths 768 --nondeterministic
 # Under mixed_fp8: the attention core in bfloat16 and in fp8 (cuDNN's fp8 SDPA where it
 # runs: on Hopper its fp8 backward takes heads of 128, the width-1,024 model's).
 mpx_step transformer_bench_fp8 15 transformer_bench --executor cuda --repeat 5 --path fused --fp8 --widths 1024

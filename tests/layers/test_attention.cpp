@@ -577,6 +577,7 @@ TEST_CASE("on the host with a float64 fused attention registered, the layer's fu
       REQUIRE(host.backend.backwards.size() == host.backend.forwards.size());
       for (auto const* calls : {&host.backend.forwards, &host.backend.backwards})
         for (auto const& s : *calls) {
+          CHECK(s.deterministic);
           CHECK(s.batch == static_cast<std::int64_t>(z.B + 1));
           CHECK(s.tokens == static_cast<std::int64_t>(z.T));
           CHECK(s.heads * s.head_width == static_cast<std::int64_t>(z.D));
@@ -587,6 +588,23 @@ TEST_CASE("on the host with a float64 fused attention registered, the layer's fu
     };
     check(mpx::mixed_bfloat16{}, 1.6e-2);
     check(mpx::mixed_float16{}, 2.4e-3);
+  }
+  // The backward's order as the layer asks for it: fixed by default (the shapes above),
+  // left to the implementation when told.
+  mpx::shape const s{1, 8, 64};
+  auto x = mpx_test::upload(exec, mpx_test::random_values<mpx::bfloat16>(s.size(), -1, 1, 8), s);
+  auto dy = mpx_test::upload(exec, mpx_test::random_values<mpx::bfloat16>(s.size(), -1, 1, 9), s);
+  auto y = mpx_test::poisoned<mpx::bfloat16>(exec, s), dx = mpx_test::poisoned<mpx::bfloat16>(exec, s);
+  for (bool const deterministic : {true, false}) {
+    host.backend.backwards.clear();
+    mpx::causal_self_attention<mpx::mixed_bfloat16> layer({.heads = 2, .deterministic = deterministic});
+    layer.build(exec, {8, 64}, 5);
+    layer.reserve(exec, 1);
+    layer.forward(exec, mpx::tensor_view<mpx::bfloat16 const>(mpx::view(x)), mpx::view(y), true);
+    layer.backward(exec, mpx::tensor_view<mpx::bfloat16 const>(mpx::view(x)), mpx::tensor_view<mpx::bfloat16 const>(mpx::view(y)),
+                   mpx::tensor_view<mpx::bfloat16 const>(mpx::view(dy)), mpx::view(dx));
+    REQUIRE(host.backend.backwards.size() == 1);
+    CHECK(host.backend.backwards[0].deterministic == deterministic);
   }
 }
 

@@ -14,10 +14,11 @@
 // program ends, with a workspace per stream (made when the layer reserves, or on a
 // stream's first eager pass, as a CUDA-graph trainer's side stream has). A workspace
 // only grows, and the blocks it outgrew stay until the stream is forgotten: a captured
-// graph may still use them. The backward pass is cuDNN's deterministic one: the same
-// inputs give the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for
-// each [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own
-// memory is linear in the tokens, this workspace is not.
+// graph may still use them. The backward pass is cuDNN's deterministic one unless the
+// layer says otherwise (causal_self_attention_config::deterministic): the same inputs give
+// the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for each
+// [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own memory
+// is linear in the tokens, this workspace is not.
 #pragma once
 
 #if !__has_include(<cudnn_frontend.h>)
@@ -461,13 +462,14 @@ class cudnn_attention final : public fused_attention_backend {
          d_o = input(*g, "dO", d_o_uid, dims(s), o_stride);
     auto stats = g->tensor(attributes().set_name("stats").set_uid(stats_uid).set_dim(stats_dims(s)).set_stride(stats_strides(s))
                                .set_data_type(fe::DataType_t::FLOAT));
-    // Deterministic: dQ summed in a fixed order, not with atomics (mpx's runs repeat bit
-    // for bit); a cuDNN that cannot do it on this GPU refuses, and the layer runs unfused.
+    // Deterministic by default: dQ summed in a fixed order, not with atomics (mpx's runs
+    // repeat bit for bit); a cuDNN that cannot do it on this GPU refuses, and the layer
+    // runs unfused.
     auto options = fe::graph::SDPA_backward_attributes()
                        .set_name("attention_backward")
                        .set_attn_scale(s.scale)
                        .set_causal_mask(true)
-                       .set_deterministic_algorithm(true);
+                       .set_deterministic_algorithm(s.deterministic);
     if (s.dropout > 0.0f) {  // the forward's masks, redrawn from its key
       auto [seed, offset] = dropout_key(*g);
       options.set_dropout(s.dropout, seed, offset);
@@ -496,7 +498,7 @@ class cudnn_attention final : public fused_attention_backend {
                        .set_name("attention_backward_fp8")
                        .set_attn_scale(s.scale)
                        .set_causal_mask(true)
-                       .set_deterministic_algorithm(true);
+                       .set_deterministic_algorithm(s.deterministic);
     if (s.dropout > 0.0f) {
       auto [seed, offset] = dropout_key(*g);
       options.set_dropout(s.dropout, seed, offset);

@@ -62,6 +62,9 @@ struct fused_attention_shape {
   fused_attention_io io = fused_attention_io::bfloat16;
   float scale = 1.0f;  //!< multiplies Q Kᵀ before the softmax
   float dropout = 0.0f;  //!< the probability of dropping a weight of softmax(Q Kᵀ · scale), in [0, 1)
+  //! The backward pass sums dQ in a fixed order, so runs repeat bit for bit (cuDNN's
+  //! deterministic algorithm: on Hopper a dP workspace written and read each pass).
+  bool deterministic = true;
   friend bool operator==(fused_attention_shape const&, fused_attention_shape const&) = default;
 };
 

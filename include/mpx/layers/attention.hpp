@@ -84,6 +84,12 @@ struct causal_self_attention_config {
   //! little beside the projections at short sequences. Under a block recipe it is an
   //! mpx::invalid_argument, as are heads over 256 values; without fp8 it does nothing.
   bool fp8_attention = false;
+  //! The fused path's backward pass in a fixed order, so a run repeats bit for bit, as
+  //! every other path of mpx does (cuDNN's deterministic algorithm: on Hopper it writes
+  //! and reads a dP workspace each pass, 2 bytes a [batch·heads, tokens, tokens] entry).
+  //! false lets cuDNN sum dQ with atomics, as PyTorch's SDPA does by default: faster,
+  //! and runs differ in the last bits. The unfused path is deterministic either way.
+  bool deterministic = true;
 };
 
 template <class Policy = model_policy>
@@ -541,7 +547,7 @@ class causal_self_attention : public layer_base {
                                   : std::is_same_v<input_type, half> ? fused_attention_io::half
                                                                      : fused_attention_io::bfloat16;
     return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_, io, logit_scale(d),
-            dropping ? config_.dropout : 0.0f};
+            dropping ? config_.dropout : 0.0f, config_.deterministic};
   }
   // The latest training forward's {seed, offset} for cuDNN (nullptr without dropout).
   template <class Space>
