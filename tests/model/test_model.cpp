@@ -15,6 +15,7 @@
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/data/tensor_batches.hpp>
 #include <mpx/model/fit.hpp>
+#include <mpx/model/graph_capture_rules.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/optim/adam.hpp>
@@ -651,6 +652,57 @@ TEMPLATE_LIST_TEST_CASE("a trainer's graph state follows the rounding seed a loa
   optimizer.optimizer().rule().learning_rate.rate = 0.05f;  // as before the fix: the rule's values
   CHECK_FALSE(trainer.graph_state_now() == again);
   fs::remove_all(dir);
+}
+
+// The rules a graph-mode trainer follows (detail::graph_capture_rules: plain C++, so the
+// host runs the decisions the GPU's trainer makes), through a whole run: eager, capture,
+// replay, a short batch beside the graph, a changed state, a failed capture, a dtype.
+TEST_CASE("a graph-mode trainer captures after an eager step in the same state and replays only that batch",
+          "[model]") {
+  using rules_type = mpx::detail::graph_capture_rules<int>;  // the state: any value with ==
+  using mpx::detail::graph_step;
+  int const as_float = 0, as_half = 0;  // two element types' keys (their addresses)
+  rules_type::batch const full{mpx::shape{32, 4}, &as_float}, short_batch{mpx::shape{7, 4}, &as_float},
+      full_half{mpx::shape{32, 4}, &as_half};
+  rules_type rules;
+  CHECK_FALSE(rules.has_graph());
+  REQUIRE(rules.next(full, 1) == graph_step::eager);  // nothing ran yet: nothing made for a capture
+  rules.ran_eagerly(full, 1);
+  CHECK(rules.next(full_half, 1) == graph_step::eager);  // the same shape in another dtype: other bytes
+  CHECK(rules.next(full, 2) == graph_step::eager);       // the state moved since the eager step
+  REQUIRE(rules.next(full, 1) == graph_step::capture);
+  rules.capture_failed();
+  CHECK_FALSE(rules.has_graph());
+  REQUIRE(rules.next(full, 1) == graph_step::eager);  // not retried before an eager step
+  rules.ran_eagerly(full, 1);
+  REQUIRE(rules.next(full, 1) == graph_step::capture);
+  rules.captured(full, 1);
+  CHECK(rules.has_graph());
+  CHECK(rules.next(full, 1) == graph_step::replay);
+  CHECK(rules.next(full, 1) == graph_step::replay);
+  REQUIRE(rules.next(short_batch, 1) == graph_step::eager);  // the epoch's last batch, beside the graph
+  rules.ran_eagerly(short_batch, 1);
+  CHECK(rules.has_graph());
+  CHECK(rules.next(full, 1) == graph_step::replay);
+  CHECK(rules.next(full_half, 1) == graph_step::eager);
+  // The state changes (a new learning rate, released workspaces): the graph is dropped,
+  // and one eager step comes before the next capture, even on the batch last run eagerly.
+  REQUIRE(rules.next(short_batch, 3) == graph_step::eager);
+  CHECK_FALSE(rules.has_graph());
+  CHECK(rules.next(full, 3) == graph_step::eager);
+  rules.ran_eagerly(full, 3);
+  REQUIRE(rules.next(full, 3) == graph_step::capture);
+  rules.captured(full, 3);
+  CHECK(rules.next(full, 3) == graph_step::replay);
+  // An eager step that moved the state (a larger batch reserved the buffers again): the
+  // graph goes at the next step, which runs eagerly before any capture, as after any change.
+  rules_type::batch const larger{mpx::shape{64, 4}, &as_float};
+  REQUIRE(rules.next(larger, 3) == graph_step::eager);
+  rules.ran_eagerly(larger, 4);
+  REQUIRE(rules.next(larger, 4) == graph_step::eager);
+  CHECK_FALSE(rules.has_graph());
+  rules.ran_eagerly(larger, 4);
+  CHECK(rules.next(larger, 4) == graph_step::capture);
 }
 
 #if MPX_HAS_CUDA

@@ -78,7 +78,8 @@ class cudnn_attention final : public fused_attention_backend {
       }
       p = find(device, s, false);
     }
-    return workspace_for(device, cuda_stream, p->workspace_bytes);
+    workspace* unused = nullptr;
+    return workspace_for(device, cuda_stream, p->workspace_bytes, unused);
   }
 
   void forward(fused_attention_shape const& s, fused_attention_forward_args const& a, void* stream) override {
@@ -161,22 +162,16 @@ class cudnn_attention final : public fused_attention_backend {
       return;
     }
     std::lock_guard lock(mutex_);
-    std::erase_if(stream_ids_, [&](auto const& named) { return named.second == id; });
-    auto const gone = std::partition(workspaces_.begin(), workspaces_.end(),
-                                     [&](workspace const& w) { return w.stream_id != id; });
-    if (gone == workspaces_.end()) return;
+    auto const gone = workspaces_.forget(id);
+    if (gone.empty()) return;
     cudaError_t status = cudaStreamSynchronize(cuda_stream);  // its last passes may still use them
-    for (auto w = gone; w != workspaces_.end(); ++w) {
-      for (void* block : w->retired)
-        if (status == cudaSuccess) status = cudaFreeAsync(block, cuda_stream);
-      if (w->data && status == cudaSuccess) status = cudaFreeAsync(w->data, cuda_stream);
-    }
+    for (auto const& [device, w] : gone)
+      if (status == cudaSuccess) status = free_blocks(w, cuda_stream);
     if (status == cudaSuccess) status = cudaStreamSynchronize(cuda_stream);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();
       std::fprintf(stderr, "mpx: freeing a stream's cuDNN workspace failed: %s\n", cudaGetErrorString(status));
     }
-    workspaces_.erase(gone, workspaces_.end());
   }
 
  private:
@@ -197,14 +192,22 @@ class cudnn_attention final : public fused_attention_backend {
     std::int64_t workspace_bytes = 0;
   };
   // A stream's workspace: streams that run at once cannot share one (as cuBLASLt's).
-  // Keyed by the stream's id, which, unlike its handle, a later stream never reuses.
+  // Kept in a stream_registry, as cuBLASLt's: by the stream's id, which, unlike its
+  // handle, a later stream never reuses, and found by the handle during a capture.
   struct workspace {
-    int device;
-    unsigned long long stream_id;
     void* data = nullptr;
     std::int64_t bytes = 0;
     std::vector<void*> retired;  // blocks it outgrew: a captured graph may still use them
   };
+  // Frees a workspace's blocks after the work on `stream` (the caller has waited for
+  // any other stream that used them).
+  static cudaError_t free_blocks(workspace const& w, cudaStream_t stream) {
+    cudaError_t status = cudaSuccess;
+    for (void* block : w.retired)
+      if (status == cudaSuccess) status = cudaFreeAsync(block, stream);
+    if (w.data && status == cudaSuccess) status = cudaFreeAsync(w.data, stream);
+    return status;
+  }
 
   // Builds a shape's plan: its forward and backward graphs, or (keeps) the forward alone
   // with cuDNN's rng dump, for dropout_keeps. "" or why not.
@@ -288,15 +291,36 @@ class cudnn_attention final : public fused_attention_backend {
         .set_data_type(cudnn_frontend::DataType_t::FLOAT);
   }
 
-  // Gives the stream a workspace of at least `bytes`, outside a capture: "" or why not.
-  // A block it outgrows is kept (see retired).
-  std::string workspace_for(int device, cudaStream_t stream, std::int64_t bytes) {
+  // The stream's workspace in `w`, of at least `bytes`: "" or why not. Outside a capture
+  // it is found by the stream's driver id (remembered under the handle for the captures
+  // that follow) and grown where it is smaller; a block it outgrows is kept (see
+  // retired). A capturing stream, whose id cannot be asked for (cudaStreamGetId refuses
+  // it), gets the one the same handle's last eager pass used, which must be large enough.
+  std::string workspace_for(int device, cudaStream_t stream, std::int64_t bytes, workspace*& w) {
+    stream_handle_key const key = stream_handle_key_of(device, stream);
+    if (std::string why = not_capturing(stream); !why.empty()) {
+      w = workspaces_.captured(key);
+      return w && w->bytes >= bytes ? "" : "no cuDNN workspace for this stream yet, and " + why;
+    }
     unsigned long long id = 0;
-    if (std::string why = stream_id(device, stream, id); !why.empty()) return why;
-    workspace* w = find_workspace(device, id);
-    if (!w) w = &workspaces_.emplace_back(workspace{device, id, nullptr, 0, {}});
+    if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status);
+    }
+    auto found = workspaces_.use(key, id);
+    if (found.inherited || !found.retired.empty()) {
+      // The handle's former stream is destroyed, and its last passes may still be
+      // running in the workspace: let them finish before it is reused or freed.
+      cudaError_t status = cudaDeviceSynchronize();
+      for (workspace const& old : found.retired)
+        if (status == cudaSuccess) status = free_blocks(old, stream);
+      if (status != cudaSuccess) {
+        (void)cudaGetLastError();
+        return std::string("freeing a destroyed stream's cuDNN workspace failed: ") + cudaGetErrorString(status);
+      }
+    }
+    w = found.resource ? found.resource : &workspaces_.put(device, id, workspace{});
     if (w->bytes >= bytes) return "";
-    if (std::string why = not_capturing(stream); !why.empty()) return "cannot make the stream's cuDNN workspace: " + why;
     w->retired.reserve(w->retired.size() + 1);  // (nothing after the allocation throws)
     void* grown = nullptr;
     if (cudaMallocAsync(&grown, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
@@ -306,16 +330,6 @@ class cudnn_attention final : public fused_attention_backend {
     if (w->data) w->retired.push_back(w->data);
     w->data = grown;
     w->bytes = bytes;
-    return "";
-  }
-  // The driver id of `stream`, outside a capture, remembered under its handle for the
-  // captures that follow: "" or why it could not be had.
-  std::string stream_id(int device, cudaStream_t stream, unsigned long long& id) {
-    if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
-      (void)cudaGetLastError();
-      return std::string("cudaStreamGetId failed: ") + cudaGetErrorString(status);
-    }
-    stream_ids_[stream_handle_key_of(device, stream)] = id;
     return "";
   }
   // "" where the stream is not capturing a CUDA graph, else why work that allocates
@@ -331,11 +345,6 @@ class cudnn_attention final : public fused_attention_backend {
              "capturing)";
     return "";
   }
-  workspace* find_workspace(int device, unsigned long long stream_id) {
-    for (auto& candidate : workspaces_)
-      if (candidate.device == device && candidate.stream_id == stream_id) return &candidate;
-    return nullptr;
-  }
 
   // Enqueues one pass: under the lock from setting the handle's stream to the launch,
   // so no other thread redirects it (execute only enqueues work).
@@ -349,25 +358,9 @@ class cudnn_attention final : public fused_attention_backend {
     if (!p || h == handles_.end())
       fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
                              "no plan for this shape on this device: the layer was not reserved on this executor");
-    // A capturing stream's driver id cannot be asked for (cudaStreamGetId refuses it):
-    // its workspace is the one the same handle's last eager pass used, as cuBLASLt's is.
-    std::string const capturing = not_capturing(cuda_stream);
-    unsigned long long id = 0;
-    bool known = capturing.empty();
-    if (known) {
-      if (std::string why = stream_id(device, cuda_stream, id); !why.empty()) fail_in(pass, why);
-    } else if (auto const named = stream_ids_.find(stream_handle_key_of(device, stream)); named != stream_ids_.end()) {
-      id = named->second;
-      known = true;
-    }
-    workspace const* w = known ? find_workspace(device, id) : nullptr;
-    if (!w || w->bytes < p->workspace_bytes) {  // a stream the layer was not reserved on
-      if (!capturing.empty())
-        fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")",
-                               "no cuDNN workspace for this stream yet, and " + capturing);
-      if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes); !why.empty()) fail_in(pass, why);
-      w = find_workspace(device, id);
-    }
+    // A stream the layer was not reserved on gets its workspace here, outside a capture.
+    workspace* w = nullptr;
+    if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes, w); !why.empty()) fail_in(pass, why);
     if (cudnnStatus_t const status = cudnnSetStream(h->second, cuda_stream); status != CUDNN_STATUS_SUCCESS)
       fail_in(pass, std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status));
     check((forward ? p->forward : p->backward)->execute(h->second, pack, w->data), pass);
@@ -576,8 +569,7 @@ class cudnn_attention final : public fused_attention_backend {
   std::mutex mutex_;
   std::vector<std::pair<key, std::unique_ptr<plan>>> plans_;  // a handful of shapes: a list is enough
   std::vector<std::pair<key, std::string>> refused_;          // shapes cuDNN refused, and why
-  std::vector<workspace> workspaces_;                          // one per (device, stream)
-  std::map<stream_handle_key, unsigned long long> stream_ids_;  // the id each handle named when last used eagerly
+  stream_registry<workspace> workspaces_;                      // one per (device, stream)
   std::map<int, cudnnHandle_t> handles_;                       // one per device
 };
 

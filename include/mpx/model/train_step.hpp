@@ -24,6 +24,7 @@
 #include <mpx/layers/matrix_products.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/losses/loss_value.hpp>
+#include <mpx/model/graph_capture_rules.hpp>
 #include <mpx/model/precision_guard.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/model/shadow.hpp>
@@ -276,6 +277,13 @@ class classifier_trainer {
     return s;
   }
 
+ private:
+  // What a captured graph holds as it was at capture: graph_state, and cuBLASLt's
+  // workspaces (detail::lt_context's generation: release_gemm_resources frees them).
+  using graph_capture_state = std::pair<graph_state, std::uint64_t>;
+  using graph_rules = detail::graph_capture_rules<graph_capture_state>;
+
+ public:
   //! The records of the steps since the last call (synchronises), oldest first.
   std::vector<step_record> history(Exec const& exec) {
     std::vector<step_record> out(pending_);
@@ -356,6 +364,10 @@ class classifier_trainer {
   }
 
 #if MPX_HAS_CUDA
+  graph_capture_state capture_state_now() const {
+    return {graph_state_now(), detail::lt_context::instance().generation()};
+  }
+
   // Graph mode: every step (eager or replayed) runs on the side stream, so the eager steps
   // also warm what capture may not create (cuBLASLt's workspace for that stream). The
   // buffers are made beforehand on the caller's stream, which outlives the trainer's.
@@ -374,25 +386,17 @@ class classifier_trainer {
     std::int64_t const batch = images.shape()[0];
     model_.template reserve_for_input<T>(exec, batch);
     d_logits_.ensure(exec, detail::with_batch(batch, model_.output_shape()));  // the logits' shape (a softmax keeps it)
-    if (graph_exec_ && !graph_still_valid()) {
-      graph_exec_.reset();
-      eager_shape_ = shape{0};  // one eager step first: it makes whatever the new buffers need
-    }
-    // A graph serves one batch shape and dtype: it was captured reading those bytes.
-    // A capture follows an eager step in the same state (buffers, guard, tiers, hooks):
-    // that step made whatever the captured one needs.
-    // (Not after release_gemm_resources since that eager step: the capture would find no
-    // cuBLASLt workspace for the stream, which only an eager product makes.)
-    bool const replay = graph_exec_ ? images.shape() == graph_shape_ && detail::batch_type_key<T>() == graph_dtype_
-                                    : images.shape() == eager_shape_ && detail::batch_type_key<T>() == eager_dtype_ &&
-                                          graph_state_now() == eager_state_ &&
-                                          detail::lt_context::instance().generation() == eager_gemm_generation_;
-    if (replay && !graph_exec_) {  // the buffers the graph reads its batch from, made outside the capture
+    // detail::graph_capture_rules say what this step does; the state a graph holds
+    // includes cuBLASLt's workspaces (after release_gemm_resources, a capture would find
+    // none for the stream: only an eager product makes one).
+    typename graph_rules::batch const batch_kind{images.shape(), detail::batch_type_key<T>()};
+    detail::graph_step const next = graph_rules_.next(batch_kind, capture_state_now());
+    if (!graph_rules_.has_graph()) graph_exec_.reset();  // captured in another state
+    bool const replay = next != detail::graph_step::eager;
+    if (next == detail::graph_step::capture) {  // the buffers the graph reads its batch from, made outside the capture
       graph_images_ = tensor<std::uint8_t, Space>(exec, shape{static_cast<std::int64_t>(images.size_bytes())});
       graph_labels_ = tensor<std::int32_t, Space>(exec, labels.shape());
       graph_record_ = tensor<step_record, Space>(exec, shape{1});
-      graph_shape_ = images.shape();
-      graph_dtype_ = detail::batch_type_key<T>();
     }
     Exec const on = exec.on(graph_streams_->stream);
     graph_streams_->follow(exec.stream());
@@ -407,14 +411,11 @@ class classifier_trainer {
                   record(pending_), true);
         ++pending_;
       } else if (replay) {
-        graph_step(on, images, labels);
+        graph_step(on, images, labels, batch_kind);
       } else {
         step_body(on, images, labels, record(pending_), shadow);
         ++pending_;
-        eager_shape_ = images.shape();
-        eager_dtype_ = detail::batch_type_key<T>();
-        eager_state_ = graph_state_now();
-        eager_gemm_generation_ = detail::lt_context::instance().generation();
+        graph_rules_.ran_eagerly(batch_kind, capture_state_now());
       }
     } catch (...) {
       // What was enqueued (a copy of the caller's batch, say) still runs on the side
@@ -432,7 +433,8 @@ class classifier_trainer {
   }
 
   template <class T>
-  void graph_step(Exec const& on, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels) {
+  void graph_step(Exec const& on, tensor_view<T const, Space> images, tensor_view<std::int32_t const, Space> labels,
+                  typename graph_rules::batch const& batch_kind) {
     cudaStream_t const stream = on.stream();
     tensor_view<T, Space> const in(reinterpret_cast<T*>(graph_images_.data()), images.shape());
     copy(on, images, in);
@@ -447,17 +449,17 @@ class classifier_trainer {
         cudaStreamEndCapture(stream, &graph);  // invalidated, most likely: the error is not the news
         if (graph) cudaGraphDestroy(graph);
         static_cast<void>(cudaGetLastError());  // nor may it be blamed on the next launch
-        eager_shape_ = shape{0};  // the next step runs eagerly (and may make what this capture lacked)
+        graph_rules_.capture_failed();
         throw;
       }
-      MPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t instance = nullptr;
-      cudaError_t const made = cudaGraphInstantiate(&instance, graph, 0);
-      cudaGraphDestroy(graph);
+      cudaError_t made = cudaStreamEndCapture(stream, &graph);
+      if (made == cudaSuccess) made = cudaGraphInstantiate(&instance, graph, 0);
+      if (graph) cudaGraphDestroy(graph);
+      if (made != cudaSuccess) graph_rules_.capture_failed();  // not retried at once: the next step is eager
       MPX_CUDA_CHECK(made);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
-      captured_state_ = graph_state_now();
-      captured_gemm_generation_ = detail::lt_context::instance().generation();
+      graph_rules_.captured(batch_kind, capture_state_now());
       captured_in_flight_ = model_.in_flight_state();
     }
     MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
@@ -465,13 +467,6 @@ class classifier_trainer {
     copy(on, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
          tensor_view<step_record, Space>(record(pending_), shape{1}));
     ++pending_;
-  }
-
-  // The graph holds what graph_state lists, and the cuBLASLt workspaces' addresses, as
-  // they were at capture.
-  bool graph_still_valid() const {
-    return captured_state_ == graph_state_now() &&
-           captured_gemm_generation_ == detail::lt_context::instance().generation();
   }
 
 #endif
@@ -484,14 +479,7 @@ class classifier_trainer {
   tensor<std::uint8_t, Space> graph_images_;
   tensor<std::int32_t, Space> graph_labels_;
   tensor<step_record, Space> graph_record_;
-  shape graph_shape_{0};
-  shape eager_shape_{0};
-  void const* graph_dtype_ = nullptr;  // detail::batch_type_key of the batch's element type
-  void const* eager_dtype_ = nullptr;
-  graph_state eager_state_{};  // at the latest eager step
-  std::uint64_t eager_gemm_generation_ = 0;  // detail::lt_context's, at the latest eager step
-  graph_state captured_state_{};
-  std::uint64_t captured_gemm_generation_ = 0;
+  graph_rules graph_rules_;
   typename Model::in_flight captured_in_flight_{};
 #endif
 

@@ -24,6 +24,8 @@
 #include <mpx/kernels/dropout.hpp>
 #include <mpx/kernels/fused_attention.hpp>
 
+#include "softmax.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -130,9 +132,7 @@ class host_fused_attention final : public mpx::fused_attention_backend {
       for (std::int64_t h = 0; h < s.heads; ++h)
         for (std::int64_t i = 0; i < s.tokens; ++i) {
           std::vector<double> const x = logits<T>(s, a.q, a.k, b, h, i);
-          double const m = *std::max_element(x.begin(), x.end());
-          double sum = 0;
-          for (double v : x) sum += std::exp(v - m);
+          auto const [m, sum] = softmax_statistics_of(x);
           double const lse = m + std::log(sum);
           a.stats[stats.offset(b, h, i, 0)] = static_cast<float>(lse);
           std::vector<double> weight(x.size());  // softmax, dropped
@@ -224,9 +224,7 @@ class host_fused_attention final : public mpx::fused_attention_backend {
       for (std::int64_t h = 0; h < s.heads; ++h)
         for (std::int64_t i = 0; i < s.tokens; ++i) {
           std::vector<double> const x = fp8_logits(s, a.q, a.k, descale_qkv, b, h, i);
-          double const m = *std::max_element(x.begin(), x.end());
-          double sum = 0;
-          for (double v : x) sum += std::exp(v - m);
+          auto const [m, sum] = softmax_statistics_of(x);
           double const lse = m + std::log(sum);
           a.stats[stats.offset(b, h, i, 0)] = static_cast<float>(lse);
           // Cast normalised (P = exp(S - lse)), or before the normalisation (exp(S - max),
