@@ -670,6 +670,9 @@ TEST_CASE("a graph-mode trainer captures after an eager step in the same state a
   rules.ran_eagerly(full, 1);
   CHECK(rules.next(full_half, 1) == graph_step::eager);  // the same shape in another dtype: other bytes
   CHECK(rules.next(full, 2) == graph_step::eager);       // the state moved since the eager step
+  rules.ran_eagerly(short_batch, 1);  // only the latest eager step counts
+  CHECK(rules.next(full, 1) == graph_step::eager);
+  rules.ran_eagerly(full, 1);
   REQUIRE(rules.next(full, 1) == graph_step::capture);
   rules.capture_failed();
   CHECK_FALSE(rules.has_graph());
@@ -694,8 +697,9 @@ TEST_CASE("a graph-mode trainer captures after an eager step in the same state a
   REQUIRE(rules.next(full, 3) == graph_step::capture);
   rules.captured(full, 3);
   CHECK(rules.next(full, 3) == graph_step::replay);
-  // An eager step that moved the state (a larger batch reserved the buffers again): the
-  // graph goes at the next step, which runs eagerly before any capture, as after any change.
+  // An eager step that itself left the state changed (the trainer reserves a larger batch
+  // before it asks, so that case drops the graph at once): the graph goes at the next
+  // step, which runs eagerly before any capture, as after any change.
   rules_type::batch const larger{mpx::shape{64, 4}, &as_float};
   REQUIRE(rules.next(larger, 3) == graph_step::eager);
   rules.ran_eagerly(larger, 4);
@@ -703,6 +707,7 @@ TEST_CASE("a graph-mode trainer captures after an eager step in the same state a
   CHECK_FALSE(rules.has_graph());
   rules.ran_eagerly(larger, 4);
   CHECK(rules.next(larger, 4) == graph_step::capture);
+  CHECK(rules.captures() == 2);
 }
 
 #if MPX_HAS_CUDA
@@ -727,6 +732,7 @@ TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit fo
                                                mpx::dynamic_loss_scaler(exec, rule));
     mpx::classifier_trainer trainer(exec, model, optimizer);
     trainer.use_cuda_graph(graph);
+    CHECK(trainer.cuda_graph_captures() == 0);
     for (std::size_t epoch = 0; epoch < 3; ++epoch) {
       data.start_epoch(epoch);
       while (auto b = data.next()) trainer.step(exec, b->images, b->labels);
@@ -739,6 +745,9 @@ TEST_CASE("a training step replayed from a CUDA graph matches eager steps bit fo
         mpx::release_gemm_resources();  // the graph's cuBLASLt workspace is freed: it must capture again
       }
     }
+    // Each epoch: an eager step, a capture, a replay, the short batch eagerly. The moved
+    // buffers and the new rate and workspaces each cost a capture; nothing else does.
+    CHECK(trainer.cuda_graph_captures() == (graph ? 3u : 0u));
     auto records = trainer.history(exec);
     auto weights = mpx_test::download(exec, model.template layer<0>().template kernel<space>());
     return std::pair(records, weights);

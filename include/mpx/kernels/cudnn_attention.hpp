@@ -14,7 +14,9 @@
 // program ends, with a workspace per stream (made when the layer reserves, or on a
 // stream's first eager pass, as a CUDA-graph trainer's side stream has). A workspace
 // only grows, and the blocks it outgrew stay until the stream is forgotten: a captured
-// graph may still use them. The backward pass is cuDNN's deterministic one unless the
+// graph may still use them. As with cuBLASLt's workspaces, launch a graph on the stream
+// it was captured on, while that stream lives: a destroyed stream's workspace passes to
+// the next stream that gets its handle (after a wait for the device). The backward pass is cuDNN's deterministic one unless the
 // layer says otherwise (causal_self_attention_config::deterministic): the same inputs give
 // the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for each
 // [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own memory
@@ -325,6 +327,7 @@ class cudnn_attention final : public fused_attention_backend {
     void* grown = nullptr;
     if (cudaMallocAsync(&grown, static_cast<std::size_t>(bytes), stream) != cudaSuccess) {
       (void)cudaGetLastError();
+      if (!w->data && w->retired.empty()) workspaces_.drop(device, id);  // made just now, empty
       return "no memory for cuDNN's workspace (" + std::to_string(bytes) + " bytes)";
     }
     if (w->data) w->retired.push_back(w->data);
@@ -360,7 +363,11 @@ class cudnn_attention final : public fused_attention_backend {
                              "no plan for this shape on this device: the layer was not reserved on this executor");
     // A stream the layer was not reserved on gets its workspace here, outside a capture.
     workspace* w = nullptr;
-    if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes, w); !why.empty()) fail_in(pass, why);
+    if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes, w); !why.empty()) {
+      if (!not_capturing(cuda_stream).empty())  // the user's order of calls, not the device's failure
+        fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")", why);
+      fail_in(pass, why);
+    }
     if (cudnnStatus_t const status = cudnnSetStream(h->second, cuda_stream); status != CUDNN_STATUS_SUCCESS)
       fail_in(pass, std::string("cudnnSetStream failed: ") + cudnnGetErrorString(status));
     check((forward ? p->forward : p->backward)->execute(h->second, pack, w->data), pass);

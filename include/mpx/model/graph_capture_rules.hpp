@@ -5,6 +5,7 @@
 
 #include <mpx/core/shape.hpp>
 
+#include <cstddef>
 #include <optional>
 #include <utility>
 
@@ -49,15 +50,21 @@ class graph_capture_rules {
   //! An eager step ran on `b`, leaving the state `now`.
   void ran_eagerly(batch const& b, State const& now) { eager_.emplace(b, now); }
   //! A graph was captured on `b` in state `now`.
-  void captured(batch const& b, State const& now) { graph_.emplace(b, now); }
+  void captured(batch const& b, State const& now) {
+    graph_.emplace(b, now);
+    ++captures_;
+  }
   //! A capture failed: the next step runs eagerly (and may make what the capture lacked).
   void capture_failed() noexcept { eager_.reset(); }
 
   [[nodiscard]] bool has_graph() const noexcept { return graph_.has_value(); }
+  //! The graphs captured so far.
+  [[nodiscard]] std::size_t captures() const noexcept { return captures_; }
 
  private:
   std::optional<std::pair<batch, State>> eager_;  // the latest eager step's batch and the state it left
   std::optional<std::pair<batch, State>> graph_;  // the graph's batch and the state at its capture
+  std::size_t captures_ = 0;
 };
 
 }  // namespace mpx::detail

@@ -135,6 +135,9 @@ class classifier_trainer {
   //! Dropout layers keep their step count on the GPU, so each replay draws fresh masks.
   //! Ignored on the host executor.
   void use_cuda_graph(bool on) noexcept { use_graph_ = on; }
+  //! How many times graph mode has captured the step: once, plus once after each change
+  //! listed above (a capture costs about an eager step). 0 on the host executor.
+  [[nodiscard]] std::size_t cuda_graph_captures() const noexcept { return graph_rules_.captures(); }
 
   //! Every n-th step (0: never), measures each layer against its float32 twin between the
   //! backward pass and the optimizer step (mpx::model_shadow), which does not change the
@@ -453,11 +456,12 @@ class classifier_trainer {
         throw;
       }
       cudaGraphExec_t instance = nullptr;
-      cudaError_t made = cudaStreamEndCapture(stream, &graph);
-      if (made == cudaSuccess) made = cudaGraphInstantiate(&instance, graph, 0);
+      cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
+      cudaError_t const made = ended == cudaSuccess ? cudaGraphInstantiate(&instance, graph, 0) : cudaSuccess;
       if (graph) cudaGraphDestroy(graph);
-      if (made != cudaSuccess) graph_rules_.capture_failed();  // not retried at once: the next step is eager
-      MPX_CUDA_CHECK(made);
+      if (ended != cudaSuccess || made != cudaSuccess) graph_rules_.capture_failed();  // the next step is eager
+      detail::check_cuda(ended, "cudaStreamEndCapture", __FILE__, __LINE__);
+      detail::check_cuda(made, "cudaGraphInstantiate", __FILE__, __LINE__);
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
       graph_rules_.captured(batch_kind, capture_state_now());
       captured_in_flight_ = model_.in_flight_state();
@@ -479,9 +483,9 @@ class classifier_trainer {
   tensor<std::uint8_t, Space> graph_images_;
   tensor<std::int32_t, Space> graph_labels_;
   tensor<step_record, Space> graph_record_;
-  graph_rules graph_rules_;
   typename Model::in_flight captured_in_flight_{};
 #endif
+  graph_rules graph_rules_;  // plain C++, declared in every build
 
   void write_record(Exec const& exec, step_record* rec, std::uint32_t samples) {
     // loss_scale was captured before the step; keep it, the scaler may have moved on.
