@@ -133,6 +133,19 @@ inline void require_channels(std::string_view op, shape const& x, std::size_t co
   require_vectors(op, x, static_cast<std::int64_t>(cols), "must be [C], x's last (channel) extent", vectors);
 }
 
+//! The checks both forward passes (training and inference) make, in this order: x and
+//! y as batch_norm_layout, y is x or apart from it, each per-channel vector [C], and
+//! eps > 0. Returns [rows, channels] as batch_norm_layout does.
+template <class XV, class YV>
+void check_batch_norm_forward(std::string_view op, XV const& xv, YV const& yv,
+                              std::initializer_list<named_vector> channel_vectors, float eps, std::size_t& rows,
+                              std::size_t& cols) {
+  batch_norm_layout(op, xv, yv, rows, cols);
+  require_in_place_or_disjoint(op, "y", yv, "x", xv);
+  require_channels(op, xv.shape(), cols, channel_vectors);
+  if (!(eps > 0.0f)) fail<invalid_argument>(op, "eps must be > 0, got " + to_text(eps));
+}
+
 }  // namespace detail
 
 //! Training-mode forward over x of shape [..., C] (rows = N = x.size() / C): per
@@ -156,12 +169,11 @@ void batch_norm_forward_training(Exec const& exec, X&& x, G&& gamma, B&& beta, Y
                 "mpx::batch_norm_forward_training: y, the running and the saved statistics are written");
   constexpr std::string_view op = "batch_norm_forward_training";
   std::size_t rows = 0, cols = 0;
-  detail::batch_norm_layout(op, xv, yv, rows, cols);
-  detail::require_in_place_or_disjoint(op, "y", yv, "x", xv);
-  detail::require_channels(op, xv.shape(), cols,
-                           {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
-                            {"running_var", rvv.shape()}, {"save_mean", smv.shape()}, {"save_invstd", siv.shape()}});
-  if (!(options.eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(options.eps));
+  detail::check_batch_norm_forward(op, xv, yv,
+                                   {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
+                                    {"running_var", rvv.shape()}, {"save_mean", smv.shape()},
+                                    {"save_invstd", siv.shape()}},
+                                   options.eps, rows, cols);
   if (!(options.momentum >= 0.0f && options.momentum <= 1.0f))
     detail::fail<invalid_argument>(op, "momentum must be in [0, 1], got " + detail::to_text(options.momentum));
   if (cols == 0) return;
@@ -192,12 +204,10 @@ void batch_norm_forward_inference(Exec const& exec, X&& x, G&& gamma, B&& beta, 
   static_assert(detail::all_writable<decltype(yv)>, "mpx::batch_norm_forward_inference: y is const");
   constexpr std::string_view op = "batch_norm_forward_inference";
   std::size_t rows = 0, cols = 0;
-  detail::batch_norm_layout(op, xv, yv, rows, cols);
-  detail::require_in_place_or_disjoint(op, "y", yv, "x", xv);
-  detail::require_channels(op, xv.shape(), cols,
-                           {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
-                            {"running_var", rvv.shape()}});
-  if (!(eps > 0.0f)) detail::fail<invalid_argument>(op, "eps must be > 0, got " + detail::to_text(eps));
+  detail::check_batch_norm_forward(op, xv, yv,
+                                   {{"gamma", gv.shape()}, {"beta", bv.shape()}, {"running_mean", rmv.shape()},
+                                    {"running_var", rvv.shape()}},
+                                   eps, rows, cols);
   if (cols == 0) return;
   detail::batch_norm_apply<true>(exec, xv.data(), gv.data(), bv.data(), rmv.data(), rvv.data(), yv.data(),
                                  rows * cols, cols, eps);

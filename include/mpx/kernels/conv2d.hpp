@@ -220,40 +220,75 @@ void zero_elements(T* dst, std::int64_t count) {
   if (count > 0) std::memset(static_cast<void*>(dst), 0, static_cast<std::size_t>(count) * sizeof(T));
 }
 
+//! Where each output pixel's receptive field lies in one image: the walk the host loops
+//! of im2col and col2im share, so that both visit the same elements in the same order
+//! (pixels in the order of the columns' rows, then kernel rows, then taps).
+class receptive_fields {
+ public:
+  explicit receptive_fields(conv2d_geometry const& g)
+      : g_(g),
+        rows_h_(valid_taps(g.oh, g.o.stride_h, g.o.pad_h, g.kh, g.o.dilation_h, g.h)),
+        cols_w_(valid_taps(g.ow, g.o.stride_w, g.o.pad_w, g.kw, g.o.dilation_w, g.w)) {}
+
+  //! For each output pixel: pixel(row, th, tw), `row` the offset of its row of columns
+  //! (one image's rows start at 0), th and tw its kernel rows and columns whose taps land
+  //! inside the image (the rest reads padding); then for each kernel row in th,
+  //! run(column, at, count): `count` elements of the columns from offset `column` match
+  //! the image's from offset `at`. One run per kernel row when dilation_w is 1 (KW*Cin
+  //! contiguous elements at most), else one run of Cin per tap.
+  template <class Pixel, class Run>
+  void for_each(Pixel&& pixel, Run&& run) const {
+    auto const& o = g_.o;
+    std::int64_t const c = g_.cin, kwc = g_.kw * c, patch = g_.patch();
+    for (std::int64_t oh = 0; oh < g_.oh; ++oh) {
+      tap_range const th = rows_h_[static_cast<std::size_t>(oh)];
+      std::int64_t const ih0 = oh * o.stride_h - o.pad_h;
+      for (std::int64_t ow = 0; ow < g_.ow; ++ow) {
+        tap_range const tw = cols_w_[static_cast<std::size_t>(ow)];
+        std::int64_t const iw0 = ow * o.stride_w - o.pad_w;
+        std::int64_t const row = (oh * g_.ow + ow) * patch;
+        pixel(row, th, tw);
+        for (std::int64_t kh = th.begin; kh < th.end; ++kh) {
+          std::int64_t const column = row + kh * kwc;
+          std::int64_t const at = ((ih0 + kh * o.dilation_h) * g_.w + iw0) * c;  // (ih, iw0): may be left of x
+          if (o.dilation_w == 1) {
+            run(column + tw.begin * c, at + tw.begin * c, (tw.end - tw.begin) * c);
+          } else {
+            for (std::int64_t kw = tw.begin; kw < tw.end; ++kw) run(column + kw * c, at + kw * o.dilation_w * c, c);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  conv2d_geometry g_;
+  std::vector<tap_range> rows_h_, cols_w_;
+};
+
 //! columns[(i - n0) * OH*OW + oh * OW + ow, :] = the receptive field of (oh, ow) in image
 //! i of x, for i in [n0, n0 + images): runs of Cin (or KW*Cin, undilated) elements
 //! copied whole, zeros for the padding.
 template <class T>
 void host_im2col(conv2d_geometry const& g, T const* x, std::int64_t n0, std::int64_t images, T* columns) {
-  auto const& o = g.o;
-  auto const rows_h = valid_taps(g.oh, o.stride_h, o.pad_h, g.kh, o.dilation_h, g.h);
-  auto const cols_w = valid_taps(g.ow, o.stride_w, o.pad_w, g.kw, o.dilation_w, g.w);
-  std::int64_t const c = g.cin, kwc = g.kw * c, patch = g.patch();
-  T* row = columns;
+  receptive_fields const fields(g);
+  std::int64_t const c = g.cin, kwc = g.kw * c, image_size = g.h * g.w * c;
   for (std::int64_t i = n0; i < n0 + images; ++i) {
-    T const* image = x + i * g.h * g.w * c;
-    for (std::int64_t oh = 0; oh < g.oh; ++oh) {
-      tap_range const th = rows_h[static_cast<std::size_t>(oh)];
-      std::int64_t const ih0 = oh * o.stride_h - o.pad_h;
-      for (std::int64_t ow = 0; ow < g.ow; ++ow, row += patch) {
-        tap_range const tw = cols_w[static_cast<std::size_t>(ow)];
-        std::int64_t const iw0 = ow * o.stride_w - o.pad_w;
-        zero_elements(row, th.begin * kwc);
-        for (std::int64_t kh = th.begin; kh < th.end; ++kh) {
-          T* dst = row + kh * kwc;
-          std::int64_t const src = ((ih0 + kh * o.dilation_h) * g.w + iw0) * c;  // (ih, iw0): may be left of x
-          zero_elements(dst, tw.begin * c);
-          if (o.dilation_w == 1) {
-            copy_elements(dst + tw.begin * c, image + (src + tw.begin * c), (tw.end - tw.begin) * c);
-          } else {
-            for (std::int64_t kw = tw.begin; kw < tw.end; ++kw)
-              copy_elements(dst + kw * c, image + (src + kw * o.dilation_w * c), c);
+    T const* image = x + i * image_size;
+    T* image_columns = columns + (i - n0) * g.pixels() * g.patch();
+    fields.for_each(
+        [&](std::int64_t row, tap_range th, tap_range tw) {  // the padding's zeros
+          T* r = image_columns + row;
+          zero_elements(r, th.begin * kwc);
+          for (std::int64_t kh = th.begin; kh < th.end; ++kh) {
+            zero_elements(r + kh * kwc, tw.begin * c);
+            zero_elements(r + kh * kwc + tw.end * c, (g.kw - tw.end) * c);
           }
-          zero_elements(dst + tw.end * c, (g.kw - tw.end) * c);
-        }
-        zero_elements(row + th.end * kwc, (g.kh - th.end) * kwc);
-      }
-    }
+          zero_elements(r + th.end * kwc, (g.kh - th.end) * kwc);
+        },
+        [&](std::int64_t column, std::int64_t at, std::int64_t count) {
+          copy_elements(image_columns + column, image + at, count);
+        });
   }
 }
 
@@ -264,39 +299,18 @@ struct col2im_scratch {};
 //! output pixel, then tap), rounded once to T. Elements no window reaches get 0.
 template <class T>
 void host_col2im(conv2d_geometry const& g, T const* dcolumns, std::int64_t n0, std::int64_t images, T* dx) {
-  auto const& o = g.o;
-  auto const rows_h = valid_taps(g.oh, o.stride_h, o.pad_h, g.kh, o.dilation_h, g.h);
-  auto const cols_w = valid_taps(g.ow, o.stride_w, o.pad_w, g.kw, o.dilation_w, g.w);
-  std::int64_t const c = g.cin, kwc = g.kw * c, patch = g.patch();
-  std::int64_t const image_size = g.h * g.w * c;
+  receptive_fields const fields(g);
+  std::int64_t const image_size = g.h * g.w * g.cin;
   float* acc = host_scratch_floats<col2im_scratch, 0>(static_cast<std::size_t>(image_size));
-  T const* row = dcolumns;
   for (std::int64_t i = n0; i < n0 + images; ++i) {
     std::fill(acc, acc + image_size, 0.0f);
-    for (std::int64_t oh = 0; oh < g.oh; ++oh) {
-      tap_range const th = rows_h[static_cast<std::size_t>(oh)];
-      std::int64_t const ih0 = oh * o.stride_h - o.pad_h;
-      for (std::int64_t ow = 0; ow < g.ow; ++ow, row += patch) {
-        tap_range const tw = cols_w[static_cast<std::size_t>(ow)];
-        std::int64_t const iw0 = ow * o.stride_w - o.pad_w;
-        for (std::int64_t kh = th.begin; kh < th.end; ++kh) {
-          T const* src = row + kh * kwc;
-          std::int64_t const dst = ((ih0 + kh * o.dilation_h) * g.w + iw0) * c;  // (ih, iw0): may be left of x
-          if (o.dilation_w == 1) {
-            std::int64_t const first = tw.begin * c, count = (tw.end - tw.begin) * c;
-            float* __restrict d = acc + (dst + first);
-            T const* __restrict s = src + first;
-            for (std::int64_t e = 0; e < count; ++e) d[e] += widen_to_float_fast(s[e]);
-          } else {
-            for (std::int64_t kw = tw.begin; kw < tw.end; ++kw) {
-              float* __restrict d = acc + (dst + kw * o.dilation_w * c);
-              T const* __restrict s = src + kw * c;
-              for (std::int64_t e = 0; e < c; ++e) d[e] += widen_to_float_fast(s[e]);
-            }
-          }
-        }
-      }
-    }
+    T const* image_columns = dcolumns + (i - n0) * g.pixels() * g.patch();
+    fields.for_each([](std::int64_t, tap_range, tap_range) {},  // the padding receives no gradient
+                    [&](std::int64_t column, std::int64_t at, std::int64_t count) {
+                      float* __restrict d = acc + at;
+                      T const* __restrict s = image_columns + column;
+                      for (std::int64_t e = 0; e < count; ++e) d[e] += widen_to_float_fast(s[e]);
+                    });
     T* out = dx + i * image_size;
     round_span(acc, out, static_cast<std::size_t>(image_size));
   }
@@ -451,6 +465,20 @@ V image_rows(V const& matrix, conv2d_geometry const& g, std::int64_t n0, std::in
       .reshape(shape{rows, cols});
 }
 
+//! The loop every pass runs: for each chunk of images the workspace holds, in batch
+//! order, step(n0, images, columns, rows) with the chunk's columns (chunk_columns) and
+//! its rows of the output-side tensor (y or dy) as a [N*OH*OW, Cout] matrix.
+template <class Cols, class OutputSide, class Step>
+void for_each_image_chunk(conv2d_plan const& plan, Cols const& workspace, OutputSide const& output_side,
+                          Step&& step) {
+  auto const& g = plan.g;
+  auto const matrix = output_side.reshape(shape{g.n * g.pixels(), g.cout});
+  for (std::int64_t n0 = 0; n0 < g.n; n0 += plan.chunk_images) {
+    std::int64_t const images = std::min(plan.chunk_images, g.n - n0);
+    step(n0, images, chunk_columns(workspace, g, images), image_rows(matrix, g, n0, images, g.cout));
+  }
+}
+
 //! Outputs are written while inputs are still read: an overlap is refused, not computed.
 //! The output against both inputs, the workspace against all three.
 template <class Out, class A, class B, class Cols>
@@ -527,16 +555,14 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
   static_assert(detail::all_writable<decltype(yv), decltype(cv)>,
                 "mpx::conv2d_forward: y and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_forward";
-  auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
+  auto const plan = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
   detail::require_conv2d_disjoint(op, "y", yv, "x", xv, "w", wv, cv);
-  auto const weights = wv.reshape(shape{g.patch(), g.cout});
-  auto const out = yv.reshape(shape{g.n * g.pixels(), g.cout});
-  for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
-    std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const columns = detail::chunk_columns(cv, g, images);
-    detail::im2col(exec, op, g, xv.data(), n0, images, columns.data());
-    product(exec, columns, weights, detail::image_rows(out, g, n0, images, g.cout), gemm_options{}, loc);
-  }
+  auto const weights = wv.reshape(shape{plan.g.patch(), plan.g.cout});
+  detail::for_each_image_chunk(plan, cv, yv, [&](std::int64_t n0, std::int64_t images, auto const& columns,
+                                                 auto const& y_rows) {
+    detail::im2col(exec, op, plan.g, xv.data(), n0, images, columns.data());
+    product(exec, columns, weights, y_rows, gemm_options{}, loc);
+  });
 }
 
 //! dx = the gradient of sum(dy * conv2d(x, w)) with respect to x: dcolumns = dy w^T (one
@@ -555,18 +581,15 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
   static_assert(detail::all_writable<decltype(dxv), decltype(cv)>,
                 "mpx::conv2d_backward_data: dx and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_data";
-  auto const [g, chunk] = detail::plan_conv2d(op, dxv.shape(), wv.shape(), "dy", dyv.shape(), cv.shape(), options,
-                                              loc, {"dx", "w"});
+  auto const plan = detail::plan_conv2d(op, dxv.shape(), wv.shape(), "dy", dyv.shape(), cv.shape(), options, loc,
+                                        {"dx", "w"});
   detail::require_conv2d_disjoint(op, "dx", dxv, "dy", dyv, "w", wv, cv);
-  auto const weights = wv.reshape(shape{g.patch(), g.cout});
-  auto const grad = dyv.reshape(shape{g.n * g.pixels(), g.cout});
-  for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
-    std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const dcolumns = detail::chunk_columns(cv, g, images);
-    product(exec, detail::image_rows(grad, g, n0, images, g.cout), weights, dcolumns,
-            gemm_options{.transpose_b = true}, loc);
-    detail::col2im(exec, op, g, dcolumns.data(), n0, images, dxv.data());
-  }
+  auto const weights = wv.reshape(shape{plan.g.patch(), plan.g.cout});
+  detail::for_each_image_chunk(plan, cv, dyv, [&](std::int64_t n0, std::int64_t images, auto const& dcolumns,
+                                                  auto const& dy_rows) {
+    product(exec, dy_rows, weights, dcolumns, gemm_options{.transpose_b = true}, loc);
+    detail::col2im(exec, op, plan.g, dcolumns.data(), n0, images, dxv.data());
+  });
 }
 
 //! dw = the gradient of sum(dy * conv2d(x, w)) with respect to w: dw [KH*KW*Cin, Cout] =
@@ -591,26 +614,24 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
   static_assert(detail::all_writable<decltype(dwv), decltype(cv)>,
                 "mpx::conv2d_backward_weights: dw and the workspace are written and cannot be const");
   constexpr std::string_view op = "conv2d_backward_weights";
-  auto const [g, chunk] = detail::plan_conv2d(op, xv.shape(), dwv.shape(), "dy", dyv.shape(), cv.shape(), options,
-                                              loc, {"x", "dw"});
+  auto const plan = detail::plan_conv2d(op, xv.shape(), dwv.shape(), "dy", dyv.shape(), cv.shape(), options, loc,
+                                        {"x", "dw"});
+  auto const& g = plan.g;
   detail::require_conv2d_disjoint(op, "dw", dwv, "x", xv, "dy", dyv, cv);
   bool const reuse = columns == conv2d_columns::reuse_forward;
-  if (reuse && chunk < g.n)
+  if (reuse && plan.chunk_images < g.n)
     detail::fail<invalid_argument>(op,
                                    "conv2d_columns::reuse_forward needs a workspace that holds the whole batch's "
                                    "columns, [" + std::to_string(g.n * g.pixels()) + ", " +
                                        std::to_string(g.patch()) + "] or more; it has shape " +
                                        cv.shape().to_string(),
                                    loc);
-  auto const grad = dyv.reshape(shape{g.n * g.pixels(), g.cout});
   auto const dweights = dwv.reshape(shape{g.patch(), g.cout});
-  for (std::int64_t n0 = 0; n0 < g.n; n0 += chunk) {
-    std::int64_t const images = std::min(chunk, g.n - n0);
-    auto const cols = detail::chunk_columns(cv, g, images);
+  detail::for_each_image_chunk(plan, cv, dyv, [&](std::int64_t n0, std::int64_t images, auto const& cols,
+                                                  auto const& dy_rows) {
     if (!reuse) detail::im2col(exec, op, g, xv.data(), n0, images, cols.data());
-    product(exec, cols, detail::image_rows(grad, g, n0, images, g.cout), dweights,
-            gemm_options{.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);
-  }
+    product(exec, cols, dy_rows, dweights, gemm_options{.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);
+  });
 }
 
 //! Both gradients of a convolution: conv2d_backward_weights (with `columns`), then

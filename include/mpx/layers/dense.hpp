@@ -36,10 +36,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "Dense";
 
-  explicit dense(dense_config config) : config_(config) {
-    if (config_.units <= 0)
-      detail::fail<invalid_argument>("mpx::dense", "units must be positive, got " + std::to_string(config_.units));
-  }
+  explicit dense(dense_config config) : config_(config) { detail::require_positive_units("mpx::dense", config_.units); }
   //! Keras's Dense(units, activation): the input width is taken at build.
   explicit dense(std::int64_t units, mpx::activation act = mpx::activation::linear)
       : dense(dense_config{.units = units, .activation = act}) {}

@@ -144,6 +144,12 @@ constexpr void require_products_without_fp8() {
 //! "dense_2: <what>" for a layer's errors.
 inline std::string layer_op(std::string const& name, std::string_view what) { return name + ": " + std::string(what); }
 
+//! The check of a layer's unit count when it is made (mpx::dense, mpx::lstm):
+//! mpx::invalid_argument from `layer` unless units > 0.
+inline void require_positive_units(std::string_view layer, std::int64_t units) {
+  if (units <= 0) fail<invalid_argument>(layer, "units must be positive, got " + std::to_string(units));
+}
+
 //! Throws shape_error unless x has `batch` rows of the per-sample shape `sample`.
 inline void require_batch_shape(std::string const& layer, std::string_view what, mpx::shape const& got,
                                 mpx::shape const& sample) {

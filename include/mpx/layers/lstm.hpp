@@ -39,10 +39,7 @@ class lstm : public layer_base {
   using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "LSTM";
 
-  explicit lstm(lstm_config config) : config_(config) {
-    if (config_.units <= 0)
-      detail::fail<invalid_argument>("mpx::lstm", "units must be positive, got " + std::to_string(config_.units));
-  }
+  explicit lstm(lstm_config config) : config_(config) { detail::require_positive_units("mpx::lstm", config_.units); }
   explicit lstm(std::int64_t units, bool return_sequences = false)
       : lstm(lstm_config{.units = units, .return_sequences = return_sequences}) {}
   [[nodiscard]] lstm_config const& config() const noexcept { return config_; }
