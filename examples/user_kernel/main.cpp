@@ -8,8 +8,8 @@
 // The kernel is a fused swish activation, y = x * sigmoid(x) * scale, reading and
 // writing the policy's storage type and computing in its accumulate type (float). It
 // counts the values it wrote that are not finite (a scale too large for half) with
-// mpx's block-level check (mpx::block_add_nonfinite: one CUB block sum and at most one
-// atomic per block), so a caller needs no second pass; mpx::count_nonfinite, the
+// mpx's block-level check (mpx::block_add_nonfinite: one block sum in shared memory and
+// at most one atomic per block), so a caller needs no second pass; mpx::count_nonfinite, the
 // separate pass, must agree.
 //
 // Built by nvcc (main.cu) and run with a GPU, all of it runs on the GPU. Built as plain

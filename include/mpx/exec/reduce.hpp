@@ -1,11 +1,13 @@
 // mpx::transform_reduce: map every element to an accumulator and combine them, on any
 // executor, deterministically. The CUDA path is one pass over the data (16-byte loads,
-// per-thread accumulation, a CUB block reduction to one partial per block) and one block
+// per-thread accumulation, a block reduction to one partial per block) and one block
 // that combines the partials in a fixed order; the grid depends only on the size and the
 // device, so the result is the same run after run. (The second stage is a block, not
 // cub::DeviceReduce: there are at most a few thousand partials, and DeviceReduce's
 // dispatch machinery cost every user translation unit that includes this header about
-// two seconds of compile time.)
+// two seconds of compile time. The block reductions are a tree in shared memory, not
+// cub::BlockReduce, whose header alone costs a translation unit about 3.5 s under nvcc:
+// each runs once per block, where its speed does not show.)
 #pragma once
 
 #include <mpx/core/config.hpp>
@@ -16,10 +18,6 @@
 
 #include <cstddef>
 #include <type_traits>
-
-#if MPX_HAS_CUDA
-#include <cub/block/block_reduce.cuh>
-#endif
 
 namespace mpx {
 
@@ -41,6 +39,23 @@ Acc host_transform_reduce(T const* x, std::size_t n, Acc identity, Map const& ma
 }
 
 #if MPX_HAS_CUDA
+//! acc combined over the block_size threads of a block, in a fixed order (a tree: thread
+//! t takes t + half at each level), the result in thread 0. Every thread must call it.
+template <class Acc, class Combine>
+__device__ Acc block_combine(Acc acc, Combine const& combine) {
+  // Raw storage: an Acc with default member initializers cannot be a __shared__ array.
+  __shared__ alignas(Acc) unsigned char storage[block_size * sizeof(Acc)];
+  Acc* const slot = reinterpret_cast<Acc*>(storage);
+  slot[threadIdx.x] = acc;
+  __syncthreads();
+  MPX_UNROLL
+  for (unsigned half = block_size / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) slot[threadIdx.x] = combine(slot[threadIdx.x], slot[threadIdx.x + half]);
+    __syncthreads();
+  }
+  return slot[0];
+}
+
 template <int Width, class T, class Acc, class Map, class Combine>
 __global__ void __launch_bounds__(block_size)
     reduce_to_partials_kernel(T const* __restrict__ x, vector_split split, Acc identity, Map map, Combine combine,
@@ -55,24 +70,19 @@ __global__ void __launch_bounds__(block_size)
     for (int k = 0; k < Width; ++k) acc = combine(acc, map(vec.v[k]));
   }
   if (tid < split.tail) acc = combine(acc, map(x[split.head + split.vectors * Width + tid]));
-
-  using block_reduce = cub::BlockReduce<Acc, block_size>;
-  __shared__ typename block_reduce::TempStorage temp;
-  Acc const block_total = block_reduce(temp).Reduce(acc, combine);
+  Acc const block_total = block_combine(acc, combine);
   if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
 }
 
 //! One block: *result = the combination of partials[0, count), thread i taking i,
-//! i + block_size, ... and the block reduction combining the threads in a fixed order.
+//! i + block_size, ... and block_combine combining the threads in a fixed order.
 template <class Acc, class Combine>
 __global__ void __launch_bounds__(block_size)
     combine_partials_kernel(Acc const* __restrict__ partials, unsigned count, Acc identity, Combine combine,
                             Acc* __restrict__ result) {
   Acc acc = identity;
   for (unsigned i = threadIdx.x; i < count; i += block_size) acc = combine(acc, partials[i]);
-  using block_reduce = cub::BlockReduce<Acc, block_size>;
-  __shared__ typename block_reduce::TempStorage temp;
-  Acc const total = block_reduce(temp).Reduce(acc, combine);
+  Acc const total = block_combine(acc, combine);
   if (threadIdx.x == 0) *result = total;
 }
 
