@@ -53,5 +53,18 @@ MPX_HD inline float add_rn(float a, float b) noexcept {
   return a + b;
 #endif
 }
+//! The same for doubles (float64 sums of float terms, as the shadow's error sums).
+MPX_HD inline double add_rn(double a, double b) noexcept {
+#if MPX_DEVICE_PASS
+  return __dadd_rn(a, b);
+#else
+#if defined(__FP_FAST_FMA) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(a), "+x"(b));
+#elif defined(__FP_FAST_FMA) && defined(__GNUC__) && defined(__aarch64__)
+  __asm__("" : "+w"(a), "+w"(b));
+#endif
+  return a + b;
+#endif
+}
 
 }  // namespace mpx

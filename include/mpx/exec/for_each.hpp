@@ -224,8 +224,9 @@ void for_each_index([[maybe_unused]] Exec const& exec, std::size_t n, Body const
 }
 
 //! body(lanes, r) for every row r in [0, rows) of `cols` columns (see exec/lanes.hpp).
-//! cols, and every n the body gives lanes.reduce or lanes.for_each, is at most
-//! detail::max_row_cols (2^31 - 1025; more is an mpx::invalid_argument). Every lane of a
+//! cols is at most detail::max_row_cols (2^31 - 1025; more is an mpx::invalid_argument),
+//! and so must be every n the body gives lanes.reduce or lanes.for_each (the GPU's lanes
+//! count in 32 bits; the body keeps its own n within cols or checks it). Every lane of a
 //! row must reach each lanes.reduce: not under a condition that depends on the lane,
 //! nor inside lanes.for_each or lanes.once (on the GPU that deadlocks a block's row).
 template <executor Exec, class Body>

@@ -88,38 +88,43 @@ MPX_HD T host_block_all_reduce(T const* lanes, Op op) {
 // ---- the GPU's ----------------------------------------------------------------------
 
 #if MPX_HAS_CUDA
-//! __shfl_xor_sync for any trivially copyable T of whole 32-bit words (a struct of sums).
-template <class T>
-__device__ __forceinline__ T shuffle_xor(T v, int offset) {
+//! A warp shuffle (shuffle(x) for x of one of the types CUDA's shuffles take) applied
+//! to any trivially copyable T of whole 32-bit words (a struct of sums), word by word.
+template <class T, class Shuffle>
+__device__ __forceinline__ T shuffle_words(T v, Shuffle const& shuffle) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, unsigned long long> || std::is_same_v<T, int>) {
-    return __shfl_xor_sync(0xffffffffu, v, offset);
+    return shuffle(v);
   } else {
     static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % 4 == 0, "shuffled values are whole 32-bit words");
     unsigned words[sizeof(T) / 4];
     std::memcpy(words, &v, sizeof(T));
     MPX_UNROLL
-    for (unsigned& w : words) w = __shfl_xor_sync(0xffffffffu, w, offset);
+    for (unsigned& w : words) w = shuffle(w);
     std::memcpy(&v, words, sizeof(T));
     return v;
   }
 }
+template <class T>
+__device__ __forceinline__ T shuffle_xor(T v, int offset) {
+  return shuffle_words(v, [offset](auto x) { return __shfl_xor_sync(0xffffffffu, x, offset); });
+}
 
 //! Combines v over the 32 lanes of a warp (all lanes active). A butterfly: lane l
-//! combines v[l] and v[l ^ o]. Every lane ends with the same value; the bits agree too
-//! for sums, and for the maximum except the sign of a zero or a NaN's payload (lane 0's
-//! value is the host's).
+//! combines v[l] and v[l ^ o]. Lane 0's result, the host's, is then given to every lane:
+//! the others combined the same values with the operands swapped, which for a maximum
+//! can pick the other sign of a zero or another NaN payload.
 template <class T, class Op>
 __device__ __forceinline__ T warp_all_reduce(T v, Op op) {
   MPX_UNROLL
   for (int offset = warp_size / 2; offset > 0; offset >>= 1) v = op(v, shuffle_xor(v, offset));
-  return v;
+  return shuffle_words(v, [](auto x) { return __shfl_sync(0xffffffffu, x, 0); });
 }
 
-//! Combines v over the whole block (blockDim.x a multiple of 32, at most 1024) and
-//! returns the result to every thread. `scratch` is 32 elements of shared memory; the
-//! call may be repeated with the same scratch.
+//! Combines v over the whole block (one-dimensional: blockDim.x a multiple of 32, at
+//! most 1024, blockDim.y and z 1) and returns the result to every thread. `scratch` is 32 elements of shared memory; the
+//! call may be repeated with the same scratch. `identity` is op's neutral element.
 template <class T, class Op>
-__device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch) {
+__device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch, T identity) {
   v = warp_all_reduce(v, op);
   unsigned const lane = threadIdx.x & 31u;
   unsigned const warp = threadIdx.x >> 5;
@@ -127,8 +132,12 @@ __device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   // Every warp reduces the same values in the same order: no second broadcast needed.
-  v = lane < (blockDim.x >> 5) ? scratch[lane] : Op::identity();
+  v = lane < (blockDim.x >> 5) ? scratch[lane] : identity;
   return warp_all_reduce(v, op);
+}
+template <class T, class Op>
+__device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch) {
+  return block_all_reduce(v, op, scratch, Op::identity());
 }
 #endif
 

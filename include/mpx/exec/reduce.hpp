@@ -5,13 +5,14 @@
 // device, so the result is the same run after run. (The second stage is a block, not
 // cub::DeviceReduce: there are at most a few thousand partials, and DeviceReduce's
 // dispatch machinery cost every user translation unit that includes this header about
-// two seconds of compile time. The block reductions are a tree in shared memory, not
-// cub::BlockReduce, whose header alone costs a translation unit about 3.5 s under nvcc:
-// each runs once per block, where its speed does not show.)
+// two seconds of compile time. The block reductions are block_all_reduce, the one the
+// row bodies' lanes use, not cub::BlockReduce, whose header alone costs a translation
+// unit about 3.5 s under nvcc: each runs once per block, where its speed does not show.)
 #pragma once
 
 #include <mpx/core/config.hpp>
 #include <mpx/exec/executor.hpp>
+#include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/memory_space.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -39,21 +40,14 @@ Acc host_transform_reduce(T const* x, std::size_t n, Acc identity, Map const& ma
 }
 
 #if MPX_HAS_CUDA
-//! acc combined over the block_size threads of a block, in a fixed order (a tree: thread
-//! t takes t + half at each level), the result in thread 0. Every thread must call it.
+//! acc combined over the threads of a block in a fixed order (block_all_reduce: a
+//! butterfly in each warp, then one over the warps' results), in every thread. Every
+//! thread must call it.
 template <class Acc, class Combine>
-__device__ Acc block_combine(Acc acc, Combine const& combine) {
+__device__ Acc block_combine(Acc acc, Combine const& combine, Acc identity) {
   // Raw storage: an Acc with default member initializers cannot be a __shared__ array.
-  __shared__ alignas(Acc) unsigned char storage[block_size * sizeof(Acc)];
-  Acc* const slot = reinterpret_cast<Acc*>(storage);
-  slot[threadIdx.x] = acc;
-  __syncthreads();
-  MPX_UNROLL
-  for (unsigned half = block_size / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) slot[threadIdx.x] = combine(slot[threadIdx.x], slot[threadIdx.x + half]);
-    __syncthreads();
-  }
-  return slot[0];
+  __shared__ alignas(Acc) unsigned char scratch[warp_size * sizeof(Acc)];
+  return block_all_reduce(acc, combine, reinterpret_cast<Acc*>(scratch), identity);
 }
 
 template <int Width, class T, class Acc, class Map, class Combine>
@@ -70,7 +64,7 @@ __global__ void __launch_bounds__(block_size)
     for (int k = 0; k < Width; ++k) acc = combine(acc, map(vec.v[k]));
   }
   if (tid < split.tail) acc = combine(acc, map(x[split.head + split.vectors * Width + tid]));
-  Acc const block_total = block_combine(acc, combine);
+  Acc const block_total = block_combine(acc, combine, identity);
   if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
 }
 
@@ -82,13 +76,16 @@ __global__ void __launch_bounds__(block_size)
                             Acc* __restrict__ result) {
   Acc acc = identity;
   for (unsigned i = threadIdx.x; i < count; i += block_size) acc = combine(acc, partials[i]);
-  Acc const total = block_combine(acc, combine);
+  Acc const total = block_combine(acc, combine, identity);
   if (threadIdx.x == 0) *result = total;
 }
 
 template <class T, class Acc, class Map, class Combine>
 Acc cuda_transform_reduce(cudaStream_t stream, T const* x, std::size_t n, Acc identity, Map const& map,
                           Combine const& combine) {
+  static_assert(std::is_trivially_copyable_v<Acc> && sizeof(Acc) % 4 == 0,
+                "mpx::transform_reduce on a cuda_executor: the accumulator must be trivially copyable and a whole "
+                "number of 32-bit words (warp shuffles carry it): pad a smaller one");
   constexpr int width = vector_width<T>;
   vector_split split;
   split_for_vectors<width>(n, split, x);  // one pointer: always splits

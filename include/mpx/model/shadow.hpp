@@ -103,7 +103,8 @@ struct add_error_sums {
   using value_type = error_sums;
   MPX_HD static error_sums identity() noexcept { return {0.0, 0.0}; }
   MPX_HD error_sums operator()(error_sums a, error_sums b) const noexcept {
-    return {a.squared_difference + b.squared_difference, a.squared_reference + b.squared_reference};
+    // add_rn: the terms are products (d * d), which nvcc would otherwise fuse into the sum.
+    return {add_rn(a.squared_difference, b.squared_difference), add_rn(a.squared_reference, b.squared_reference)};
   }
 };
 template <class T>

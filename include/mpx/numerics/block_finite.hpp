@@ -45,7 +45,8 @@ __device__ unsigned block_count_nonfinite(unsigned count) {
 template <int BlockThreads>
 __device__ void block_add_nonfinite(unsigned count, unsigned long long* total) {
   unsigned const block_total = block_count_nonfinite<BlockThreads>(count);
-  if (threadIdx.x == 0 && block_total != 0) atomicAdd(total, static_cast<unsigned long long>(block_total));
+  bool const first_thread = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;  // once per block, of any shape
+  if (first_thread && block_total != 0) atomicAdd(total, static_cast<unsigned long long>(block_total));
 }
 
 }  // namespace mpx
