@@ -55,8 +55,8 @@ MPX_HD constexpr std::uint32_t round_double_to_format(double x) noexcept {
 
 // Exact widening of an 8-bit pattern to float (every fp8 value is a float): the fields
 // rebiased into float's, subnormals by one exact float multiplication. A NaN keeps its
-// sign and its mantissa bits at the top of float's mantissa (so it is quiet), as
-// widening half does; e5m2's ±inf becomes float's.
+// sign and its mantissa bits at the top of float's mantissa (so it is quiet), as the
+// host's widening of half does; e5m2's ±inf becomes float's.
 template <class T>
 MPX_HD constexpr float widen_8_to_float(T x) noexcept {
   using tr = dtype_traits<T>;
@@ -265,7 +265,9 @@ MPX_HD constexpr bool sign_bit(T x) noexcept {
 //! Converts x to To, rounding to nearest even. A value that rounds beyond ±max gives ±inf,
 //! or for float8_e4m3 (no inf) the NaN of its sign; NaN stays NaN (the canonical quiet NaN
 //! for 16- and 8-bit results); subnormals are kept. Widening (fp8 -> half/bfloat16 ->
-//! float -> double) is exact. Host and device agree bit for bit.
+//! float -> double) is exact. Host and device agree bit for bit on every value but a NaN,
+//! which is NaN on both: widening a half or bfloat16 NaN keeps its sign and payload on
+//! the host, while the GPU's conversion instructions may give the canonical NaN.
 template <class To, class From>
 MPX_HD constexpr To cast(From x) noexcept {
   static_assert(detail::is_castable_v<To> && detail::is_castable_v<From>,

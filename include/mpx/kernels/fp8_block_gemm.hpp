@@ -283,7 +283,12 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
                                                     a.tensor_scale};
       tensor<TC, Space> product(exec, shape{rows, n});
       auto const first_rows = product.view().reshape(shape{rows * n}).flat(0, static_cast<std::size_t>(m * n)).reshape(cv.shape());
-      if (beta != 0.0f) copy(exec, cv, first_rows);
+      if (beta != 0.0f) {  // C's rows as beta reads them; the padding's rows zero (read, never kept)
+        copy(exec, cv, first_rows);
+        fill(exec, product.view().reshape(shape{rows * n}).flat(static_cast<std::size_t>(m * n),
+                                                                static_cast<std::size_t>((rows - m) * n)),
+             cast<TC>(0.0f));
+      }
       fp8_block_gemm(exec, padded, b, product, alpha, beta, loc);
       copy(exec, first_rows, cv);
       return;

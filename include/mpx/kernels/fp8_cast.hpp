@@ -120,7 +120,7 @@ struct fp8_cast_element {
     if (c < cols) {
       Format const y = fp8_scaled_element<Format>(x[r * cols + c], state->scale, m);
       if constexpr (fp8_pass_writes(Pass)) out[i] = y;
-    } else {
+    } else if constexpr (fp8_pass_writes(Pass)) {
       out[i] = from_bits<Format>(bits_t<Format>{0});  // the padding's zeros
     }
     return fp8_pass_records(Pass) ? m : 0u;
