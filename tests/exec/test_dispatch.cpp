@@ -8,6 +8,7 @@
 #include "../support/testing.hpp"
 
 #include <mpx/exec/for_each.hpp>
+#include <mpx/exec/reduce.hpp>
 #include <mpx/kernels/activation.hpp>
 #include <mpx/kernels/column_reduce.hpp>
 #include <mpx/kernels/conv2d.hpp>
@@ -46,6 +47,40 @@ struct row_probe {
       maxima[r] = m;
     });
     lanes.for_each(cols, [&](std::size_t c) { y[r * cols + c] = static_cast<float>(c) + s; });
+  }
+};
+
+//! A sum and a count carried together, with default member initializers: an accumulator
+//! a __shared__ array could not hold (the block reductions keep raw storage for it).
+struct sum_count {
+  float sum = 0.0f;
+  unsigned count = 0;
+};
+struct add_sum_count {
+  using value_type = sum_count;
+  MPX_HD static sum_count identity() noexcept { return {}; }
+  MPX_HD sum_count operator()(sum_count a, sum_count b) const noexcept {
+    return {mpx::add_rn(a.sum, b.sum), a.count + b.count};
+  }
+};
+//! The sum and the number of a value's positive elements (an element's own term).
+struct positive_term {
+  MPX_HD sum_count operator()(float v) const noexcept { return v > 0.0f ? sum_count{v, 1u} : sum_count{}; }
+};
+//! Each row's positive sum and count, through the lanes' reduction.
+struct row_positive_terms {
+  float const* x;
+  float* sums;
+  float* counts;
+  std::size_t cols;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
+    float const* xr = x + r * cols;
+    sum_count const t = lanes.reduce(cols, add_sum_count{}, [&](std::size_t c) { return positive_term{}(xr[c]); });
+    lanes.once([&] {
+      sums[r] = t.sum;
+      counts[r] = static_cast<float>(t.count);
+    });
   }
 };
 
@@ -92,6 +127,39 @@ TEMPLATE_LIST_TEST_CASE("for_each_row visits every column once, with exact sums 
       REQUIRE(got_maxima[r] == m);
       for (std::size_t c = 0; c < cols; ++c) REQUIRE(got_y[r * cols + c] == static_cast<float>(c) + got_sums[r]);
     }
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("an accumulator with default member initializers reduces over rows and over a tensor",
+                        "[dispatch]", mpx_test::executors) {
+  TestType exec;
+  for (std::size_t cols : {std::size_t{5}, std::size_t{1000}, std::size_t{3001}}) {  // warp and block rows
+    std::size_t const rows = 7;
+    std::vector<float> x(rows * cols);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7919) % 61) - 30.0f;  // small integers
+    auto xd = mpx_test::upload(exec, x);
+    auto sums = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
+    auto counts = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
+    mpx::for_each_row(exec, rows, cols, test_dispatch::row_positive_terms{xd.data(), sums.data(), counts.data(), cols});
+    auto const got_sums = mpx_test::download(exec, sums);
+    auto const got_counts = mpx_test::download(exec, counts);
+    double all_sum = 0.0;
+    unsigned all_count = 0;
+    INFO("cols=" << cols);
+    for (std::size_t r = 0; r < rows; ++r) {
+      double s = 0.0;
+      unsigned n = 0;
+      for (std::size_t c = 0; c < cols; ++c)
+        if (float const v = x[r * cols + c]; v > 0.0f) s += v, ++n;
+      REQUIRE(got_sums[r] == s);  // integers: exact in every order
+      REQUIRE(got_counts[r] == static_cast<float>(n));
+      all_sum += s;
+      all_count += n;
+    }
+    auto const total = mpx::transform_reduce(exec, xd, test_dispatch::sum_count{}, test_dispatch::positive_term{},
+                                             test_dispatch::add_sum_count{});
+    REQUIRE(total.sum == all_sum);
+    REQUIRE(total.count == all_count);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <mpx/core/config.hpp>
 
 #include <cmath>
+#include <type_traits>
 
 namespace mpx {
 
@@ -41,26 +42,18 @@ MPX_HD inline float mul_rn(float a, float b) noexcept {
 //! addition, on host and device alike. Sums written with it (the reductions' combining
 //! operations) add exactly the values their terms round to, so the host's sums and the
 //! GPU's agree bit for bit when they add in the same order.
-MPX_HD inline float add_rn(float a, float b) noexcept {
+//! For float and double (float64 sums of float terms, as the shadow's error sums).
+template <class T>
+  requires std::is_same_v<T, float> || std::is_same_v<T, double>
+MPX_HD inline T add_rn(T a, T b) noexcept {
 #if MPX_DEVICE_PASS
-  return __fadd_rn(a, b);  // documented never to be merged into a multiply-add
+  // documented never to be merged into a multiply-add
+  if constexpr (std::is_same_v<T, float>) return __fadd_rn(a, b);
+  else return __dadd_rn(a, b);
 #else
-#if defined(__FP_FAST_FMAF) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if (defined(__FP_FAST_FMAF) || defined(__FP_FAST_FMA)) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   __asm__("" : "+x"(a), "+x"(b));  // opaque operands: nothing left to fuse with
-#elif defined(__FP_FAST_FMAF) && defined(__GNUC__) && defined(__aarch64__)
-  __asm__("" : "+w"(a), "+w"(b));
-#endif
-  return a + b;
-#endif
-}
-//! The same for doubles (float64 sums of float terms, as the shadow's error sums).
-MPX_HD inline double add_rn(double a, double b) noexcept {
-#if MPX_DEVICE_PASS
-  return __dadd_rn(a, b);
-#else
-#if defined(__FP_FAST_FMA) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  __asm__("" : "+x"(a), "+x"(b));
-#elif defined(__FP_FAST_FMA) && defined(__GNUC__) && defined(__aarch64__)
+#elif (defined(__FP_FAST_FMAF) || defined(__FP_FAST_FMA)) && defined(__GNUC__) && defined(__aarch64__)
   __asm__("" : "+w"(a), "+w"(b));
 #endif
   return a + b;

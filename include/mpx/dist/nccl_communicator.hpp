@@ -14,6 +14,7 @@
 
 #include <mpx/core/error.hpp>
 #include <mpx/dist/communicator.hpp>
+#include <mpx/dist/file_bootstrap.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -29,7 +30,6 @@
 #include <cstdio>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <span>
 #include <string>
@@ -75,33 +75,16 @@ struct from_max_key {
 
 }  // namespace detail
 
-//! Writes rank 0's NCCL unique id to `path` (atomically: a temporary file renamed into
-//! place) or, on the other ranks, waits up to `timeout` for it to appear and reads it.
-//! For launchers without MPI; the file must be on a filesystem every rank sees.
+//! Rank 0's NCCL unique id, handed to the other ranks through a file at `path` on a
+//! filesystem every rank sees (share_bytes_through_file: a path of the job's own), for
+//! launchers without MPI. The other ranks wait for it up to `timeout`.
 inline ncclUniqueId nccl_unique_id_through_file(std::filesystem::path const& path, int rank,
                                                 std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
   ncclUniqueId id{};
-  if (rank == 0) {
-    detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
-    auto const temporary = path.string() + ".partial";
-    {
-      std::ofstream out(temporary, std::ios::binary);
-      out.write(id.internal, sizeof id.internal);
-      if (!out) detail::fail<error>("nccl_unique_id_through_file", "cannot write " + temporary);
-    }
-    std::filesystem::rename(temporary, path);
-    return id;
-  }
-  auto const deadline = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    std::ifstream in(path, std::ios::binary);
-    if (in && in.read(id.internal, sizeof id.internal)) return id;
-    if (std::chrono::steady_clock::now() >= deadline)
-      throw collective_error("mpx::nccl_unique_id_through_file: rank " + std::to_string(rank) + " waited " +
-                                 std::to_string(timeout.count()) + " ms for rank 0's id in " + path.string(),
-                             {0});
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  if (rank == 0) detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
+  share_bytes_through_file(path, rank, std::as_writable_bytes(std::span<char>(id.internal, sizeof id.internal)),
+                           timeout);
+  return id;
 }
 
 class nccl_communicator {

@@ -25,8 +25,11 @@ struct host_executor {
 //! Enqueues algorithms on a CUDA stream (the legacy default stream if none is given).
 //! Algorithms return once their work is enqueued, except those that return a value to
 //! the host (all_finite, stats): those synchronise the stream, and say so.
-//! Launching kernels needs nvcc; holding one and copying memory does not. The stream
-//! stays the caller's: before destroying one that ran mpx::gemm, call
+//! Launching kernels needs nvcc; holding one and copying memory does not. As CUDA's
+//! launches require, the stream's device must be the current one (cudaSetDevice) when
+//! an algorithm is called: mpx takes the device it allocates on and plans for (pools,
+//! cuBLASLt's handle, the fp8 products' capability check) from the current device. The
+//! stream stays the caller's: before destroying one that ran mpx::gemm, call
 //! mpx::release_gemm_workspace(stream), which frees the cuBLASLt workspace kept for it.
 class cuda_executor {
  public:

@@ -86,12 +86,11 @@ __global__ void run_once_kernel(Body body) {
 template <class Op, class Body, class Into>
 __global__ void __launch_bounds__(block_size) for_each_index_into_kernel(Body body, Op op, std::size_t n, Into into) {
   using T = typename Op::value_type;
-  __shared__ T scratch[warp_size];
   T acc = Op::identity();
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     acc = op(acc, body(i));
-  acc = block_all_reduce(acc, op, scratch);
+  acc = block_all_reduce(acc, op);
   if (threadIdx.x == 0) into(acc);
 }
 

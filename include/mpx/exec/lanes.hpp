@@ -109,23 +109,38 @@ __device__ __forceinline__ T shuffle_xor(T v, int offset) {
   return shuffle_words(v, [offset](auto x) { return __shfl_xor_sync(0xffffffffu, x, offset); });
 }
 
-//! Combines v over the 32 lanes of a warp (all lanes active). A butterfly: lane l
-//! combines v[l] and v[l ^ o]. Lane 0's result, the host's, is then given to every lane:
-//! the others combined the same values with the operands swapped, which for a maximum
-//! can pick the other sign of a zero or another NaN payload.
+//! The butterfly over the 32 lanes of a warp (all lanes active): lane l combines v[l]
+//! and v[l ^ o]. Lane 0's result is the host's; the other lanes combined the same values
+//! with the operands swapped, which for a maximum can pick the other sign of a zero or
+//! another NaN payload.
 template <class T, class Op>
-__device__ __forceinline__ T warp_all_reduce(T v, Op op) {
+__device__ __forceinline__ T warp_butterfly(T v, Op op) {
   MPX_UNROLL
   for (int offset = warp_size / 2; offset > 0; offset >>= 1) v = op(v, shuffle_xor(v, offset));
-  return shuffle_words(v, [](auto x) { return __shfl_sync(0xffffffffu, x, 0); });
+  return v;
 }
 
-//! Combines v over the whole block (one-dimensional: blockDim.x a multiple of 32, at
-//! most 1024, blockDim.y and z 1) and returns the result to every thread. `scratch` is 32 elements of shared memory; the
-//! call may be repeated with the same scratch. `identity` is op's neutral element.
+//! Combines v over the 32 lanes of a warp and gives every lane lane 0's result.
 template <class T, class Op>
-__device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch, T identity) {
-  v = warp_all_reduce(v, op);
+__device__ __forceinline__ T warp_all_reduce(T v, Op op) {
+  return shuffle_words(warp_butterfly(v, op), [](auto x) { return __shfl_sync(0xffffffffu, x, 0); });
+}
+
+//! 32 elements of T in shared memory, one array per T in a kernel. Raw storage: a T with
+//! default member initializers cannot be a __shared__ array.
+template <class T>
+__device__ __forceinline__ T* warp_results_scratch() {
+  __shared__ alignas(T) unsigned char raw[warp_size * sizeof(T)];
+  return reinterpret_cast<T*>(raw);
+}
+
+//! Combines v over the whole block and returns the result to every thread; every thread
+//! must call it, and it may be called again. The block is one-dimensional: blockDim.x a
+//! multiple of 32, at most 1024. `identity` is op's neutral element.
+template <class T, class Op>
+__device__ __forceinline__ T block_all_reduce(T v, Op op, T identity) {
+  T* const scratch = warp_results_scratch<T>();
+  v = warp_butterfly(v, op);  // lane 0 holds its warp's result
   unsigned const lane = threadIdx.x & 31u;
   unsigned const warp = threadIdx.x >> 5;
   __syncthreads();  // an earlier call may still be reading scratch
@@ -136,8 +151,8 @@ __device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch, T identity
   return warp_all_reduce(v, op);
 }
 template <class T, class Op>
-__device__ __forceinline__ T block_all_reduce(T v, Op op, T* scratch) {
-  return block_all_reduce(v, op, scratch, Op::identity());
+__device__ __forceinline__ T block_all_reduce(T v, Op op) {
+  return block_all_reduce(v, op, Op::identity());
 }
 #endif
 
@@ -226,8 +241,7 @@ struct device_lanes {
     if constexpr (Lanes == warp_size) {
       return warp_all_reduce(v, op);
     } else {
-      __shared__ T scratch[warp_size];
-      return block_all_reduce(v, op, scratch);
+      return block_all_reduce(v, op);
     }
   }
   template <class F>

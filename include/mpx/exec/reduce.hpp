@@ -40,16 +40,6 @@ Acc host_transform_reduce(T const* x, std::size_t n, Acc identity, Map const& ma
 }
 
 #if MPX_HAS_CUDA
-//! acc combined over the threads of a block in a fixed order (block_all_reduce: a
-//! butterfly in each warp, then one over the warps' results), in every thread. Every
-//! thread must call it.
-template <class Acc, class Combine>
-__device__ Acc block_combine(Acc acc, Combine const& combine, Acc identity) {
-  // Raw storage: an Acc with default member initializers cannot be a __shared__ array.
-  __shared__ alignas(Acc) unsigned char scratch[warp_size * sizeof(Acc)];
-  return block_all_reduce(acc, combine, reinterpret_cast<Acc*>(scratch), identity);
-}
-
 template <int Width, class T, class Acc, class Map, class Combine>
 __global__ void __launch_bounds__(block_size)
     reduce_to_partials_kernel(T const* __restrict__ x, vector_split split, Acc identity, Map map, Combine combine,
@@ -64,19 +54,19 @@ __global__ void __launch_bounds__(block_size)
     for (int k = 0; k < Width; ++k) acc = combine(acc, map(vec.v[k]));
   }
   if (tid < split.tail) acc = combine(acc, map(x[split.head + split.vectors * Width + tid]));
-  Acc const block_total = block_combine(acc, combine, identity);
+  Acc const block_total = block_all_reduce(acc, combine, identity);
   if (threadIdx.x == 0) partials[blockIdx.x] = block_total;
 }
 
 //! One block: *result = the combination of partials[0, count), thread i taking i,
-//! i + block_size, ... and block_combine combining the threads in a fixed order.
+//! i + block_size, ..., and block_all_reduce combining the threads in a fixed order.
 template <class Acc, class Combine>
 __global__ void __launch_bounds__(block_size)
     combine_partials_kernel(Acc const* __restrict__ partials, unsigned count, Acc identity, Combine combine,
                             Acc* __restrict__ result) {
   Acc acc = identity;
   for (unsigned i = threadIdx.x; i < count; i += block_size) acc = combine(acc, partials[i]);
-  Acc const total = block_combine(acc, combine, identity);
+  Acc const total = block_all_reduce(acc, combine, identity);
   if (threadIdx.x == 0) *result = total;
 }
 

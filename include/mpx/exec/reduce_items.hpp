@@ -53,7 +53,6 @@ template <item_kind Kind, class Op, class Body>
 __global__ void __launch_bounds__(item_block_threads)
     reduce_items_kernel(Body body, Op op, std::size_t n, typename Op::value_type* __restrict__ partials) {
   using T = typename Op::value_type;
-  __shared__ T scratch[warp_size];
   T acc = Op::identity();
   if constexpr (Kind == item_kind::element) {
     std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -67,7 +66,7 @@ __global__ void __launch_bounds__(item_block_threads)
       acc = op(acc, body(lanes, r));
     if (lanes.lane != 0) acc = Op::identity();  // a row's value counts once, from lane 0
   }
-  acc = block_all_reduce(acc, op, scratch);
+  acc = block_all_reduce(acc, op);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
@@ -75,10 +74,9 @@ template <class Op, class Finish>
 __global__ void __launch_bounds__(item_block_threads)
     finish_items_kernel(Op op, typename Op::value_type const* __restrict__ partials, unsigned count, Finish finish) {
   using T = typename Op::value_type;
-  __shared__ T scratch[warp_size];
   T acc = Op::identity();
   for (unsigned i = threadIdx.x; i < count; i += item_block_threads) acc = op(acc, partials[i]);
-  acc = block_all_reduce(acc, op, scratch);
+  acc = block_all_reduce(acc, op);
   if (threadIdx.x == 0) finish(acc);
 }
 #endif
@@ -118,6 +116,8 @@ typename Op::value_type host_reduce_items(Op op, std::size_t n, Items const& ite
 //! returns its value as Op::value_type and may write its own outputs), combines the
 //! values with op in the fixed order above, and calls finish(total) once. `partials`:
 //! max_item_blocks values in the executor's memory. Asynchronous on a cuda_executor.
+//! A row body's lanes count its columns in 32 bits: the caller keeps them at most
+//! max_row_cols (as for_each_row does).
 template <item_kind Kind, executor Exec, class Op, class Body, class Finish>
 void reduce_items([[maybe_unused]] Exec const& exec, std::size_t n, Op op, Body const& body, Finish const& finish,
                   typename Op::value_type* partials) {

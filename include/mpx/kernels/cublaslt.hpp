@@ -436,12 +436,12 @@ inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alph
 
 }  // namespace detail
 
-//! Frees the cuBLASLt handles, workspaces and plans mpx::gemm has cached, after
-//! waiting for every device that used them. Optional: for a program that created many
-//! streams (each keeps a workspace) or wants the memory back. A CUDA graph captured
-//! before the call holds the freed workspace's address: capture it again (a
-//! classifier_trainer does so by itself) or destroy it first. A captured gemm uses its capture stream's workspace, so launch a graph on
-//! the stream it was captured on.
+//! Frees the cuBLASLt handles, workspaces and plans mpx::gemm has cached, after waiting for
+//! every device that used them. Optional: for a program that created many streams (each
+//! keeps a workspace) or wants the memory back. A CUDA graph captured before the call holds
+//! the freed workspace's address: capture it again (a classifier_trainer does so by itself)
+//! or destroy it first. A captured gemm uses its capture stream's workspace, so launch a
+//! graph on the stream it was captured on.
 inline void release_gemm_resources() { detail::lt_context::instance().release(); }
 
 //! Waits for `stream` and frees the cuBLASLt workspace (32 MiB on Hopper) that mpx::gemm

@@ -9,18 +9,18 @@
 // itself at start-up. Meson's mpx_cudnn_dep and CMake's mpx::cudnn carry the include
 // folder and the library (docs/transformers.md).
 //
-// Plans (cuDNN graphs, forward and backward) are built once per shape and device, when
-// the layer reserves its buffers (never inside a CUDA-graph capture), and kept until the
-// program ends, with a workspace per stream (made when the layer reserves, or on a
-// stream's first eager pass, as a CUDA-graph trainer's side stream has). A workspace
-// only grows, and the blocks it outgrew stay until the stream is forgotten: a captured
-// graph may still use them. As with cuBLASLt's workspaces, launch a graph on the stream
-// it was captured on, while that stream lives: a destroyed stream's workspace passes to
-// the next stream that gets its handle (after a wait for the device). The backward pass is cuDNN's deterministic one unless the
-// layer says otherwise (causal_self_attention_config::deterministic): the same inputs give
-// the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for each
-// [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own memory
-// is linear in the tokens, this workspace is not.
+// Plans (cuDNN graphs, forward and backward) are built once per shape and device, when the
+// layer reserves its buffers (never inside a CUDA-graph capture), and kept until the program
+// ends, with a workspace per stream (made when the layer reserves, or on a stream's first
+// eager pass, as a CUDA-graph trainer's side stream has). A workspace only grows, and the
+// blocks it outgrew stay until the stream is forgotten: a captured graph may still use them.
+// As with cuBLASLt's workspaces, launch a graph on the stream it was captured on, while that
+// stream lives: a destroyed stream's workspace passes to the next stream that gets its
+// handle (after a wait for the device). The backward pass is cuDNN's deterministic one
+// unless the layer says otherwise (causal_self_attention_config::deterministic): the same
+// inputs give the same bits. On Hopper and earlier its workspace holds dP, 2 bytes for each
+// [batch * heads, tokens, tokens] entry (rounded up to 64 tokens): the layer's own memory is
+// linear in the tokens, this workspace is not.
 #pragma once
 
 #if !__has_include(<cudnn_frontend.h>)
@@ -68,11 +68,12 @@ class cudnn_attention final : public fused_attention_backend {
       return std::string("cudaGetDevice failed: ") + cudaGetErrorString(status);
     }
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    std::string const capture = not_capturing(cuda_stream);
     plan* p = find(device, s, false);
     if (!p) {
       if (std::string const* why = refused(device, s)) return *why;
       // Building a plan allocates and loads kernels: not inside a CUDA-graph capture.
-      if (std::string why = not_capturing(cuda_stream); !why.empty()) return "cannot build cuDNN's plans for a new shape: " + why;
+      if (!capture.empty()) return "cannot build cuDNN's plans for a new shape: " + capture;
       std::string why = build_plan(device, s, cuda_stream);
       if (!why.empty()) {
         refused_.emplace_back(key{device, s, false}, why);  // not retried: each try costs a full build
@@ -81,7 +82,7 @@ class cudnn_attention final : public fused_attention_backend {
       p = find(device, s, false);
     }
     workspace* unused = nullptr;
-    return workspace_for(device, cuda_stream, p->workspace_bytes, unused);
+    return workspace_for(device, cuda_stream, capture, p->workspace_bytes, unused);
   }
 
   void forward(fused_attention_shape const& s, fused_attention_forward_args const& a, void* stream) override {
@@ -298,11 +299,13 @@ class cudnn_attention final : public fused_attention_backend {
   // that follow) and grown where it is smaller; a block it outgrows is kept (see
   // retired). A capturing stream, whose id cannot be asked for (cudaStreamGetId refuses
   // it), gets the one the same handle's last eager pass used, which must be large enough.
-  std::string workspace_for(int device, cudaStream_t stream, std::int64_t bytes, workspace*& w) {
+  // `capture`: not_capturing(stream), which the caller has asked already.
+  std::string workspace_for(int device, cudaStream_t stream, std::string const& capture, std::int64_t bytes,
+                            workspace*& w) {
     stream_handle_key const key = stream_handle_key_of(device, stream);
-    if (std::string why = not_capturing(stream); !why.empty()) {
+    if (!capture.empty()) {
       w = workspaces_.captured(key);
-      return w && w->bytes >= bytes ? "" : "no cuDNN workspace for this stream yet, and " + why;
+      return w && w->bytes >= bytes ? "" : "no cuDNN workspace for this stream yet, and " + capture;
     }
     unsigned long long id = 0;
     if (cudaError_t const status = cudaStreamGetId(stream, &id); status != cudaSuccess) {
@@ -363,8 +366,9 @@ class cudnn_attention final : public fused_attention_backend {
                              "no plan for this shape on this device: the layer was not reserved on this executor");
     // A stream the layer was not reserved on gets its workspace here, outside a capture.
     workspace* w = nullptr;
-    if (std::string why = workspace_for(device, cuda_stream, p->workspace_bytes, w); !why.empty()) {
-      if (!not_capturing(cuda_stream).empty())  // the user's order of calls, not the device's failure
+    std::string const capture = not_capturing(cuda_stream);
+    if (std::string why = workspace_for(device, cuda_stream, capture, p->workspace_bytes, w); !why.empty()) {
+      if (!capture.empty())  // the user's order of calls, not the device's failure
         fail<invalid_argument>("causal_self_attention (cuDNN " + std::string(pass) + ")", why);
       fail_in(pass, why);
     }

@@ -197,8 +197,7 @@ __global__ void __launch_bounds__(block_size)
         }
         __syncthreads();  // the tile is rewritten by the next iteration
       }
-  __shared__ std::uint32_t scratch[32];
-  m = block_all_reduce(m, max_magnitude_bits{}, scratch);
+  m = block_all_reduce(m, max_magnitude_bits{});
   if (threadIdx.x == 0 && m != 0) atomicMax(&state->step_amax_bits, m);
 }
 #endif

@@ -55,8 +55,8 @@ inline void cross_entropy_layout(shape const& logits, shape const& labels, std::
   if (rows > 0 && classes == 0)
     fail<invalid_argument>("sparse_categorical_cross_entropy", "logits of shape " + logits.to_string() +
                                                                    " have no classes, so no label is valid");
-  // The kernel counts classes in int steps of up to a block: keep the last step below 2^31.
-  if (classes > 0x7FFF'FFFFu - 1024 || rows >= 0xFFFF'FFFFu)
+  // A row's lanes count classes in 32 bits (max_row_cols), the items their rows too.
+  if (classes > max_row_cols || rows >= 0xFFFF'FFFFu)
     fail<invalid_argument>("sparse_categorical_cross_entropy",
                            "at most 2^31 - 1025 classes and 2^32 - 1 samples are supported, got " + logits.to_string());
 }

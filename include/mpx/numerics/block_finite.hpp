@@ -1,8 +1,8 @@
-// The block-level finite check for your own kernels: each thread counts the values it
-// wrote that are NaN or ±inf (mpx::is_finite), and one call sums the counts over the
-// block and adds the block's total to a counter in global memory with one atomic, from
-// one thread, only when the block found any. A kernel then needs
-// no second pass over its output to know whether it overflowed:
+// The block-level finite check for your own kernels: each thread counts the values it wrote
+// that are NaN or ±inf (mpx::is_finite), and one call sums the counts over the block and
+// adds the block's total to a counter in global memory with one atomic, from one thread,
+// only when the block found any. A kernel then needs no second pass over its output to know
+// whether it overflowed:
 //
 //   unsigned bad = 0;
 //   for (...) { y[i] = f(x[i]); bad += mpx::is_finite(y[i]) ? 0u : 1u; }
