@@ -38,7 +38,7 @@ TEST_CASE("share_bytes_through_file hands rank 0's bytes to the other ranks, exa
   }
 }
 
-TEST_CASE("share_bytes_through_file: a reader waits for a writer that comes late", "[dist]") {
+TEST_CASE("share_bytes_through_file: a reader waits for a writer that comes late, for ever if asked", "[dist]") {
   mpx_test::scratch_dir dir("file_bootstrap_late");
   auto const path = dir.path / "nccl_id";
   auto sent = id_bytes(3);
@@ -46,7 +46,8 @@ TEST_CASE("share_bytes_through_file: a reader waits for a writer that comes late
   std::string failure;
   std::thread reader([&] {
     try {
-      mpx::share_bytes_through_file(path, 1, got, std::chrono::seconds(30));
+      // milliseconds::max(): for ever (a deadline now() + max would overflow and give up at once)
+      mpx::share_bytes_through_file(path, 1, got, std::chrono::milliseconds::max());
     } catch (std::exception const& e) {
       failure = e.what();
     }

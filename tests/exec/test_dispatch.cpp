@@ -67,19 +67,26 @@ struct add_sum_count {
 struct positive_term {
   MPX_HD sum_count operator()(float v) const noexcept { return v > 0.0f ? sum_count{v, 1u} : sum_count{}; }
 };
-//! Each row's positive sum and count, through the lanes' reduction.
-struct row_positive_terms {
+//! Three reductions per row, of two accumulator types (so a block row reuses its
+//! scratch, and two types share the kernel): the positive elements' sum and count, all
+//! elements' sum, the negative elements' sum and count.
+struct row_mixed_terms {
   float const* x;
-  float* sums;
-  float* counts;
+  float* out;  // 5 values a row
   std::size_t cols;
   template <class Lanes>
   MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
     float const* xr = x + r * cols;
-    sum_count const t = lanes.reduce(cols, add_sum_count{}, [&](std::size_t c) { return positive_term{}(xr[c]); });
+    sum_count const pos = lanes.reduce(cols, add_sum_count{}, [&](std::size_t c) { return positive_term{}(xr[c]); });
+    float const all = lanes.reduce(cols, mpx::lane_sum{}, [&](std::size_t c) { return xr[c]; });
+    sum_count const neg = lanes.reduce(cols, add_sum_count{}, [&](std::size_t c) { return positive_term{}(-xr[c]); });
     lanes.once([&] {
-      sums[r] = t.sum;
-      counts[r] = static_cast<float>(t.count);
+      float* o = out + 5 * r;
+      o[0] = pos.sum;
+      o[1] = static_cast<float>(pos.count);
+      o[2] = all;
+      o[3] = neg.sum;
+      o[4] = static_cast<float>(neg.count);
     });
   }
 };
@@ -133,33 +140,52 @@ TEMPLATE_LIST_TEST_CASE("for_each_row visits every column once, with exact sums 
 TEMPLATE_LIST_TEST_CASE("an accumulator with default member initializers reduces over rows and over a tensor",
                         "[dispatch]", mpx_test::executors) {
   TestType exec;
+  mpx::host_executor host;
+  // Each row's five results (row_mixed_terms) and the tensor's positive sum and count.
+  auto const run = [](auto const& e, std::vector<float> const& x, std::size_t rows, std::size_t cols) {
+    auto xd = mpx_test::upload(e, x);
+    auto out = mpx_test::poisoned<float>(e, {static_cast<std::int64_t>(5 * rows)});
+    mpx::for_each_row(e, rows, cols, test_dispatch::row_mixed_terms{xd.data(), out.data(), cols});
+    auto got = mpx_test::download(e, out);
+    auto const total = mpx::transform_reduce(e, xd, test_dispatch::sum_count{}, test_dispatch::positive_term{},
+                                             test_dispatch::add_sum_count{});
+    got.push_back(total.sum);
+    got.push_back(static_cast<float>(total.count));
+    return got;
+  };
   for (std::size_t cols : {std::size_t{5}, std::size_t{1000}, std::size_t{3001}}) {  // warp and block rows
+    INFO("cols=" << cols);
     std::size_t const rows = 7;
+    // Small integers: every order of addition is exact, so the float64 sums are the answer.
     std::vector<float> x(rows * cols);
-    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7919) % 61) - 30.0f;  // small integers
-    auto xd = mpx_test::upload(exec, x);
-    auto sums = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
-    auto counts = mpx_test::poisoned<float>(exec, {static_cast<std::int64_t>(rows)});
-    mpx::for_each_row(exec, rows, cols, test_dispatch::row_positive_terms{xd.data(), sums.data(), counts.data(), cols});
-    auto const got_sums = mpx_test::download(exec, sums);
-    auto const got_counts = mpx_test::download(exec, counts);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7919) % 61) - 30.0f;
+    auto const got = run(exec, x, rows, cols);
     double all_sum = 0.0;
     unsigned all_count = 0;
-    INFO("cols=" << cols);
     for (std::size_t r = 0; r < rows; ++r) {
-      double s = 0.0;
-      unsigned n = 0;
-      for (std::size_t c = 0; c < cols; ++c)
-        if (float const v = x[r * cols + c]; v > 0.0f) s += v, ++n;
-      REQUIRE(got_sums[r] == s);  // integers: exact in every order
-      REQUIRE(got_counts[r] == static_cast<float>(n));
-      all_sum += s;
-      all_count += n;
+      double pos = 0.0, sum = 0.0, neg = 0.0;
+      unsigned np = 0, nn = 0;
+      for (std::size_t c = 0; c < cols; ++c) {
+        float const v = x[r * cols + c];
+        sum += v;
+        if (v > 0.0f) pos += v, ++np;
+        if (v < 0.0f) neg -= v, ++nn;
+      }
+      REQUIRE(got[5 * r] == pos);
+      REQUIRE(got[5 * r + 1] == static_cast<float>(np));
+      REQUIRE(got[5 * r + 2] == sum);
+      REQUIRE(got[5 * r + 3] == neg);
+      REQUIRE(got[5 * r + 4] == static_cast<float>(nn));
+      all_sum += pos;
+      all_count += np;
     }
-    auto const total = mpx::transform_reduce(exec, xd, test_dispatch::sum_count{}, test_dispatch::positive_term{},
-                                             test_dispatch::add_sum_count{});
-    REQUIRE(total.sum == all_sum);
-    REQUIRE(total.count == all_count);
+    REQUIRE(got[5 * rows] == all_sum);
+    REQUIRE(got[5 * rows + 1] == static_cast<float>(all_count));
+    // Values of many magnitudes: another order of addition changes the bits, so the GPU
+    // must add as the host does.
+    auto y = mpx_test::random_values<float>(rows * cols, -1.0, 1.0, 5);
+    for (std::size_t i = 0; i < y.size(); ++i) y[i] = std::ldexp(y[i], static_cast<int>(i % 23) - 11);
+    CHECK(mpx_test::first_mismatch(run(exec, y, rows, cols), run(host, y, rows, cols)).empty());
   }
 }
 

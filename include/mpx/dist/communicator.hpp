@@ -48,9 +48,20 @@ constexpr char const* to_string(reduce_op op) noexcept {
 //! How long a rank waits for the others in one collective before it gives up with
 //! mpx::collective_error. Generous by default: the first collective of a run waits for
 //! every rank to load its data, build its model and compile its kernels.
+//! std::chrono::milliseconds::max() waits for ever.
 struct communicator_options {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };
+
+namespace detail {
+//! Whether `timeout` has passed since `start`, in whole milliseconds: a deadline (start +
+//! timeout), or a comparison in the clock's nanoseconds, would overflow for
+//! milliseconds::max().
+inline bool waited_past(std::chrono::steady_clock::time_point start, std::chrono::milliseconds timeout,
+                        std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) noexcept {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now - start) >= timeout;
+}
+}  // namespace detail
 
 //! A transport between the replicas of a data-parallel job. Comm::space is the memory
 //! its collectives read and write; every call is made by every rank, in the same order

@@ -23,6 +23,7 @@ namespace mpx {
 //! in the name): a file an earlier job left with the same size is read as this job's.
 //! Rank 0's failure to write is an mpx::error; a rank that waited in vain, or found a
 //! file of another size, throws mpx::collective_error naming rank 0 as missing.
+//! std::chrono::milliseconds::max() waits for ever.
 inline void share_bytes_through_file(std::filesystem::path const& path, int rank, std::span<std::byte> bytes,
                                      std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
   char const* const op = "share_bytes_through_file";
@@ -30,18 +31,20 @@ inline void share_bytes_through_file(std::filesystem::path const& path, int rank
   auto const size = static_cast<std::streamsize>(bytes.size());
   if (rank == 0) {
     std::string const temporary = path.string() + ".partial";
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      out.write(reinterpret_cast<char const*>(bytes.data()), size);
-      out.close();
-      if (!out) detail::fail<error>(op, "cannot write " + temporary);
-    }
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<char const*>(bytes.data()), size);
+    out.close();
     std::error_code renamed;
-    std::filesystem::rename(temporary, path, renamed);
-    if (renamed) detail::fail<error>(op, "cannot rename " + temporary + " to " + path.string() + ": " + renamed.message());
+    if (out) std::filesystem::rename(temporary, path, renamed);
+    if (!out || renamed) {
+      std::error_code ignored;
+      std::filesystem::remove(temporary, ignored);  // no half-written file left behind
+      detail::fail<error>(op, !out ? "cannot write " + temporary
+                                   : "cannot rename " + temporary + " to " + path.string() + ": " + renamed.message());
+    }
     return;
   }
-  auto const deadline = std::chrono::steady_clock::now() + timeout;
+  auto const start = std::chrono::steady_clock::now();
   for (;;) {
     bool other_size = false;
     if (std::ifstream in(path, std::ios::binary); in) {
@@ -49,7 +52,7 @@ inline void share_bytes_through_file(std::filesystem::path const& path, int rank
       if (in.gcount() == size && in.peek() == std::ifstream::traits_type::eof()) return;
       other_size = true;
     }
-    if (std::chrono::steady_clock::now() >= deadline)
+    if (detail::waited_past(start, timeout))
       throw collective_error("mpx::" + std::string(op) + ": rank " + std::to_string(rank) + " waited " +
                                  std::to_string(timeout.count()) + " ms for rank 0's " + std::to_string(bytes.size()) +
                                  " bytes in " + path.string() +

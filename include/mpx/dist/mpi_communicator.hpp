@@ -333,17 +333,17 @@ class mpi_communicator {
     }
   }
 
-  // Polls the request until it completes or the deadline passes. Polling with short
+  // Polls the request until it completes or the timeout passes. Polling with short
   // sleeps, not spinning: ranks may share cores (mpirun --oversubscribe).
   void wait(MPI_Request& request) {
     using clock = std::chrono::steady_clock;
-    auto const deadline = clock::now() + options_.timeout;
+    auto const start = clock::now();
     for (int spins = 0;; ++spins) {
       int done = 0;
       check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
       if (done) return;
       answer_queries();
-      if (clock::now() >= deadline) break;
+      if (detail::waited_past(start, options_.timeout)) break;
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(spins > 4096 ? 1000 : 50));
     }
     timed_out();

@@ -15,6 +15,7 @@
 #include <mpx/core/error.hpp>
 #include <mpx/dist/communicator.hpp>
 #include <mpx/dist/file_bootstrap.hpp>
+#include <mpx/dist/in_flight.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -28,7 +29,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <deque>
 #include <filesystem>
 #include <memory>
 #include <span>
@@ -225,32 +225,22 @@ class nccl_communicator {
   //! communicator and throws collective_error naming it. Never waits.
   void poll() {
     require_usable();
-    while (!in_flight_.empty()) {
-      auto& oldest = in_flight_.front();
-      cudaError_t const done = cudaEventQuery(oldest.done->get());
-      if (done == cudaSuccess) {
-        in_flight_.pop_front();
-        continue;
-      }
-      if (done != cudaErrorNotReady) MPX_CUDA_CHECK(done);
-      ncclResult_t async = ncclSuccess;
-      if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
-        fail_with(oldest.what, std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(query));
-      if (async != ncclSuccess && async != ncclInProgress) fail_with(oldest.what, ncclGetErrorString(async));
-      if (std::chrono::steady_clock::now() - oldest.enqueued > options_.timeout)
-        fail_with(oldest.what, "not complete " + std::to_string(options_.timeout.count()) +
-                                   " ms after it was enqueued (a rank hung, died, or called another collective)");
-      return;
-    }
+    auto const* const oldest = in_flight_.oldest_running([](std::shared_ptr<detail::ordering_event> const& done) {
+      cudaError_t const status = cudaEventQuery(done->get());
+      if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
+      return status == cudaSuccess;
+    });
+    if (!oldest) return;
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
+      fail_with(oldest->what, std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(query));
+    if (async != ncclSuccess && async != ncclInProgress) fail_with(oldest->what, ncclGetErrorString(async));
+    if (in_flight_.overdue(*oldest, options_.timeout))
+      fail_with(oldest->what, "not complete " + std::to_string(options_.timeout.count()) +
+                                  " ms after it was enqueued (a rank hung, died, or called another collective)");
   }
 
  private:
-  struct pending {
-    std::string what;
-    std::chrono::steady_clock::time_point enqueued;
-    std::shared_ptr<detail::ordering_event> done;  // events cannot move; the queue's entries do
-  };
-
   template <class Bootstrap>
   static ncclUniqueId id_from(Bootstrap& bootstrap) {
     ncclUniqueId id{};
@@ -294,18 +284,18 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
     // A collective captured into a CUDA graph is not in flight: it runs with each replay,
     // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
-    if (!capturing) in_flight_.push_back(pending{what, std::chrono::steady_clock::now(), done});
+    if (!capturing) in_flight_.push(what, done);
     if (deferred_) unfinished_.push_back(std::move(done));
     else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), done->get(), 0));
   }
 
   void wait_for_stream(std::string const& what) {
-    auto const deadline = std::chrono::steady_clock::now() + options_.timeout;
+    auto const start = std::chrono::steady_clock::now();
     for (;;) {
       cudaError_t const s = cudaStreamQuery(stream_);
       if (s == cudaSuccess) return;
       if (s != cudaErrorNotReady) MPX_CUDA_CHECK(s);
-      if (std::chrono::steady_clock::now() >= deadline)
+      if (detail::waited_past(start, options_.timeout))
         fail_with(what, "not complete after " + std::to_string(options_.timeout.count()) + " ms");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -357,7 +347,8 @@ class nccl_communicator {
   cudaStream_t stream_ = nullptr;
   tensor<double, device_space> values_;
   std::uint64_t* host_values_ = nullptr;  // pinned: a copy into pageable memory would wait for the stream
-  std::deque<pending> in_flight_;
+  // (shared: events cannot move; the queue's entries do)
+  detail::in_flight_collectives<std::shared_ptr<detail::ordering_event>> in_flight_;
   std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
   bool deferred_ = false;
   long long sequence_ = 0;
