@@ -1,11 +1,12 @@
 // docs/writing_operations.md: a new operation is one MPX_HD body and one declaration.
-// An element-wise op (a clipped ReLU) and a row op (RMS normalisation over the last
-// axis), each written once for the host and the GPU, checked here on the host against
-// float64.
+// An element-wise op (a clipped ReLU), a row op (RMS normalisation over the last axis)
+// and a row reduction of a type of its own (each row's mean of its positive elements),
+// each written once for the host and the GPU, checked here on the host against float64.
 #include <mpx/mpx.hpp>
 
 #include <cmath>
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 using mpx::half;
@@ -60,6 +61,45 @@ void rms_norm(Exec const& exec, X&& x, Y&& y, float eps = 1e-6f) {
   mpx::for_each_row(exec, rows, cols, rms_norm_row<mpx::value_t<X>, mpx::value_t<Y>>{xv.data(), yv.data(), cols, eps});
 }
 
+// ---- a reduction of your own type: each row's mean of its positive elements --------
+
+struct sum_count {  // trivially copyable, whole 32-bit words; member initializers are fine
+  float sum = 0.0f;
+  unsigned count = 0;
+};
+struct add_sum_count {
+  using value_type = sum_count;
+  MPX_HD static sum_count identity() noexcept { return {}; }
+  MPX_HD sum_count operator()(sum_count a, sum_count b) const noexcept {
+    return {mpx::add_rn(a.sum, b.sum), a.count + b.count};
+  }
+};
+
+template <class X>
+struct positive_mean_row {
+  X const* x;
+  float* mean;
+  std::size_t cols;
+  template <class Lanes>
+  MPX_HD void operator()(Lanes const& lanes, std::size_t r) const {
+    X const* xr = x + r * cols;
+    sum_count const pos = lanes.reduce(cols, add_sum_count{}, [&](std::size_t c) {
+      float const v = mpx::cast<float>(xr[c]);
+      return v > 0.0f ? sum_count{v, 1u} : sum_count{};
+    });
+    lanes.once([&] { mean[r] = pos.count ? pos.sum / static_cast<float>(pos.count) : 0.0f; });
+  }
+};
+
+template <mpx::executor Exec, mpx::tensor_like X, mpx::tensor_like M>
+void positive_mean(Exec const& exec, X&& x, M&& mean) {
+  static_assert(std::is_same_v<mpx::value_t<M>, float>, "positive_mean writes float means");
+  auto [xv, mv] = mpx::detail::views_for<Exec>(x, mean);
+  auto const [rows, cols] = mpx::detail::last_axis_rows("positive_mean", xv.shape());
+  if (mv.size() != rows) mpx::detail::fail<mpx::shape_error>("positive_mean", "expects one mean per row");
+  mpx::for_each_row(exec, rows, cols, positive_mean_row<mpx::value_t<X>>{xv.data(), mv.data(), cols});
+}
+
 int main() {
   bool ok = true;
   mpx::host_executor exec;
@@ -83,6 +123,17 @@ int main() {
       ok &= std::fabs(r[row * 5 + c] - mpx::cast<float>(x[row * 5 + c]) * scale) < 1e-6;
   }
   std::printf("rms_norm row 0: %.5f %.5f %.5f %.5f %.5f\n", r[0], r[1], r[2], r[3], r[4]);
+
+  auto means = mpx::make_tensor<float>(exec, {3});
+  positive_mean(exec, x, means);
+  for (std::size_t row = 0; row < 3; ++row) {
+    double sum = 0.0;
+    int count = 0;
+    for (std::size_t c = 0; c < 5; ++c)
+      if (float const v = mpx::cast<float>(x[row * 5 + c]); v > 0.0f) sum += v, ++count;
+    ok &= means[row] == static_cast<float>(count ? sum / count : 0.0);
+  }
+  std::printf("positive means: %.2f %.2f %.2f\n", means[0], means[1], means[2]);
   std::printf("%s\n", ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }
