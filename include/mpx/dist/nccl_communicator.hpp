@@ -3,11 +3,13 @@
 // its later work by events, so the host never waits. The NCCL unique id comes from rank
 // 0 through any bootstrap communicator (mpx::mpi_communicator: `nccl_communicator(exec,
 // mpi)`), or through a file on a shared filesystem for launchers without MPI.
-// A collective that has not completed `timeout` after it was enqueued is found by
-// poll() (every collective enqueued outside a graph capture calls it first; so may you),
-// and the host-value collectives (barrier, all_reduce_values, all_gather_values) wait for
-// their result at most `timeout`: the communicator is aborted and mpx::collective_error
-// names the collective. A max or min keeps NaN, unlike NCCL's own on floats (through
+// A collective that has not completed `timeout` after it was enqueued is found by a
+// watchdog thread (every tenth of the timeout, at most every second) and by poll()
+// (every collective enqueued outside a graph capture calls it first; so may you), and
+// the host-value collectives (barrier, all_reduce_values, all_gather_values) wait for
+// their result at most `timeout`: the communicator is aborted (which ends a hung
+// kernel, so a host waiting on the GPU goes on) and the next call throws
+// mpx::collective_error naming the collective. A max or min keeps NaN, unlike NCCL's own on floats (through
 // kernels: all_reduce is called from files nvcc compiles). Needs the CUDA runtime and
 // NCCL (-lnccl); not included by <mpx/mpx.hpp>.
 #pragma once
@@ -16,6 +18,7 @@
 #include <mpx/dist/communicator.hpp>
 #include <mpx/dist/file_bootstrap.hpp>
 #include <mpx/dist/in_flight.hpp>
+#include <mpx/dist/watchdog.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -29,8 +32,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -92,7 +97,8 @@ class nccl_communicator {
   using space = device_space;
   using executor_type = cuda_executor;
 
-  //! One rank of `size`, all holding the same `id` (ncclGetUniqueId on rank 0).
+  //! One rank of `size`, all holding the same `id` (ncclGetUniqueId on rank 0). The
+  //! device current now is the communicator's (its stream, its watchdog).
   nccl_communicator(cuda_executor const& exec, ncclUniqueId const& id, int rank, int size,
                     communicator_options options = {})
       : options_(options), rank_(rank), size_(size) {
@@ -100,12 +106,24 @@ class nccl_communicator {
     // A constructor that throws runs no destructor: without this the communicator would
     // leak, never aborted, while the other ranks go on with theirs.
     try {
+      int device = 0;
+      MPX_CUDA_CHECK(cudaGetDevice(&device));
       MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       // Made, used and freed on the stream of the collectives: ordered without events.
       values_ = tensor<double, device_space>(exec.on(stream_), shape{host_value_capacity});
       void* pinned = nullptr;
       MPX_CUDA_CHECK(cudaMallocHost(&pinned, host_value_capacity * sizeof(std::uint64_t)));
       host_values_ = static_cast<std::uint64_t*>(pinned);
+      watchdog_ = std::make_unique<detail::collective_watchdog>(
+          detail::collective_watchdog::period_for(options_.timeout), [this] { return watchdog_check(); },
+          [this](std::string const& why) { watchdog_abort(why); },
+          [device] {
+            static_cast<void>(cudaSetDevice(device));
+            // Its event queries must not count as another thread's call during a CUDA-graph
+            // capture of the training step (the default, global mode would invalidate it).
+            cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+            static_cast<void>(cudaThreadExchangeStreamCaptureMode(&relaxed));
+          });
     } catch (...) {
       broken_ = true;  // aborted, not destroyed: aborting waits for no other rank
       release();
@@ -119,12 +137,22 @@ class nccl_communicator {
   nccl_communicator(cuda_executor const& exec, Bootstrap& bootstrap, communicator_options options = {})
       : nccl_communicator(exec, id_from(bootstrap), bootstrap.rank(), bootstrap.size(), options) {}
 
-  ~nccl_communicator() { release(); }
+  //! Destroys the communicator once its collectives are done (waiting at most the
+  //! timeout), or aborts it: when they are not done by then, when it broke, or when it
+  //! is destroyed by an exception's unwinding (ncclCommDestroy would wait for the other
+  //! ranks, which may never come).
+  ~nccl_communicator() {
+    watchdog_.reset();  // joined first: nothing aborts behind release()'s back
+    if (!broken_ && (std::uncaught_exceptions() > uncaught_at_construction_ || !collectives_done_within_timeout()))
+      broken_ = true;
+    release();
+  }
   nccl_communicator(nccl_communicator const&) = delete;
   nccl_communicator& operator=(nccl_communicator const&) = delete;
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
+  //! NCCL's communicator; null once it was aborted.
   [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
   //! The stream the collectives run on (for profilers and tests); the executors' streams
   //! are ordered with it by events.
@@ -136,18 +164,7 @@ class nccl_communicator {
   //! the plain C++ compiler builds is told so at compile time, as for any algorithm).
   template <std::same_as<cuda_executor> Exec>
   void all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
-    detail::require_reducible("nccl_communicator::all_reduce", data.dtype());
-    run(exec, "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) + " " +
-                  std::string(to_string(data.dtype())) + ")",
-        [&](std::string const& what) {
-          if (op == reduce_op::sum) {
-            detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
-                                             ncclSum, comm_, stream_),
-                               "ncclAllReduce", what);
-          } else {
-            extreme_keeping_nan(exec.on(stream_), data, op == reduce_op::min, what);
-          }
-        });
+    all_reduce_on(exec, data, op, false);
   }
 
   //! all_reduce, started on the communicator's stream without making the executor's
@@ -155,9 +172,7 @@ class nccl_communicator {
   //! concurrently. `data` must stay untouched until finish_all_reduces(exec).
   template <std::same_as<cuda_executor> Exec>
   void start_all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
-    deferred_ = true;
-    all_reduce(exec, data, op);
-    deferred_ = false;
+    all_reduce_on(exec, data, op, true);
   }
   //! The executor's stream waits (on the GPU) for every started all-reduce.
   void finish_all_reduces(cuda_executor const& exec) {
@@ -167,8 +182,11 @@ class nccl_communicator {
   }
 
   void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {
+    if (root < 0 || root >= size_)
+      detail::fail<invalid_argument>("nccl_communicator::broadcast", "root " + std::to_string(root) +
+                                                                         " is not a rank of " + std::to_string(size_));
     run(exec, "broadcast (" + std::to_string(data.size_bytes()) + " bytes from rank " + std::to_string(root) + ")",
-        [&](std::string const& what) {
+        false, [&](std::string const& what) {
           detail::check_nccl(ncclBroadcast(data.data(), data.data(), data.size_bytes(), ncclUint8, root, comm_, stream_),
                              "ncclBroadcast", what);
         });
@@ -179,16 +197,20 @@ class nccl_communicator {
   [[nodiscard]] std::vector<double> all_gather_values(std::span<double const> mine) {
     std::size_t const n = mine.size(), total = n * static_cast<std::size_t>(size_),
                       at = n * static_cast<std::size_t>(rank_);
-    require_usable();
     require_room(total);
-    for (std::size_t i = 0; i < n; ++i) host_values_[at + i] = detail::bit_cast<std::uint64_t>(mine[i]);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + at, host_values_ + at, n * sizeof(double), cudaMemcpyHostToDevice,
-                                   stream_));
-    std::string const what = "all_gather (" + std::to_string(n) + " values) #" + std::to_string(++sequence_);
-    detail::check_nccl(ncclAllGather(values_.data() + at, values_.data(), n, ncclFloat64, comm_, stream_),
-                       "ncclAllGather", what);
-    MPX_CUDA_CHECK(
-        cudaMemcpyAsync(host_values_, values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    std::string const what = enqueue_host_collective(
+        "all_gather (" + std::to_string(n) + " values)",
+        [&] {
+          for (std::size_t i = 0; i < n; ++i) host_values_[at + i] = detail::bit_cast<std::uint64_t>(mine[i]);
+          MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + at, host_values_ + at, n * sizeof(double),
+                                         cudaMemcpyHostToDevice, stream_));
+        },
+        [&](std::string const& w) {
+          detail::check_nccl(ncclAllGather(values_.data() + at, values_.data(), n, ncclFloat64, comm_, stream_),
+                             "ncclAllGather", w);
+          MPX_CUDA_CHECK(
+              cudaMemcpyAsync(host_values_, values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+        });
     wait_for_stream(what);
     std::vector<double> all(total);
     for (std::size_t i = 0; i < total; ++i) all[i] = detail::bit_cast<double>(host_values_[i]);
@@ -197,19 +219,24 @@ class nccl_communicator {
 
   //! A max or min keeps a NaN, as all_reduce's (the keys are made on the host).
   void all_reduce_values(std::span<double> values, reduce_op op) {
-    require_usable();
     require_room(values.size());
-    std::string const what = "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) +
-                             " values) #" + std::to_string(++sequence_);
     bool const keys = op != reduce_op::sum, negated = op == reduce_op::min;
-    for (std::size_t i = 0; i < values.size(); ++i)
-      host_values_[i] =
-          keys ? detail::nan_keeping_max_key(values[i], negated) : detail::bit_cast<std::uint64_t>(values[i]);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data(), host_values_, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
-    detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(), keys ? ncclUint64 : ncclFloat64,
-                                     keys ? ncclMax : ncclSum, comm_, stream_),
-                       "ncclAllReduce", what);
-    MPX_CUDA_CHECK(cudaMemcpyAsync(host_values_, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+    std::string const what = enqueue_host_collective(
+        "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) + " values)",
+        [&] {
+          for (std::size_t i = 0; i < values.size(); ++i)
+            host_values_[i] =
+                keys ? detail::nan_keeping_max_key(values[i], negated) : detail::bit_cast<std::uint64_t>(values[i]);
+          MPX_CUDA_CHECK(
+              cudaMemcpyAsync(values_.data(), host_values_, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
+        },
+        [&](std::string const& w) {
+          detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(),
+                                           keys ? ncclUint64 : ncclFloat64, keys ? ncclMax : ncclSum, comm_, stream_),
+                             "ncclAllReduce", w);
+          MPX_CUDA_CHECK(
+              cudaMemcpyAsync(host_values_, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
+        });
     wait_for_stream(what);
     for (std::size_t i = 0; i < values.size(); ++i)
       values[i] = keys ? detail::from_nan_keeping_max_key<double>(host_values_[i], negated)
@@ -221,23 +248,13 @@ class nccl_communicator {
     all_reduce_values(one, reduce_op::sum);
   }
 
-  //! Looks at the collectives still in flight: one older than the timeout aborts the
-  //! communicator and throws collective_error naming it. Never waits.
+  //! Looks at the collectives still in flight: one that failed, or is older than the
+  //! timeout, aborts the communicator and throws collective_error naming it. Never waits.
+  //! (The watchdog thread does the same every tenth of the timeout, at most every second.)
   void poll() {
-    require_usable();
-    auto const* const oldest = in_flight_.oldest_running([](std::shared_ptr<detail::ordering_event> const& done) {
-      cudaError_t const status = cudaEventQuery(done->get());
-      if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
-      return status == cudaSuccess;
-    });
-    if (!oldest) return;
-    ncclResult_t async = ncclSuccess;
-    if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
-      fail_with(oldest->what, std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(query));
-    if (async != ncclSuccess && async != ncclInProgress) fail_with(oldest->what, ncclGetErrorString(async));
-    if (in_flight_.overdue(*oldest, options_.timeout))
-      fail_with(oldest->what, "not complete " + std::to_string(options_.timeout.count()) +
-                                  " ms after it was enqueued (a rank hung, died, or called another collective)");
+    std::lock_guard lock(mutex_);
+    require_usable_locked();
+    if (std::string why = why_stop_locked(); !why.empty()) fail_locked(why);
   }
 
  private:
@@ -247,6 +264,23 @@ class nccl_communicator {
     if (bootstrap.rank() == 0) detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId", "bootstrap");
     bootstrap.broadcast_bytes(std::as_writable_bytes(std::span<char>(id.internal, sizeof id.internal)), 0);
     return id;
+  }
+
+  // all_reduce, waited for by the executor's stream now or (deferred) at finish_all_reduces.
+  template <class Exec>
+  void all_reduce_on(Exec const& exec, tensor_ref<device_space> data, reduce_op op, bool deferred) {
+    detail::require_reducible("nccl_communicator::all_reduce", data.dtype());
+    run(exec, "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(data.size()) + " " +
+                  std::string(to_string(data.dtype())) + ")",
+        deferred, [&](std::string const& what) {
+          if (op == reduce_op::sum) {
+            detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
+                                             ncclSum, comm_, stream_),
+                               "ncclAllReduce", what);
+          } else {
+            extreme_keeping_nan(exec.on(stream_), data, op == reduce_op::min, what);
+          }
+        });
   }
 
   // The max (or, negated, the min) of `data` over the ranks, NaN kept: each value becomes
@@ -269,46 +303,143 @@ class nccl_communicator {
     });
   }
 
-  // The collective on the side stream: after the executor's work so far, before its later work.
+  // The collective on the side stream: after the executor's work so far, before its later
+  // work (or, deferred, before finish_all_reduces). Under the lock, so the watchdog never
+  // aborts the communicator in the middle of an enqueue; an NCCL call that fails there
+  // aborts it (the ranks no longer agree on what was enqueued).
   template <class Enqueue>
-  void run(cuda_executor const& exec, std::string what, Enqueue&& enqueue) {
-    require_usable();
+  void run(cuda_executor const& exec, std::string what, bool deferred, Enqueue&& enqueue) {
+    std::lock_guard lock(mutex_);
+    require_usable_locked();
     bool const capturing = exec.capturing();
-    if (!capturing) poll();  // a CUDA graph being captured: no queries
+    if (!capturing)  // a CUDA graph being captured: no queries
+      if (std::string why = why_stop_locked(); !why.empty()) fail_locked(why);
     what += " #" + std::to_string(++sequence_);
     detail::ordering_event ready;
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
-    enqueue(what);
+    try {
+      enqueue(what);
+    } catch (collective_error const& e) {
+      abort_locked(e.what());
+      throw;
+    }
     auto done = std::make_shared<detail::ordering_event>();
     MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
     // A collective captured into a CUDA graph is not in flight: it runs with each replay,
     // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
     if (!capturing) in_flight_.push(what, done);
-    if (deferred_) unfinished_.push_back(std::move(done));
+    if (deferred) unfinished_.push_back(std::move(done));
     else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), done->get(), 0));
   }
 
+  // A host-value collective's enqueue, under the lock: `stage()` fills the pinned buffer
+  // and copies it up, `call(what)` enqueues the NCCL call and the copy back. Returns the
+  // collective's name, for wait_for_stream.
+  template <class Stage, class Call>
+  std::string enqueue_host_collective(std::string what, Stage&& stage, Call&& call) {
+    std::lock_guard lock(mutex_);
+    require_usable_locked();
+    what += " #" + std::to_string(++sequence_);
+    stage();
+    try {
+      call(what);
+    } catch (collective_error const& e) {
+      abort_locked(e.what());
+      throw;
+    }
+    return what;
+  }
+
+  // Waits for the stream (a host-value collective's copy back) at most the timeout,
+  // looking at NCCL's asynchronous errors as it goes; then checks that the watchdog did
+  // not abort the communicator meanwhile (an aborted collective's stream completes too).
   void wait_for_stream(std::string const& what) {
     auto const start = std::chrono::steady_clock::now();
     for (;;) {
       cudaError_t const s = cudaStreamQuery(stream_);
-      if (s == cudaSuccess) return;
-      if (s != cudaErrorNotReady) MPX_CUDA_CHECK(s);
-      if (detail::waited_past(start, options_.timeout))
-        fail_with(what, "not complete after " + std::to_string(options_.timeout.count()) + " ms");
+      if (s != cudaSuccess && s != cudaErrorNotReady) MPX_CUDA_CHECK(s);
+      {
+        std::lock_guard lock(mutex_);  // not held while sleeping: the watchdog takes it too
+        require_usable_locked();
+        if (s == cudaSuccess) return;
+        ncclResult_t async = ncclSuccess;
+        if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
+          fail_locked(what + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
+        if (async != ncclSuccess && async != ncclInProgress) fail_locked(what + ": " + ncclGetErrorString(async));
+        if (detail::waited_past(start, options_.timeout))
+          fail_locked(what + ": not complete after " + std::to_string(options_.timeout.count()) + " ms");
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
 
-  void require_usable() const {
-    if (broken_) throw collective_error("mpx::nccl_communicator: an earlier collective failed; end the job", {});
+  // Why the communicator must stop now, or "": the oldest collective in flight failed
+  // (NCCL's asynchronous error) or ran past the timeout. Under the lock; throws
+  // mpx::cuda_error when an event cannot be queried.
+  std::string why_stop_locked() {
+    auto const* const oldest = in_flight_.oldest_running([](std::shared_ptr<detail::ordering_event> const& done) {
+      cudaError_t const status = cudaEventQuery(done->get());
+      if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
+      return status == cudaSuccess;
+    });
+    if (!oldest) return "";
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
+      return oldest->what + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query);
+    if (async != ncclSuccess && async != ncclInProgress) return oldest->what + ": " + ncclGetErrorString(async);
+    if (in_flight_.overdue(*oldest, options_.timeout))
+      return oldest->what + ": not complete " + std::to_string(options_.timeout.count()) +
+             " ms after it was enqueued (a rank hung, died, or called another collective)";
+    return "";
+  }
+
+  // The watchdog's look (its own thread): why to stop, or "".
+  std::string watchdog_check() {
+    std::lock_guard lock(mutex_);
+    return broken_ ? std::string() : why_stop_locked();
+  }
+  // The watchdog's abort: the hung kernel ends, so a host waiting on the GPU behind it
+  // goes on; the next call into the communicator throws the reason. Said at once on
+  // stderr too, since that call may be a while coming.
+  void watchdog_abort(std::string const& why) noexcept {
+    std::lock_guard lock(mutex_);
+    if (broken_) return;
+    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + why);
+    std::fprintf(stderr, "%s (aborted by the watchdog)\n", failure_.c_str());
+  }
+
+  void require_usable_locked() const {
+    if (broken_)
+      throw collective_error(failure_.empty() ? "mpx::nccl_communicator: an earlier collective failed; end the job"
+                                              : failure_ + " (the communicator is aborted; end the job)",
+                             {});
   }
 
   void require_room(std::size_t n) const {
     if (n > values_.size())
       detail::fail<invalid_argument>("nccl_communicator", std::to_string(n) + " host values in one collective (at most " +
                                                               std::to_string(values_.size()) + ")");
+  }
+
+  // Whether every collective in flight completed within the timeout (for the destructor).
+  bool collectives_done_within_timeout() noexcept {
+    auto const start = std::chrono::steady_clock::now();
+    for (;;) {
+      bool query_failed = false;
+      bool const done = in_flight_.oldest_running([&](std::shared_ptr<detail::ordering_event> const& e) {
+        cudaError_t const status = cudaEventQuery(e->get());
+        if (status != cudaSuccess && status != cudaErrorNotReady) query_failed = true;
+        return status == cudaSuccess || query_failed;
+      }) == nullptr;
+      if (query_failed) {
+        static_cast<void>(cudaGetLastError());
+        return false;
+      }
+      if (done) return true;
+      if (detail::waited_past(start, options_.timeout)) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
 
   // What the constructor made, freed in order (also when it made only part of it): the
@@ -331,11 +462,17 @@ class nccl_communicator {
     stream_ = nullptr;
   }
 
-  [[noreturn]] void fail_with(std::string const& what, std::string const& why) {
+  // Marks the communicator broken for `message` and aborts it (an abort waits for no
+  // other rank and ends a hung collective's kernel). Under the lock.
+  void abort_locked(std::string message) noexcept {
     broken_ = true;
-    ncclCommAbort(comm_);
+    failure_ = std::move(message);
+    if (comm_) ncclCommAbort(comm_);
     comm_ = nullptr;
-    throw collective_error("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what + ": " + why, {});
+  }
+  [[noreturn]] void fail_locked(std::string const& why) {
+    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + why);
+    throw collective_error(failure_, {});
   }
 
   static constexpr std::size_t host_value_capacity = 64;  // doubles (or their 64-bit keys) in one host collective
@@ -343,6 +480,7 @@ class nccl_communicator {
   communicator_options options_;
   int rank_ = 0;
   int size_ = 1;
+  int uncaught_at_construction_ = std::uncaught_exceptions();
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   tensor<double, device_space> values_;
@@ -350,9 +488,12 @@ class nccl_communicator {
   // (shared: events cannot move; the queue's entries do)
   detail::in_flight_collectives<std::shared_ptr<detail::ordering_event>> in_flight_;
   std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
-  bool deferred_ = false;
   long long sequence_ = 0;
+  // The watchdog's thread and the caller's share comm_, broken_, failure_ and in_flight_.
+  std::mutex mutex_;
   bool broken_ = false;
+  std::string failure_;  // why it broke, for every later call
+  std::unique_ptr<detail::collective_watchdog> watchdog_;  // last: destroyed (joined) first
 };
 
 static_assert(communicator<nccl_communicator>);

@@ -1,0 +1,76 @@
+// A watchdog for a communicator's collectives: a thread that asks, every `period`,
+// whether the communicator must stop (a collective ran past its timeout, or failed), and
+// hands the first reason to `stop_with`, which aborts the communicator. Without it a
+// hung collective is only found when the host next calls the communicator; a host
+// blocked in a wait for the GPU (a batch upload, a step's record) behind the hung kernel
+// would never call again. (PyTorch's NCCL process group keeps such a thread too.) Plain
+// C++: the host suite runs it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace mpx::detail {
+
+class collective_watchdog {
+ public:
+  //! `check()` returns why the communicator must stop, or "" while all is well; an
+  //! exception it throws is a reason too (its what()). `stop_with(why)` runs at most
+  //! once, on the watchdog's thread, which then ends. `on_start()`, if given, runs first
+  //! on that thread (to make the communicator's device current there).
+  collective_watchdog(std::chrono::milliseconds period, std::function<std::string()> check,
+                      std::function<void(std::string const&)> stop_with, std::function<void()> on_start = {})
+      : thread_([this, period, check = std::move(check), stop_with = std::move(stop_with),
+                 on_start = std::move(on_start)] {
+          if (on_start) on_start();
+          std::unique_lock lock(mutex_);
+          while (!wake_.wait_for(lock, period, [this] { return stopping_; })) {
+            lock.unlock();
+            std::string why;
+            try {
+              why = check();
+            } catch (std::exception const& e) {
+              why = e.what();
+            }
+            if (!why.empty()) {
+              stop_with(why);  // (noexcept by contract: it is the last thing this thread does)
+              return;
+            }
+            lock.lock();
+          }
+        }) {}
+
+  //! Stops the thread and waits for it (at most one check's time).
+  ~collective_watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  collective_watchdog(collective_watchdog const&) = delete;
+  collective_watchdog& operator=(collective_watchdog const&) = delete;
+
+  //! How often to look, for a collective timeout: a tenth of it, between 10 ms and 1 s.
+  static std::chrono::milliseconds period_for(std::chrono::milliseconds timeout) noexcept {
+    auto const tenth = timeout / 10;
+    if (tenth < std::chrono::milliseconds(10)) return std::chrono::milliseconds(10);
+    if (tenth > std::chrono::milliseconds(1000)) return std::chrono::milliseconds(1000);
+    return tenth;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
+}  // namespace mpx::detail

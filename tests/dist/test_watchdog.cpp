@@ -1,0 +1,82 @@
+// The watchdog of a communicator's collectives (dist/watchdog.hpp): it looks every period,
+// hands the first reason to stop (or a check's exception) to stop_with exactly once and
+// ends, and its destructor stops it at once, whatever the period.
+#include "../support/testing.hpp"
+
+#include <mpx/dist/watchdog.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+//! What stop_with received, and a way to wait for it.
+struct stops {
+  std::mutex mutex;
+  std::condition_variable arrived;
+  std::vector<std::string> reasons;
+  void add(std::string const& why) {
+    std::lock_guard lock(mutex);
+    reasons.push_back(why);
+    arrived.notify_all();
+  }
+  bool wait_for_one(std::chrono::seconds limit) {
+    std::unique_lock lock(mutex);
+    return arrived.wait_for(lock, limit, [&] { return !reasons.empty(); });
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the watchdog looks every period and stops once, with the first reason", "[dist]") {
+  std::atomic<int> checks{0};
+  stops seen;
+  std::thread::id started_on;
+  {
+    mpx::detail::collective_watchdog dog(
+        std::chrono::milliseconds(5),
+        [&] { return ++checks >= 3 ? "all_reduce #7: not complete 1000 ms after it was enqueued" : std::string(); },
+        [&](std::string const& why) { seen.add(why); }, [&] { started_on = std::this_thread::get_id(); });
+    REQUIRE(seen.wait_for_one(std::chrono::seconds(10)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it ended: no more looks
+  }
+  CHECK(checks == 3);
+  REQUIRE(seen.reasons.size() == 1);
+  CHECK(seen.reasons[0] == "all_reduce #7: not complete 1000 ms after it was enqueued");
+  CHECK(started_on != std::thread::id{});
+  CHECK(started_on != std::this_thread::get_id());
+}
+
+TEST_CASE("the watchdog takes a check's exception as its reason", "[dist]") {
+  stops seen;
+  mpx::detail::collective_watchdog dog(
+      std::chrono::milliseconds(5), []() -> std::string { throw std::runtime_error("cudaEventQuery failed"); },
+      [&](std::string const& why) { seen.add(why); });
+  REQUIRE(seen.wait_for_one(std::chrono::seconds(10)));
+  CHECK(seen.reasons == std::vector<std::string>{"cudaEventQuery failed"});
+}
+
+TEST_CASE("the watchdog stops at once when destroyed, and stops nothing while all is well", "[dist]") {
+  std::atomic<int> checks{0};
+  stops seen;
+  auto const start = std::chrono::steady_clock::now();
+  {
+    mpx::detail::collective_watchdog dog(
+        std::chrono::hours(1), [&] { return ++checks, std::string(); }, [&](std::string const& why) { seen.add(why); });
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK(checks == 0);
+  CHECK(seen.reasons.empty());
+  using mpx::detail::collective_watchdog;
+  using std::chrono::milliseconds;
+  CHECK(collective_watchdog::period_for(std::chrono::minutes(5)) == milliseconds(1000));
+  CHECK(collective_watchdog::period_for(milliseconds(1000)) == milliseconds(100));
+  CHECK(collective_watchdog::period_for(milliseconds(50)) == milliseconds(10));
+  CHECK(collective_watchdog::period_for(milliseconds::max()) == milliseconds(1000));
+}
