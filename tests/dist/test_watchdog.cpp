@@ -21,14 +21,15 @@ struct stops {
   std::mutex mutex;
   std::condition_variable arrived;
   std::vector<std::string> reasons;
-  void add(std::string const& why) {
+  bool add(std::string const& why) {
     std::lock_guard lock(mutex);
     reasons.push_back(why);
     arrived.notify_all();
+    return true;
   }
-  bool wait_for_one(std::chrono::seconds limit) {
+  bool wait_for(std::size_t count, std::chrono::seconds limit) {
     std::unique_lock lock(mutex);
-    return arrived.wait_for(lock, limit, [&] { return !reasons.empty(); });
+    return arrived.wait_for(lock, limit, [&] { return reasons.size() >= count; });
   }
 };
 
@@ -42,8 +43,8 @@ TEST_CASE("the watchdog looks every period and stops once, with the first reason
     mpx::detail::collective_watchdog dog(
         std::chrono::milliseconds(5),
         [&] { return ++checks >= 3 ? "all_reduce #7: not complete 1000 ms after it was enqueued" : std::string(); },
-        [&](std::string const& why) { seen.add(why); }, [&] { started_on = std::this_thread::get_id(); });
-    REQUIRE(seen.wait_for_one(std::chrono::seconds(10)));
+        [&](std::string const& why) { return seen.add(why); }, [&] { started_on = std::this_thread::get_id(); });
+    REQUIRE(seen.wait_for(1, std::chrono::seconds(10)));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it ended: no more looks
   }
   CHECK(checks == 3);
@@ -57,9 +58,26 @@ TEST_CASE("the watchdog takes a check's exception as its reason", "[dist]") {
   stops seen;
   mpx::detail::collective_watchdog dog(
       std::chrono::milliseconds(5), []() -> std::string { throw std::runtime_error("cudaEventQuery failed"); },
-      [&](std::string const& why) { seen.add(why); });
-  REQUIRE(seen.wait_for_one(std::chrono::seconds(10)));
+      [&](std::string const& why) { return seen.add(why); });
+  REQUIRE(seen.wait_for(1, std::chrono::seconds(10)));
   CHECK(seen.reasons == std::vector<std::string>{"cudaEventQuery failed"});
+}
+
+TEST_CASE("the watchdog keeps watching when the reason passed before it could act", "[dist]") {
+  std::atomic<int> checks{0};
+  stops seen;
+  {
+    mpx::detail::collective_watchdog dog(
+        std::chrono::milliseconds(5), [&] { return "overdue #" + std::to_string(++checks); },
+        [&](std::string const& why) {
+          seen.add(why);
+          return seen.reasons.size() >= 2;  // the first time, the collective had completed meanwhile
+        });
+    REQUIRE(seen.wait_for(2, std::chrono::seconds(10)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(seen.reasons == std::vector<std::string>{"overdue #1", "overdue #2"});
+  CHECK(checks == 2);
 }
 
 TEST_CASE("the watchdog stops at once when destroyed, and stops nothing while all is well", "[dist]") {
@@ -68,7 +86,7 @@ TEST_CASE("the watchdog stops at once when destroyed, and stops nothing while al
   auto const start = std::chrono::steady_clock::now();
   {
     mpx::detail::collective_watchdog dog(
-        std::chrono::hours(1), [&] { return ++checks, std::string(); }, [&](std::string const& why) { seen.add(why); });
+        std::chrono::hours(1), [&] { return ++checks, std::string(); }, [&](std::string const& why) { return seen.add(why); });
   }
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
   CHECK(checks == 0);

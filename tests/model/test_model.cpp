@@ -14,6 +14,7 @@
 #include <mpx/layers/max_pool2d.hpp>
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/data/tensor_batches.hpp>
+#include <mpx/dist/communicator.hpp>
 #include <mpx/model/fit.hpp>
 #include <mpx/model/graph_capture_rules.hpp>
 #include <mpx/model/model_file.hpp>
@@ -577,6 +578,11 @@ TEMPLATE_LIST_TEST_CASE("replica hooks are given the executor the step runs on, 
       calls.push_back({hook, at, test_model_replicas::stream_capturing(at)});
     };
     mpx::replica_hooks hooks;
+    int before = 0;
+    hooks.before_step = [&] {
+      CHECK((calls.empty() || calls.back().hook == 's'));  // the step before it is over
+      ++before;
+    };
     hooks.gradients_final = [&](mpx::step_executor at, std::size_t) { note('f', at); };
     hooks.after_backward = [&](mpx::step_executor at) { note('b', at); };
     hooks.after_step = [&](mpx::step_executor at) { note('s', at); };
@@ -592,6 +598,7 @@ TEMPLATE_LIST_TEST_CASE("replica hooks are given the executor the step runs on, 
     mpx::step_executor const caller(exec);
     auto count = [&](char hook) { return std::count_if(calls.begin(), calls.end(), [&](auto const& c) { return c.hook == hook; }); };
     CHECK(count('s') == 3);
+    CHECK(before == 3);  // every step, a replay too
     CHECK(count('b') == static_cast<std::ptrdiff_t>(bodies));
     CHECK(count('f') >= static_cast<std::ptrdiff_t>(bodies));
     CHECK(count('m') == static_cast<std::ptrdiff_t>(3 * bodies));  // three fp8 roles per step
@@ -613,6 +620,42 @@ TEMPLATE_LIST_TEST_CASE("replica hooks are given the executor the step runs on, 
       }
       if (c.hook == 'b') ++body;
     }
+  }
+}
+
+// A data-parallel replica whose transport failed (a collective its watchdog aborted)
+// must not run another step, nor replay a captured one: before_step throws first.
+TEMPLATE_LIST_TEST_CASE("a replica whose transport failed stops before its next step, a replay too", "[model][dist]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto const points = quadrants<TestType, mpx::bfloat16>(exec, 96, 31);
+  for (bool graph : {false, true}) {
+    INFO((graph ? "graph mode" : "eager"));
+    auto model = mpx::sequential<mpx::mixed_bfloat16>(mpx::dense<>(16, mpx::activation::tanh), mpx::dense<>(4),
+                                                      mpx::softmax_layer<mpx::float32>());
+    model.build(exec, {2}, 1);
+    auto optimizer = mpx::loss_scale_optimizer(mpx::sgd(exec, model.parameters(exec), 0.1f),
+                                               mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    mpx::classifier_trainer trainer(exec, model, optimizer);
+    trainer.use_cuda_graph(graph);
+    int allowed = 2;  // the third step (a replay in graph mode) finds the transport broken
+    mpx::replica_hooks hooks;
+    hooks.before_step = [&] {
+      if (allowed-- == 0) throw mpx::collective_error("the watchdog aborted all_reduce #5", {});
+    };
+    trainer.run_as_replica(hooks);
+    auto data = points.batches(32);  // three steps of one shape
+    data.start_epoch(0);
+    int ran = 0;
+    auto const train = [&] {
+      while (auto b = data.next()) {
+        trainer.step(exec, b->images, b->labels);
+        ++ran;
+      }
+    };
+    CHECK_THROWS_WITH(train(), Catch::Contains("all_reduce #5"));
+    CHECK(ran == 2);
+    CHECK(trainer.history(exec).size() == 2);
   }
 }
 

@@ -228,6 +228,8 @@ class data_parallel {
     replica_hooks h;
     h.rank = comm_->rank();
     h.count = static_cast<std::size_t>(comm_->size());
+    if constexpr (requires { comm_->poll(); })  // an asynchronous transport (NCCL)
+      h.before_step = [this] { comm_->poll(); };
     h.gradients_final = [this](step_executor at, std::size_t first) {
       gradients_final_from(at.as<executor_type>(), first);
     };

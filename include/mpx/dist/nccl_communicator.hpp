@@ -27,11 +27,13 @@
 #if MPX_HAS_CUDA_RUNTIME
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -116,7 +118,7 @@ class nccl_communicator {
       host_values_ = static_cast<std::uint64_t*>(pinned);
       watchdog_ = std::make_unique<detail::collective_watchdog>(
           detail::collective_watchdog::period_for(options_.timeout), [this] { return watchdog_check(); },
-          [this](std::string const& why) { watchdog_abort(why); },
+          [this](std::string const& why) { return watchdog_abort(why); },
           [device] {
             static_cast<void>(cudaSetDevice(device));
             // Its event queries must not count as another thread's call during a CUDA-graph
@@ -152,8 +154,12 @@ class nccl_communicator {
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
-  //! NCCL's communicator; null once it was aborted.
-  [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
+  //! NCCL's communicator; null once it was aborted. The watchdog may abort it at any
+  //! time after this returns: a handle kept for later calls may dangle.
+  [[nodiscard]] ncclComm_t native() const {
+    std::lock_guard lock(mutex_);
+    return comm_;
+  }
   //! The stream the collectives run on (for profilers and tests); the executors' streams
   //! are ordered with it by events.
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
@@ -174,10 +180,16 @@ class nccl_communicator {
   void start_all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
     all_reduce_on(exec, data, op, true);
   }
-  //! The executor's stream waits (on the GPU) for every started all-reduce.
+  //! The executor's stream waits (on the GPU) for every started all-reduce. Throws the
+  //! reason if the communicator was aborted meanwhile: an aborted all-reduce's event
+  //! completes too, over partly reduced values.
   void finish_all_reduces(cuda_executor const& exec) {
     std::vector<std::shared_ptr<detail::ordering_event>> pending;
     pending.swap(unfinished_);  // forgotten on every way out: a failed wait leaves none for the next step
+    {
+      std::lock_guard lock(mutex_);
+      require_usable_locked();
+    }
     for (auto const& e : pending) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
   }
 
@@ -310,6 +322,7 @@ class nccl_communicator {
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, bool deferred, Enqueue&& enqueue) {
     std::lock_guard lock(mutex_);
+    enqueue_mark const marked(enqueue_started_);
     require_usable_locked();
     bool const capturing = exec.capturing();
     if (!capturing)  // a CUDA graph being captured: no queries
@@ -318,14 +331,18 @@ class nccl_communicator {
     detail::ordering_event ready;
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
+    auto done = std::make_shared<detail::ordering_event>();
     try {
       enqueue(what);
-    } catch (collective_error const& e) {
-      abort_locked(e.what());
+      MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
+    } catch (std::exception const& e) {
+      // Once enqueuing began the ranks may disagree on what was enqueued: abort.
+      abort_locked(dynamic_cast<collective_error const*>(&e)
+                       ? std::string(e.what())
+                       : "mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what +
+                             ": failed while it was enqueued: " + e.what());
       throw;
     }
-    auto done = std::make_shared<detail::ordering_event>();
-    MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
     // A collective captured into a CUDA graph is not in flight: it runs with each replay,
     // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
     if (!capturing) in_flight_.push(what, done);
@@ -339,13 +356,17 @@ class nccl_communicator {
   template <class Stage, class Call>
   std::string enqueue_host_collective(std::string what, Stage&& stage, Call&& call) {
     std::lock_guard lock(mutex_);
+    enqueue_mark const marked(enqueue_started_);
     require_usable_locked();
     what += " #" + std::to_string(++sequence_);
     stage();
     try {
       call(what);
-    } catch (collective_error const& e) {
-      abort_locked(e.what());
+    } catch (std::exception const& e) {
+      abort_locked(dynamic_cast<collective_error const*>(&e)
+                       ? std::string(e.what())
+                       : "mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what +
+                             ": failed while it was enqueued: " + e.what());
       throw;
     }
     return what;
@@ -374,40 +395,83 @@ class nccl_communicator {
     }
   }
 
-  // Why the communicator must stop now, or "": the oldest collective in flight failed
-  // (NCCL's asynchronous error) or ran past the timeout. Under the lock; throws
-  // mpx::cuda_error when an event cannot be queried.
+  // Why the communicator must stop now, or "": NCCL reports an asynchronous error (also
+  // for collectives no list holds: those a CUDA graph replays), or the oldest collective
+  // in flight ran past the timeout. Under the lock; throws mpx::cuda_error when an event
+  // cannot be queried.
   std::string why_stop_locked() {
     auto const* const oldest = in_flight_.oldest_running([](std::shared_ptr<detail::ordering_event> const& done) {
       cudaError_t const status = cudaEventQuery(done->get());
       if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
       return status == cudaSuccess;
     });
-    if (!oldest) return "";
+    std::string const which = oldest ? oldest->what : std::string("a collective (replayed from a CUDA graph?)");
     ncclResult_t async = ncclSuccess;
     if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
-      return oldest->what + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query);
-    if (async != ncclSuccess && async != ncclInProgress) return oldest->what + ": " + ncclGetErrorString(async);
+      return which + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query);
+    if (async != ncclSuccess && async != ncclInProgress) return which + ": " + ncclGetErrorString(async);
+    if (!oldest) return "";
     if (in_flight_.overdue(*oldest, options_.timeout))
       return oldest->what + ": not complete " + std::to_string(options_.timeout.count()) +
              " ms after it was enqueued (a rank hung, died, or called another collective)";
     return "";
   }
 
-  // The watchdog's look (its own thread): why to stop, or "".
+  // The watchdog's look (its own thread): why to stop, or "". The caller holds the lock
+  // only while it enqueues; stuck there past the timeout is a reason too (NCCL's enqueue
+  // waits for room on a GPU that a hung collective holds).
   std::string watchdog_check() {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_, std::try_to_lock);
+    if (!lock) return stuck_in_enqueue();
     return broken_ ? std::string() : why_stop_locked();
   }
-  // The watchdog's abort: the hung kernel ends, so a host waiting on the GPU behind it
-  // goes on; the next call into the communicator throws the reason. Said at once on
-  // stderr too, since that call may be a while coming.
-  void watchdog_abort(std::string const& why) noexcept {
-    std::lock_guard lock(mutex_);
-    if (broken_) return;
-    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + why);
+  // The watchdog's abort, after a second look under the same lock (a collective may have
+  // completed since): the hung kernel ends, so a host waiting on the GPU behind it goes
+  // on, and the next call into the communicator throws the reason, which is also said at
+  // once on stderr. A caller stuck inside an enqueue holds the lock, and NCCL's calls may
+  // not race an abort: the process is ended instead (std::abort), after saying why, so
+  // that the job's launcher ends the job rather than leave it hung.
+  bool watchdog_abort(std::string const& why) noexcept {
+    std::unique_lock lock(mutex_, std::try_to_lock);
+    if (!lock) {
+      if (stuck_in_enqueue().empty()) return false;
+      std::fprintf(stderr, "mpx::nccl_communicator: rank %d: %s; ending the process (std::abort)\n", rank_,
+                   why.c_str());
+      std::fflush(stderr);
+      std::abort();
+    }
+    if (broken_) return true;
+    std::string now;
+    try {
+      now = why_stop_locked();
+    } catch (std::exception const& e) {
+      now = e.what();
+    }
+    if (now.empty()) return false;
+    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + now);
     std::fprintf(stderr, "%s (aborted by the watchdog)\n", failure_.c_str());
+    return true;
   }
+  // "" unless the caller has been inside an enqueue for longer than the timeout.
+  std::string stuck_in_enqueue() const {
+    auto const since = enqueue_started_.load();
+    if (since == 0 ||
+        !detail::waited_past(std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(since)),
+                             options_.timeout))
+      return "";
+    return "a collective's enqueue has not returned " + std::to_string(options_.timeout.count()) +
+           " ms after it began (the GPU cannot take more work: a collective before it hung)";
+  }
+  // Marks the time an enqueue began (for stuck_in_enqueue) while it lasts.
+  struct enqueue_mark {
+    std::atomic<std::int64_t>& started;
+    explicit enqueue_mark(std::atomic<std::int64_t>& s) : started(s) {
+      started.store(std::chrono::steady_clock::now().time_since_epoch().count());
+    }
+    ~enqueue_mark() { started.store(0); }
+    enqueue_mark(enqueue_mark const&) = delete;
+    enqueue_mark& operator=(enqueue_mark const&) = delete;
+  };
 
   void require_usable_locked() const {
     if (broken_)
@@ -490,7 +554,8 @@ class nccl_communicator {
   std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
   long long sequence_ = 0;
   // The watchdog's thread and the caller's share comm_, broken_, failure_ and in_flight_.
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
+  std::atomic<std::int64_t> enqueue_started_{0};  // steady_clock ticks; 0: no enqueue running
   bool broken_ = false;
   std::string failure_;  // why it broke, for every later call
   std::unique_ptr<detail::collective_watchdog> watchdog_;  // last: destroyed (joined) first

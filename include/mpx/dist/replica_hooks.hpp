@@ -22,6 +22,10 @@ namespace mpx {
 struct replica_hooks {
   int rank = 0;            //!< this replica's rank; rank 0 prints and writes files
   std::size_t count = 1;   //!< replicas in the job
+  //! Before each step, a graph-mode replay included: throws if the transport failed since
+  //! the last one (a collective its watchdog aborted), so that no step, and no replay of
+  //! captured collectives, runs on a broken communicator or partly reduced gradients.
+  std::function<void()> before_step;
   //! During the backward pass, after each layer's: the gradients of parameters `first`
   //! and later (in the model's parameters() order) are final; their buckets may start
   //! their all-reduce while the earlier layers run backward (on a GPU, concurrently).

@@ -21,11 +21,12 @@ namespace mpx::detail {
 class collective_watchdog {
  public:
   //! `check()` returns why the communicator must stop, or "" while all is well; an
-  //! exception it throws is a reason too (its what()). `stop_with(why)` runs at most
-  //! once, on the watchdog's thread, which then ends. `on_start()`, if given, runs first
-  //! on that thread (to make the communicator's device current there).
+  //! exception it throws is a reason too (its what()). `stop_with(why)` acts on it, on
+  //! the watchdog's thread, and returns whether it did (false: the reason had passed by
+  //! then, and the watch goes on); once it did, the thread ends. `on_start()`, if given,
+  //! runs first on that thread (to make the communicator's device current there).
   collective_watchdog(std::chrono::milliseconds period, std::function<std::string()> check,
-                      std::function<void(std::string const&)> stop_with, std::function<void()> on_start = {})
+                      std::function<bool(std::string const&)> stop_with, std::function<void()> on_start = {})
       : thread_([this, period, check = std::move(check), stop_with = std::move(stop_with),
                  on_start = std::move(on_start)] {
           if (on_start) on_start();
@@ -38,10 +39,7 @@ class collective_watchdog {
             } catch (std::exception const& e) {
               why = e.what();
             }
-            if (!why.empty()) {
-              stop_with(why);  // (noexcept by contract: it is the last thing this thread does)
-              return;
-            }
+            if (!why.empty() && stop_with(why)) return;  // (stop_with must not throw)
             lock.lock();
           }
         }) {}

@@ -101,6 +101,7 @@ class classifier_trainer {
       detail::fail<invalid_argument>("mpx::classifier_trainer::step",
                                      "the step log is full (" + std::to_string(capacity_) +
                                          " steps): read history() at least that often");
+    if (replicas_.before_step) replicas_.before_step();
     bool const shadow = shadow_every_ && (steps_ + 1) % shadow_every_ == 0;
     ++steps_;
     if constexpr (!is_host_executor_v<Exec>) {
