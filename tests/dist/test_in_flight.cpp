@@ -18,6 +18,7 @@ TEST_CASE("in-flight collectives: the oldest one running is found, the completed
   std::set<int> done;
   auto const is_done = [&](int handle) { return done.contains(handle); };
 
+  CHECK(in_flight.oldest_enqueued() == t0);
   REQUIRE(in_flight.oldest_running(is_done) != nullptr);
   CHECK(in_flight.oldest_running(is_done)->what == "all_reduce #1");
   CHECK(in_flight.size() == 4);
@@ -33,8 +34,10 @@ TEST_CASE("in-flight collectives: the oldest one running is found, the completed
   CHECK(list::overdue(*oldest, std::chrono::milliseconds(500), t0 + std::chrono::milliseconds(1600)));
   CHECK_FALSE(list::overdue(*oldest, std::chrono::milliseconds::max(), t0 + std::chrono::hours(24 * 365)));
 
+  CHECK(in_flight.oldest_enqueued() == t0 + std::chrono::seconds(1));
   done = {0, 1, 2, 3};
   CHECK(in_flight.oldest_running(is_done) == nullptr);
+  CHECK_FALSE(in_flight.oldest_enqueued().has_value());
   CHECK(in_flight.size() == 0);
 }
 

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <deque>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -42,6 +43,12 @@ class in_flight_collectives {
   [[nodiscard]] static bool overdue(entry const& e, std::chrono::milliseconds timeout,
                                     clock::time_point now = clock::now()) {
     return waited_past(e.enqueued, timeout, now);
+  }
+
+  //! When the front collective was enqueued (the oldest not yet seen complete), if any.
+  [[nodiscard]] std::optional<clock::time_point> oldest_enqueued() const {
+    if (entries_.empty()) return std::nullopt;
+    return entries_.front().enqueued;
   }
 
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }

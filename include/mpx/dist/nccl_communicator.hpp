@@ -180,17 +180,16 @@ class nccl_communicator {
   void start_all_reduce(Exec const& exec, tensor_ref<device_space> data, reduce_op op) {
     all_reduce_on(exec, data, op, true);
   }
-  //! The executor's stream waits (on the GPU) for every started all-reduce. Throws the
-  //! reason if the communicator was aborted meanwhile: an aborted all-reduce's event
+  //! The executor's stream waits (on the GPU) for every started all-reduce. Then throws
+  //! the reason if the communicator was aborted meanwhile: an aborted all-reduce's event
   //! completes too, over partly reduced values.
   void finish_all_reduces(cuda_executor const& exec) {
     std::vector<std::shared_ptr<detail::ordering_event>> pending;
     pending.swap(unfinished_);  // forgotten on every way out: a failed wait leaves none for the next step
-    {
-      std::lock_guard lock(mutex_);
-      require_usable_locked();
-    }
+    // The waits first, also after an abort: an aborted kernel may still be writing.
     for (auto const& e : pending) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
+    std::lock_guard lock(mutex_);
+    require_usable_locked();
   }
 
   void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {
@@ -322,7 +321,6 @@ class nccl_communicator {
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, bool deferred, Enqueue&& enqueue) {
     std::lock_guard lock(mutex_);
-    enqueue_mark const marked(enqueue_started_);
     require_usable_locked();
     bool const capturing = exec.capturing();
     if (!capturing)  // a CUDA graph being captured: no queries
@@ -333,6 +331,7 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
     auto done = std::make_shared<detail::ordering_event>();
     try {
+      enqueue_mark const marked(*this);  // (cleared before the abort below)
       enqueue(what);
       MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
     } catch (std::exception const& e) {
@@ -356,11 +355,11 @@ class nccl_communicator {
   template <class Stage, class Call>
   std::string enqueue_host_collective(std::string what, Stage&& stage, Call&& call) {
     std::lock_guard lock(mutex_);
-    enqueue_mark const marked(enqueue_started_);
     require_usable_locked();
     what += " #" + std::to_string(++sequence_);
     stage();
     try {
+      enqueue_mark const marked(*this);
       call(what);
     } catch (std::exception const& e) {
       abort_locked(dynamic_cast<collective_error const*>(&e)
@@ -431,12 +430,13 @@ class nccl_communicator {
   // once on stderr. A caller stuck inside an enqueue holds the lock, and NCCL's calls may
   // not race an abort: the process is ended instead (std::abort), after saying why, so
   // that the job's launcher ends the job rather than leave it hung.
-  bool watchdog_abort(std::string const& why) noexcept {
+  bool watchdog_abort(std::string const& /*the first look's reason, looked at again*/) noexcept {
     std::unique_lock lock(mutex_, std::try_to_lock);
     if (!lock) {
-      if (stuck_in_enqueue().empty()) return false;
+      std::string const stuck = stuck_in_enqueue();
+      if (stuck.empty()) return false;
       std::fprintf(stderr, "mpx::nccl_communicator: rank %d: %s; ending the process (std::abort)\n", rank_,
-                   why.c_str());
+                   stuck.c_str());
       std::fflush(stderr);
       std::abort();
     }
@@ -452,23 +452,30 @@ class nccl_communicator {
     std::fprintf(stderr, "%s (aborted by the watchdog)\n", failure_.c_str());
     return true;
   }
-  // "" unless the caller has been inside an enqueue for longer than the timeout.
+  // "" unless the caller has been inside NCCL's enqueue for longer than the timeout
+  // while a collective enqueued before it was still running: the evidence of a hang. (A first collective's lazy connection setup, inside the enqueue, has no
+  // collective before it, and never counts.)
   std::string stuck_in_enqueue() const {
-    auto const since = enqueue_started_.load();
-    if (since == 0 ||
-        !detail::waited_past(std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(since)),
-                             options_.timeout))
-      return "";
+    auto const at = [](std::int64_t ticks) {
+      return std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(ticks));
+    };
+    std::int64_t const since = enqueue_started_.load(), behind = enqueue_behind_.load();
+    // (behind <= since: the collective before it has been running longer still)
+    if (since == 0 || behind == 0 || !detail::waited_past(at(since), options_.timeout)) return "";
     return "a collective's enqueue has not returned " + std::to_string(options_.timeout.count()) +
-           " ms after it began (the GPU cannot take more work: a collective before it hung)";
+           " ms after it began, behind a collective enqueued longer ago than that (the GPU cannot take more work "
+           "behind a hung collective)";
   }
-  // Marks the time an enqueue began (for stuck_in_enqueue) while it lasts.
+  // Marks, while an enqueue's NCCL calls run (under the lock), when they began and when
+  // the oldest collective in flight before them was enqueued, for stuck_in_enqueue.
   struct enqueue_mark {
-    std::atomic<std::int64_t>& started;
-    explicit enqueue_mark(std::atomic<std::int64_t>& s) : started(s) {
-      started.store(std::chrono::steady_clock::now().time_since_epoch().count());
+    nccl_communicator& c;
+    explicit enqueue_mark(nccl_communicator& owner) : c(owner) {
+      auto const behind = c.in_flight_.oldest_enqueued();
+      c.enqueue_behind_.store(behind ? behind->time_since_epoch().count() : 0);
+      c.enqueue_started_.store(std::chrono::steady_clock::now().time_since_epoch().count());
     }
-    ~enqueue_mark() { started.store(0); }
+    ~enqueue_mark() { c.enqueue_started_.store(0); }
     enqueue_mark(enqueue_mark const&) = delete;
     enqueue_mark& operator=(enqueue_mark const&) = delete;
   };
@@ -556,6 +563,7 @@ class nccl_communicator {
   // The watchdog's thread and the caller's share comm_, broken_, failure_ and in_flight_.
   mutable std::mutex mutex_;
   std::atomic<std::int64_t> enqueue_started_{0};  // steady_clock ticks; 0: no enqueue running
+  std::atomic<std::int64_t> enqueue_behind_{0};   // the oldest collective in flight then; 0: none
   bool broken_ = false;
   std::string failure_;  // why it broke, for every later call
   std::unique_ptr<detail::collective_watchdog> watchdog_;  // last: destroyed (joined) first

@@ -23,8 +23,10 @@ struct replica_hooks {
   int rank = 0;            //!< this replica's rank; rank 0 prints and writes files
   std::size_t count = 1;   //!< replicas in the job
   //! Before each step, a graph-mode replay included: throws if the transport failed since
-  //! the last one (a collective its watchdog aborted), so that no step, and no replay of
-  //! captured collectives, runs on a broken communicator or partly reduced gradients.
+  //! the last one (a collective its watchdog aborted), so that no later step, and no
+  //! replay of captured collectives, runs on a broken communicator. (The step already
+  //! enqueued when the abort came may have applied partly reduced gradients: after such
+  //! an error the model's state is undefined; do not save it.)
   std::function<void()> before_step;
   //! During the backward pass, after each layer's: the gradients of parameters `first`
   //! and later (in the model's parameters() order) are final; their buckets may start
