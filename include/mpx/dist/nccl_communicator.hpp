@@ -330,18 +330,10 @@ class nccl_communicator {
     MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
     MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
     auto done = std::make_shared<detail::ordering_event>();
-    try {
-      enqueue_mark const marked(*this);  // (cleared before the abort below)
+    enqueue_or_abort(what, [&] {
       enqueue(what);
       MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
-    } catch (std::exception const& e) {
-      // Once enqueuing began the ranks may disagree on what was enqueued: abort.
-      abort_locked(dynamic_cast<collective_error const*>(&e)
-                       ? std::string(e.what())
-                       : "mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what +
-                             ": failed while it was enqueued: " + e.what());
-      throw;
-    }
+    });
     // A collective captured into a CUDA graph is not in flight: it runs with each replay,
     // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
     if (!capturing) in_flight_.push(what, done);
@@ -358,9 +350,18 @@ class nccl_communicator {
     require_usable_locked();
     what += " #" + std::to_string(++sequence_);
     stage();
+    enqueue_or_abort(what, [&] { call(what); });
+    return what;
+  }
+
+  // Runs a collective's NCCL calls under the enqueue mark (stuck_in_enqueue). Once they
+  // began, a failure aborts the communicator, since the ranks may disagree on what was
+  // enqueued; the mark is gone before the abort. Under the lock.
+  template <class Calls>
+  void enqueue_or_abort(std::string const& what, Calls&& calls) {
     try {
       enqueue_mark const marked(*this);
-      call(what);
+      calls();
     } catch (std::exception const& e) {
       abort_locked(dynamic_cast<collective_error const*>(&e)
                        ? std::string(e.what())
@@ -368,7 +369,6 @@ class nccl_communicator {
                              ": failed while it was enqueued: " + e.what());
       throw;
     }
-    return what;
   }
 
   // Waits for the stream (a host-value collective's copy back) at most the timeout,
