@@ -190,6 +190,15 @@ inline std::string missing_kernel_image_note(int device, std::string_view device
 }
 
 #if MPX_HAS_CUDA_RUNTIME
+//! For code that must not throw (destructors, deleters): says on stderr that `what`
+//! failed when `status` is an error, and clears it from the thread's last error, so no
+//! later launch check takes it for its own.
+inline void report_if_failed(cudaError_t status, char const* what) noexcept {
+  if (status == cudaSuccess) return;
+  static_cast<void>(cudaGetLastError());
+  std::fprintf(stderr, "mpx: %s failed: %s\n", what, cudaGetErrorString(status));
+}
+
 //! The kind of a launch check's error, from its code alone. A sticky error can also be
 //! recognised at run time (it survives cudaGetLastError): check_launch does both, so a
 //! code this list does not know yet is still classified right.

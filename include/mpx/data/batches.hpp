@@ -19,7 +19,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -150,11 +149,7 @@ class pinned_buffer {
 
  private:
   struct release {
-    void operator()(T* p) const noexcept {
-      if (cudaError_t status = cudaFreeHost(p); status != cudaSuccess)
-        std::fprintf(stderr, "mpx: cudaFreeHost failed while freeing a pinned buffer: %s\n",
-                     cudaGetErrorString(status));
-    }
+    void operator()(T* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost (a pinned buffer)"); }
   };
   std::unique_ptr<T, release> data_;
 };
@@ -185,8 +180,7 @@ class batch_staging<cuda_executor, T> {
   ~batch_staging() {
     // An upload may still be writing a slot: let it finish before the pinned memory is
     // freed and the device memory is released on the consumer's stream.
-    if (cudaError_t status = cudaStreamSynchronize(copy_stream_); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: batch_loader: the copy stream failed: %s\n", cudaGetErrorString(status));
+    report_if_failed(cudaStreamSynchronize(copy_stream_), "batch_loader: the copy stream");
     for (auto& s : slots_) s.reset();
     static_cast<void>(cudaStreamDestroy(copy_stream_));
   }

@@ -9,16 +9,17 @@
 // the host-value collectives (barrier, all_reduce_values, all_gather_values) wait for
 // their result at most `timeout`: the communicator is aborted (which ends a hung
 // kernel, so a host waiting on the GPU goes on) and the next call throws
-// mpx::collective_error naming the collective. A max or min keeps NaN, unlike NCCL's own on floats (through
-// kernels: all_reduce is called from files nvcc compiles). Needs the CUDA runtime and
-// NCCL (-lnccl); not included by <mpx/mpx.hpp>.
+// mpx::collective_error naming the collective. That logic is plain C++, run by the host
+// suite (detail::collective_supervisor); this file gives it NCCL and CUDA. A max or min
+// keeps NaN, unlike NCCL's own on floats (through kernels: all_reduce is called from
+// files nvcc compiles). Needs the CUDA runtime and NCCL (-lnccl); not included by
+// <mpx/mpx.hpp>.
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/dist/collective_supervisor.hpp>
 #include <mpx/dist/communicator.hpp>
 #include <mpx/dist/file_bootstrap.hpp>
-#include <mpx/dist/in_flight.hpp>
-#include <mpx/dist/watchdog.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -27,20 +28,16 @@
 #if MPX_HAS_CUDA_RUNTIME
 #include <nccl.h>
 
-#include <atomic>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -94,6 +91,35 @@ inline ncclUniqueId nccl_unique_id_through_file(std::filesystem::path const& pat
   return id;
 }
 
+namespace detail {
+
+//! NCCL and CUDA as a collective_supervisor's transport: a collective's completion is a
+//! CUDA event on the communicator's stream.
+struct nccl_transport {
+  using event = std::shared_ptr<ordering_event>;  // shared: events cannot move; the queue's entries do
+  ncclComm_t comm = nullptr;
+
+  [[nodiscard]] bool done(event const& e) const {
+    cudaError_t const status = cudaEventQuery(e->get());
+    if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
+    return status == cudaSuccess;
+  }
+  [[nodiscard]] std::string async_error() const {
+    if (!comm) return "";
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t const query = ncclCommGetAsyncError(comm, &async); query != ncclSuccess)
+      return std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(query);
+    if (async != ncclSuccess && async != ncclInProgress) return ncclGetErrorString(async);
+    return "";
+  }
+  void abort() noexcept {
+    if (comm) ncclCommAbort(comm);
+    comm = nullptr;
+  }
+};
+
+}  // namespace detail
+
 class nccl_communicator {
  public:
   using space = device_space;
@@ -103,8 +129,10 @@ class nccl_communicator {
   //! device current now is the communicator's (its stream, its watchdog).
   nccl_communicator(cuda_executor const& exec, ncclUniqueId const& id, int rank, int size,
                     communicator_options options = {})
-      : options_(options), rank_(rank), size_(size) {
-    detail::check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank", "bootstrap");
+      : rank_(rank),
+        size_(size),
+        supervisor_(transport_, "mpx::nccl_communicator: rank " + std::to_string(rank), options.timeout) {
+    detail::check_nccl(ncclCommInitRank(&transport_.comm, size, id, rank), "ncclCommInitRank", "bootstrap");
     // A constructor that throws runs no destructor: without this the communicator would
     // leak, never aborted, while the other ranks go on with theirs.
     try {
@@ -116,19 +144,15 @@ class nccl_communicator {
       void* pinned = nullptr;
       MPX_CUDA_CHECK(cudaMallocHost(&pinned, host_value_capacity * sizeof(std::uint64_t)));
       host_values_ = static_cast<std::uint64_t*>(pinned);
-      watchdog_ = std::make_unique<detail::collective_watchdog>(
-          detail::collective_watchdog::period_for(options_.timeout), [this] { return watchdog_check(); },
-          [this](std::string const& why) { return watchdog_abort(why); },
-          [device] {
-            static_cast<void>(cudaSetDevice(device));
-            // Its event queries must not count as another thread's call during a CUDA-graph
-            // capture of the training step (the default, global mode would invalidate it).
-            cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
-            static_cast<void>(cudaThreadExchangeStreamCaptureMode(&relaxed));
-          });
+      supervisor_.watch([device] {
+        static_cast<void>(cudaSetDevice(device));
+        // Its event queries must not count as another thread's call during a CUDA-graph
+        // capture of the training step (the default, global mode would invalidate it).
+        cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+        static_cast<void>(cudaThreadExchangeStreamCaptureMode(&relaxed));
+      });
     } catch (...) {
-      broken_ = true;  // aborted, not destroyed: aborting waits for no other rank
-      release();
+      release(true);  // aborted, not destroyed: aborting waits for no other rank
       throw;
     }
   }
@@ -144,10 +168,9 @@ class nccl_communicator {
   //! is destroyed by an exception's unwinding (ncclCommDestroy would wait for the other
   //! ranks, which may never come).
   ~nccl_communicator() {
-    watchdog_.reset();  // joined first: nothing aborts behind release()'s back
-    if (!broken_ && (std::uncaught_exceptions() > uncaught_at_construction_ || !collectives_done_within_timeout()))
-      broken_ = true;
-    release();
+    supervisor_.stop_watching();  // first: nothing aborts behind release()'s back
+    release(supervisor_.aborted() || std::uncaught_exceptions() > uncaught_at_construction_ ||
+            !supervisor_.drained_within_timeout());
   }
   nccl_communicator(nccl_communicator const&) = delete;
   nccl_communicator& operator=(nccl_communicator const&) = delete;
@@ -157,8 +180,7 @@ class nccl_communicator {
   //! NCCL's communicator; null once it was aborted. The watchdog may abort it at any
   //! time after this returns: a handle kept for later calls may dangle.
   [[nodiscard]] ncclComm_t native() const {
-    std::lock_guard lock(mutex_);
-    return comm_;
+    return supervisor_.locked([&] { return transport_.comm; });
   }
   //! The stream the collectives run on (for profilers and tests); the executors' streams
   //! are ordered with it by events.
@@ -188,8 +210,7 @@ class nccl_communicator {
     pending.swap(unfinished_);  // forgotten on every way out: a failed wait leaves none for the next step
     // The waits first, also after an abort: an aborted kernel may still be writing.
     for (auto const& e : pending) MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), e->get(), 0));
-    std::lock_guard lock(mutex_);
-    require_usable_locked();
+    supervisor_.require_usable();
   }
 
   void broadcast(cuda_executor const& exec, tensor_ref<device_space> data, int root) {
@@ -198,8 +219,9 @@ class nccl_communicator {
                                                                          " is not a rank of " + std::to_string(size_));
     run(exec, "broadcast (" + std::to_string(data.size_bytes()) + " bytes from rank " + std::to_string(root) + ")",
         false, [&](std::string const& what) {
-          detail::check_nccl(ncclBroadcast(data.data(), data.data(), data.size_bytes(), ncclUint8, root, comm_, stream_),
-                             "ncclBroadcast", what);
+          detail::check_nccl(
+              ncclBroadcast(data.data(), data.data(), data.size_bytes(), ncclUint8, root, transport_.comm, stream_),
+              "ncclBroadcast", what);
         });
   }
 
@@ -209,20 +231,15 @@ class nccl_communicator {
     std::size_t const n = mine.size(), total = n * static_cast<std::size_t>(size_),
                       at = n * static_cast<std::size_t>(rank_);
     require_room(total);
-    std::string const what = enqueue_host_collective(
-        "all_gather (" + std::to_string(n) + " values)",
-        [&] {
-          for (std::size_t i = 0; i < n; ++i) host_values_[at + i] = detail::bit_cast<std::uint64_t>(mine[i]);
-          MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + at, host_values_ + at, n * sizeof(double),
-                                         cudaMemcpyHostToDevice, stream_));
-        },
-        [&](std::string const& w) {
-          detail::check_nccl(ncclAllGather(values_.data() + at, values_.data(), n, ncclFloat64, comm_, stream_),
-                             "ncclAllGather", w);
-          MPX_CUDA_CHECK(
-              cudaMemcpyAsync(host_values_, values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
-        });
-    wait_for_stream(what);
+    host_collective("all_gather (" + std::to_string(n) + " values)", [&](std::string const& what) {
+      for (std::size_t i = 0; i < n; ++i) host_values_[at + i] = detail::bit_cast<std::uint64_t>(mine[i]);
+      MPX_CUDA_CHECK(cudaMemcpyAsync(values_.data() + at, host_values_ + at, n * sizeof(double),
+                                     cudaMemcpyHostToDevice, stream_));
+      detail::check_nccl(ncclAllGather(values_.data() + at, values_.data(), n, ncclFloat64, transport_.comm, stream_),
+                         "ncclAllGather", what);
+      MPX_CUDA_CHECK(
+          cudaMemcpyAsync(host_values_, values_.data(), total * sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    });
     std::vector<double> all(total);
     for (std::size_t i = 0; i < total; ++i) all[i] = detail::bit_cast<double>(host_values_[i]);
     return all;
@@ -232,23 +249,21 @@ class nccl_communicator {
   void all_reduce_values(std::span<double> values, reduce_op op) {
     require_room(values.size());
     bool const keys = op != reduce_op::sum, negated = op == reduce_op::min;
-    std::string const what = enqueue_host_collective(
+    host_collective(
         "all_reduce (" + std::string(to_string(op)) + " of " + std::to_string(values.size()) + " values)",
-        [&] {
+        [&](std::string const& what) {
           for (std::size_t i = 0; i < values.size(); ++i)
             host_values_[i] =
                 keys ? detail::nan_keeping_max_key(values[i], negated) : detail::bit_cast<std::uint64_t>(values[i]);
           MPX_CUDA_CHECK(
               cudaMemcpyAsync(values_.data(), host_values_, values.size_bytes(), cudaMemcpyHostToDevice, stream_));
-        },
-        [&](std::string const& w) {
           detail::check_nccl(ncclAllReduce(values_.data(), values_.data(), values.size(),
-                                           keys ? ncclUint64 : ncclFloat64, keys ? ncclMax : ncclSum, comm_, stream_),
-                             "ncclAllReduce", w);
+                                           keys ? ncclUint64 : ncclFloat64, keys ? ncclMax : ncclSum, transport_.comm,
+                                           stream_),
+                             "ncclAllReduce", what);
           MPX_CUDA_CHECK(
               cudaMemcpyAsync(host_values_, values_.data(), values.size_bytes(), cudaMemcpyDeviceToHost, stream_));
         });
-    wait_for_stream(what);
     for (std::size_t i = 0; i < values.size(); ++i)
       values[i] = keys ? detail::from_nan_keeping_max_key<double>(host_values_[i], negated)
                        : detail::bit_cast<double>(host_values_[i]);
@@ -262,11 +277,7 @@ class nccl_communicator {
   //! Looks at the collectives still in flight: one that failed, or is older than the
   //! timeout, aborts the communicator and throws collective_error naming it. Never waits.
   //! (The watchdog thread does the same every tenth of the timeout, at most every second.)
-  void poll() {
-    std::lock_guard lock(mutex_);
-    require_usable_locked();
-    if (std::string why = why_stop_locked(); !why.empty()) fail_locked(why);
-  }
+  void poll() { supervisor_.poll(); }
 
  private:
   template <class Bootstrap>
@@ -286,7 +297,7 @@ class nccl_communicator {
         deferred, [&](std::string const& what) {
           if (op == reduce_op::sum) {
             detail::check_nccl(ncclAllReduce(data.data(), data.data(), data.size(), detail::nccl_type(data.dtype()),
-                                             ncclSum, comm_, stream_),
+                                             ncclSum, transport_.comm, stream_),
                                "ncclAllReduce", what);
           } else {
             extreme_keeping_nan(exec.on(stream_), data, op == reduce_op::min, what);
@@ -307,184 +318,52 @@ class nccl_communicator {
         auto const values = data.template as<T>().reshape(shape{n});
         tensor<std::uint32_t, device_space> keys(here, shape{n});
         transform(here, keys, detail::to_max_key<T>{negated}, tensor_view<T const, device_space>(values));
-        detail::check_nccl(ncclAllReduce(keys.data(), keys.data(), data.size(), ncclUint32, ncclMax, comm_, stream_),
-                           "ncclAllReduce", what);
+        detail::check_nccl(
+            ncclAllReduce(keys.data(), keys.data(), data.size(), ncclUint32, ncclMax, transport_.comm, stream_),
+            "ncclAllReduce", what);
         transform(here, values, detail::from_max_key<T>{negated}, tensor_view<std::uint32_t const, device_space>(keys));
       }
     });
   }
 
   // The collective on the side stream: after the executor's work so far, before its later
-  // work (or, deferred, before finish_all_reduces). Under the lock, so the watchdog never
-  // aborts the communicator in the middle of an enqueue; an NCCL call that fails there
-  // aborts it (the ranks no longer agree on what was enqueued).
+  // work (or, deferred, before finish_all_reduces). A collective captured into a CUDA
+  // graph is not watched: it runs with each replay, its event recorded in the capture
+  // cannot be queried, and a capture makes no queries. (A failure of the events' calls
+  // aborts too, as any in an enqueue: only a broken context fails them.)
   template <class Enqueue>
   void run(cuda_executor const& exec, std::string what, bool deferred, Enqueue&& enqueue) {
-    std::lock_guard lock(mutex_);
-    require_usable_locked();
     bool const capturing = exec.capturing();
-    if (!capturing)  // a CUDA graph being captured: no queries
-      if (std::string why = why_stop_locked(); !why.empty()) fail_locked(why);
-    what += " #" + std::to_string(++sequence_);
-    detail::ordering_event ready;
-    MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
-    MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
     auto done = std::make_shared<detail::ordering_event>();
-    enqueue_or_abort(what, [&] {
-      enqueue(what);
-      MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
-    });
-    // A collective captured into a CUDA graph is not in flight: it runs with each replay,
-    // and its event, recorded in the capture, cannot be queried (cudaErrorCapturedEvent).
-    if (!capturing) in_flight_.push(what, done);
+    supervisor_.enqueue(std::move(what), !capturing,
+                        [&](std::string const& named) -> std::optional<detail::nccl_transport::event> {
+                          detail::ordering_event ready;
+                          MPX_CUDA_CHECK(cudaEventRecord(ready.get(), exec.stream()));
+                          MPX_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready.get(), 0));
+                          enqueue(named);
+                          MPX_CUDA_CHECK(cudaEventRecord(done->get(), stream_));
+                          if (capturing) return std::nullopt;
+                          return done;
+                        });
     if (deferred) unfinished_.push_back(std::move(done));
     else MPX_CUDA_CHECK(cudaStreamWaitEvent(exec.stream(), done->get(), 0));
   }
 
-  // A host-value collective's enqueue, under the lock: `stage()` fills the pinned buffer
-  // and copies it up, `call(what)` enqueues the NCCL call and the copy back. Returns the
-  // collective's name, for wait_for_stream.
-  template <class Stage, class Call>
-  std::string enqueue_host_collective(std::string what, Stage&& stage, Call&& call) {
-    std::lock_guard lock(mutex_);
-    require_usable_locked();
-    what += " #" + std::to_string(++sequence_);
-    stage();
-    enqueue_or_abort(what, [&] { call(what); });
-    return what;
-  }
-
-  // Runs a collective's NCCL calls under the enqueue mark (stuck_in_enqueue). Once they
-  // began, a failure aborts the communicator, since the ranks may disagree on what was
-  // enqueued; the mark is gone before the abort. Under the lock.
+  // A host-value collective: `calls(name)` fills the pinned buffer, copies it up, and
+  // enqueues the NCCL call and the copy back; then the stream is waited for (at most the
+  // timeout).
   template <class Calls>
-  void enqueue_or_abort(std::string const& what, Calls&& calls) {
-    try {
-      enqueue_mark const marked(*this);
-      calls();
-    } catch (std::exception const& e) {
-      abort_locked(dynamic_cast<collective_error const*>(&e)
-                       ? std::string(e.what())
-                       : "mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + what +
-                             ": failed while it was enqueued: " + e.what());
-      throw;
-    }
-  }
-
-  // Waits for the stream (a host-value collective's copy back) at most the timeout,
-  // looking at NCCL's asynchronous errors as it goes; then checks that the watchdog did
-  // not abort the communicator meanwhile (an aborted collective's stream completes too).
-  void wait_for_stream(std::string const& what) {
-    auto const start = std::chrono::steady_clock::now();
-    for (;;) {
-      cudaError_t const s = cudaStreamQuery(stream_);
-      if (s != cudaSuccess && s != cudaErrorNotReady) MPX_CUDA_CHECK(s);
-      {
-        std::lock_guard lock(mutex_);  // not held while sleeping: the watchdog takes it too
-        require_usable_locked();
-        if (s == cudaSuccess) return;
-        ncclResult_t async = ncclSuccess;
-        if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
-          fail_locked(what + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query));
-        if (async != ncclSuccess && async != ncclInProgress) fail_locked(what + ": " + ncclGetErrorString(async));
-        if (detail::waited_past(start, options_.timeout))
-          fail_locked(what + ": not complete after " + std::to_string(options_.timeout.count()) + " ms");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
-
-  // Why the communicator must stop now, or "": NCCL reports an asynchronous error (also
-  // for collectives no list holds: those a CUDA graph replays), or the oldest collective
-  // in flight ran past the timeout. Under the lock; throws mpx::cuda_error when an event
-  // cannot be queried.
-  std::string why_stop_locked() {
-    auto const* const oldest = in_flight_.oldest_running([](std::shared_ptr<detail::ordering_event> const& done) {
-      cudaError_t const status = cudaEventQuery(done->get());
+  void host_collective(std::string what, Calls&& calls) {
+    std::string const named = supervisor_.enqueue(
+        std::move(what), true, [&](std::string const& w) -> std::optional<detail::nccl_transport::event> {
+          calls(w);
+          return std::nullopt;
+        });
+    supervisor_.wait(named, [&] {
+      cudaError_t const status = cudaStreamQuery(stream_);
       if (status != cudaSuccess && status != cudaErrorNotReady) MPX_CUDA_CHECK(status);
       return status == cudaSuccess;
     });
-    std::string const which = oldest ? oldest->what : std::string("a collective (replayed from a CUDA graph?)");
-    ncclResult_t async = ncclSuccess;
-    if (ncclResult_t const query = ncclCommGetAsyncError(comm_, &async); query != ncclSuccess)
-      return which + ": ncclCommGetAsyncError failed: " + ncclGetErrorString(query);
-    if (async != ncclSuccess && async != ncclInProgress) return which + ": " + ncclGetErrorString(async);
-    if (!oldest) return "";
-    if (in_flight_.overdue(*oldest, options_.timeout))
-      return oldest->what + ": not complete " + std::to_string(options_.timeout.count()) +
-             " ms after it was enqueued (a rank hung, died, or called another collective)";
-    return "";
-  }
-
-  // The watchdog's look (its own thread): why to stop, or "". The caller holds the lock
-  // only while it enqueues; stuck there past the timeout is a reason too (NCCL's enqueue
-  // waits for room on a GPU that a hung collective holds).
-  std::string watchdog_check() {
-    std::unique_lock lock(mutex_, std::try_to_lock);
-    if (!lock) return stuck_in_enqueue();
-    return broken_ ? std::string() : why_stop_locked();
-  }
-  // The watchdog's abort, after a second look under the same lock (a collective may have
-  // completed since): the hung kernel ends, so a host waiting on the GPU behind it goes
-  // on, and the next call into the communicator throws the reason, which is also said at
-  // once on stderr. A caller stuck inside an enqueue holds the lock, and NCCL's calls may
-  // not race an abort: the process is ended instead (std::abort), after saying why, so
-  // that the job's launcher ends the job rather than leave it hung.
-  bool watchdog_abort(std::string const& /*the first look's reason, looked at again*/) noexcept {
-    std::unique_lock lock(mutex_, std::try_to_lock);
-    if (!lock) {
-      std::string const stuck = stuck_in_enqueue();
-      if (stuck.empty()) return false;
-      std::fprintf(stderr, "mpx::nccl_communicator: rank %d: %s; ending the process (std::abort)\n", rank_,
-                   stuck.c_str());
-      std::fflush(stderr);
-      std::abort();
-    }
-    if (broken_) return true;
-    std::string now;
-    try {
-      now = why_stop_locked();
-    } catch (std::exception const& e) {
-      now = e.what();
-    }
-    if (now.empty()) return false;
-    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + now);
-    std::fprintf(stderr, "%s (aborted by the watchdog)\n", failure_.c_str());
-    return true;
-  }
-  // "" unless the caller has been inside NCCL's enqueue for longer than the timeout
-  // while a collective enqueued before it was still running: the evidence of a hang. (A first collective's lazy connection setup, inside the enqueue, has no
-  // collective before it, and never counts.)
-  std::string stuck_in_enqueue() const {
-    auto const at = [](std::int64_t ticks) {
-      return std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(ticks));
-    };
-    std::int64_t const since = enqueue_started_.load(), behind = enqueue_behind_.load();
-    // (behind <= since: the collective before it has been running longer still)
-    if (since == 0 || behind == 0 || !detail::waited_past(at(since), options_.timeout)) return "";
-    return "a collective's enqueue has not returned " + std::to_string(options_.timeout.count()) +
-           " ms after it began, behind a collective enqueued longer ago than that (the GPU cannot take more work "
-           "behind a hung collective)";
-  }
-  // Marks, while an enqueue's NCCL calls run (under the lock), when they began and when
-  // the oldest collective in flight before them was enqueued, for stuck_in_enqueue.
-  struct enqueue_mark {
-    nccl_communicator& c;
-    explicit enqueue_mark(nccl_communicator& owner) : c(owner) {
-      auto const behind = c.in_flight_.oldest_enqueued();
-      c.enqueue_behind_.store(behind ? behind->time_since_epoch().count() : 0);
-      c.enqueue_started_.store(std::chrono::steady_clock::now().time_since_epoch().count());
-    }
-    ~enqueue_mark() { c.enqueue_started_.store(0); }
-    enqueue_mark(enqueue_mark const&) = delete;
-    enqueue_mark& operator=(enqueue_mark const&) = delete;
-  };
-
-  void require_usable_locked() const {
-    if (broken_)
-      throw collective_error(failure_.empty() ? "mpx::nccl_communicator: an earlier collective failed; end the job"
-                                              : failure_ + " (the communicator is aborted; end the job)",
-                             {});
   }
 
   void require_room(std::size_t n) const {
@@ -493,80 +372,33 @@ class nccl_communicator {
                                                               std::to_string(values_.size()) + ")");
   }
 
-  // Whether every collective in flight completed within the timeout (for the destructor).
-  bool collectives_done_within_timeout() noexcept {
-    auto const start = std::chrono::steady_clock::now();
-    for (;;) {
-      bool query_failed = false;
-      bool const done = in_flight_.oldest_running([&](std::shared_ptr<detail::ordering_event> const& e) {
-        cudaError_t const status = cudaEventQuery(e->get());
-        if (status != cudaSuccess && status != cudaErrorNotReady) query_failed = true;
-        return status == cudaSuccess || query_failed;
-      }) == nullptr;
-      if (query_failed) {
-        static_cast<void>(cudaGetLastError());
-        return false;
-      }
-      if (done) return true;
-      if (detail::waited_past(start, options_.timeout)) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-
   // What the constructor made, freed in order (also when it made only part of it): the
-  // device buffer on the stream, after the work there; the communicator, aborted when
-  // broken (an abort waits for no other rank and stops a hung kernel); then the pinned
-  // buffer (freeing it waits for the device, which the abort has released) and the stream.
-  void release() noexcept {
+  // device buffer on the stream, after the work there; the communicator, aborted (an
+  // abort waits for no other rank and stops a hung kernel) or destroyed with the other
+  // ranks; then the pinned buffer (freeing it waits for the device, which the abort has
+  // released) and the stream.
+  void release(bool abort) noexcept {
     values_ = {};
-    if (comm_) {
-      if (broken_) ncclCommAbort(comm_);
-      else ncclCommDestroy(comm_);
-      comm_ = nullptr;
-    }
-    if (host_values_) {
-      if (cudaError_t status = cudaFreeHost(host_values_); status != cudaSuccess)
-        std::fprintf(stderr, "mpx: cudaFreeHost failed: %s\n", cudaGetErrorString(status));
-      host_values_ = nullptr;
-    }
+    if (abort) transport_.abort();
+    if (transport_.comm) static_cast<void>(ncclCommDestroy(transport_.comm));
+    transport_.comm = nullptr;
+    if (host_values_) detail::report_if_failed(cudaFreeHost(host_values_), "cudaFreeHost");
+    host_values_ = nullptr;
     if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
     stream_ = nullptr;
   }
 
-  // Marks the communicator broken for `message` and aborts it (an abort waits for no
-  // other rank and ends a hung collective's kernel). Under the lock.
-  void abort_locked(std::string message) noexcept {
-    broken_ = true;
-    failure_ = std::move(message);
-    if (comm_) ncclCommAbort(comm_);
-    comm_ = nullptr;
-  }
-  [[noreturn]] void fail_locked(std::string const& why) {
-    abort_locked("mpx::nccl_communicator: rank " + std::to_string(rank_) + ": " + why);
-    throw collective_error(failure_, {});
-  }
-
   static constexpr std::size_t host_value_capacity = 64;  // doubles (or their 64-bit keys) in one host collective
 
-  communicator_options options_;
   int rank_ = 0;
   int size_ = 1;
   int uncaught_at_construction_ = std::uncaught_exceptions();
-  ncclComm_t comm_ = nullptr;
+  detail::nccl_transport transport_;  // its handle is read and aborted under the supervisor's lock
   cudaStream_t stream_ = nullptr;
   tensor<double, device_space> values_;
   std::uint64_t* host_values_ = nullptr;  // pinned: a copy into pageable memory would wait for the stream
-  // (shared: events cannot move; the queue's entries do)
-  detail::in_flight_collectives<std::shared_ptr<detail::ordering_event>> in_flight_;
   std::vector<std::shared_ptr<detail::ordering_event>> unfinished_;  // started, not yet waited for
-  long long sequence_ = 0;
-  // The watchdog's thread and the caller's share comm_, broken_, failure_ and in_flight_.
-  mutable std::mutex mutex_;
-  std::atomic<std::int64_t> enqueue_started_{0};  // steady_clock ticks; 0: no enqueue running
-  std::atomic<std::int64_t> enqueue_behind_{0};   // the oldest collective in flight then; 0: none
-  bool broken_ = false;
-  std::string failure_;  // why it broke, for every later call
-  std::unique_ptr<detail::collective_watchdog> watchdog_;  // last: destroyed (joined) first
+  detail::collective_supervisor<detail::nccl_transport> supervisor_;  // last: its watchdog stops first
 };
 
 static_assert(communicator<nccl_communicator>);

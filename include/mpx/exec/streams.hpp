@@ -8,18 +8,13 @@
 #if MPX_HAS_CUDA_RUNTIME
 #include <cuda_runtime_api.h>
 
-#include <cstdio>
-
 namespace mpx::detail {
 
 //! An event used only for ordering (no timing, which makes record and wait cheaper).
 class ordering_event {
  public:
   ordering_event() { MPX_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  ~ordering_event() {
-    if (cudaError_t status = cudaEventDestroy(event_); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaEventDestroy failed: %s\n", cudaGetErrorString(status));
-  }
+  ~ordering_event() { report_if_failed(cudaEventDestroy(event_), "cudaEventDestroy"); }
   ordering_event(ordering_event const&) = delete;
   ordering_event& operator=(ordering_event const&) = delete;
   [[nodiscard]] cudaEvent_t get() const noexcept { return event_; }
@@ -35,10 +30,7 @@ class ordering_event {
 class side_stream {
  public:
   side_stream() { MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~side_stream() {
-    if (cudaError_t status = cudaStreamDestroy(stream); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaStreamDestroy failed: %s\n", cudaGetErrorString(status));
-  }
+  ~side_stream() { report_if_failed(cudaStreamDestroy(stream), "cudaStreamDestroy"); }
   side_stream(side_stream const&) = delete;
   side_stream& operator=(side_stream const&) = delete;
 

@@ -15,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -220,8 +219,7 @@ class lt_context {
       if (status == cudaSuccess) status = cudaSetDevice(device);
       if (status == cudaSuccess) status = cudaFree(ws.data);
     }
-    if (status != cudaSuccess)
-      std::fprintf(stderr, "mpx: freeing a stream's cuBLASLt workspace failed: %s\n", cudaGetErrorString(status));
+    report_if_failed(status, "freeing a stream's cuBLASLt workspace");
     static_cast<void>(cudaSetDevice(current));
   }
 

@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -171,10 +170,7 @@ class cudnn_attention final : public fused_attention_backend {
     for (auto const& [device, w] : gone)
       if (status == cudaSuccess) status = free_blocks(w, cuda_stream);
     if (status == cudaSuccess) status = cudaStreamSynchronize(cuda_stream);
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      std::fprintf(stderr, "mpx: freeing a stream's cuDNN workspace failed: %s\n", cudaGetErrorString(status));
-    }
+    report_if_failed(status, "freeing a stream's cuDNN workspace");
   }
 
  private:

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 namespace mpx {
@@ -186,6 +187,36 @@ struct invert_scales {
   MPX_HD void operator()(std::size_t i) const noexcept { slots[i] = 1.0f / slots[i]; }
 };
 
+//! What every block quantizer checks of its operands, `op` naming it: x is a matrix, and
+//! `values` holds its quantized [outer, padded K / values_per_element] (`values_unit`
+//! says in what), `scales` one per block; no output overlaps x or the other. Returns
+//! the blocks' layout, K running along x's rows when `k_contiguous`.
+template <class XV, class VV, class SV>
+fp8_block_scale_layout checked_block_layout(std::string_view op, fp8_block_kind kind, XV const& xv, bool k_contiguous,
+                                            VV const& vv, std::int64_t values_per_element,
+                                            std::string_view values_unit, std::string_view scales_name,
+                                            SV const& sv, mpx::source_location loc) {
+  if (xv.shape().rank() != 2) fail<shape_error>(op, "x must be a matrix, got shape " + xv.shape().to_string(), loc);
+  std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];
+  fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
+  shape const want_values{layout.outer, layout.padded_k() / values_per_element};
+  if (vv.shape() != want_values)
+    fail<shape_error>(op,
+                      "values has shape " + vv.shape().to_string() + " but x " + xv.shape().to_string() +
+                          (k_contiguous ? "" : " transposed") + " quantizes to " + want_values.to_string() +
+                          std::string(values_unit),
+                      loc);
+  if (sv.shape() != shape{layout.count()})
+    fail<shape_error>(op,
+                      std::string(scales_name) + " has shape " + sv.shape().to_string() + " but these blocks need [" +
+                          std::to_string(layout.count()) + "]",
+                      loc);
+  require_disjoint(op, "values", vv, "x", xv);
+  require_disjoint(op, scales_name, sv, "x", xv);
+  require_disjoint(op, scales_name, sv, "values", vv);
+  return layout;
+}
+
 }  // namespace detail
 
 //! Casts the matrix x to Format with one scale per block, into `values` and
@@ -222,36 +253,20 @@ void quantize_fp8_blocks(Exec const& exec, X&& x, bool k_contiguous, fp8_block_k
                 "mpx::quantize_fp8_blocks: the inverse scales are floats (float8_e8m0 for vec32 blocks)");
   static_assert(!dtype8<value_t<X>>, "mpx::quantize_fp8_blocks: x holds half, bfloat16 or float");
   auto const [xv, vv, sv] = detail::views_for<Exec>(x, values, inverse_scales);
-  if (xv.shape().rank() != 2)
-    detail::fail<shape_error>("quantize_fp8_blocks", "x must be a matrix, got shape " + xv.shape().to_string(), loc);
-  std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];
-  fp8_block_scale_layout const layout{kind, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
   if (kind == fp8_block_kind::vec16)
     detail::fail<invalid_argument>("quantize_fp8_blocks",
                                    "1x16 blocks are NVFP4's (e2m1 values, two scales): quantize them with "
                                    "mpx::quantize_nvfp4",
                                    loc);
-  if (layout.e8m0_scales() != std::is_same_v<Scale, float8_e8m0>)
+  bool const e8m0 = kind == fp8_block_kind::vec32;  // (fp8_block_scale_layout::e8m0_scales)
+  if (e8m0 != std::is_same_v<Scale, float8_e8m0>)
     detail::fail<invalid_argument>("quantize_fp8_blocks",
-                                   layout.e8m0_scales()
-                                       ? "vec32 blocks (MXFP8) keep E8M0 scales: inverse_scales must hold float8_e8m0"
-                                       : "these blocks keep float scales: inverse_scales must hold float",
+                                   e8m0 ? "vec32 blocks (MXFP8) keep E8M0 scales: inverse_scales must hold float8_e8m0"
+                                        : "these blocks keep float scales: inverse_scales must hold float",
                                    loc);
-  shape const want_values{layout.outer, layout.padded_k()};
-  if (vv.shape() != want_values)
-    detail::fail<shape_error>("quantize_fp8_blocks",
-                              "values has shape " + vv.shape().to_string() + " but x " + xv.shape().to_string() +
-                                  (k_contiguous ? "" : " transposed") + " quantizes to " + want_values.to_string() +
-                                  " (K padded)",
-                              loc);
-  if (sv.shape() != shape{layout.count()})
-    detail::fail<shape_error>("quantize_fp8_blocks",
-                              "inverse_scales has shape " + sv.shape().to_string() + " but these blocks need [" +
-                                  std::to_string(layout.count()) + "]",
-                              loc);
-  detail::require_disjoint("quantize_fp8_blocks", "values", vv, "x", xv);
-  detail::require_disjoint("quantize_fp8_blocks", "inverse_scales", sv, "x", xv);
-  detail::require_disjoint("quantize_fp8_blocks", "inverse_scales", sv, "values", vv);
+  fp8_block_scale_layout const layout =
+      detail::checked_block_layout("quantize_fp8_blocks", kind, xv, k_contiguous, vv, 1, " (K padded)",
+                                   "inverse_scales", sv, loc);
   using In = value_t<X>;
   detail::block_operand_reader<In> const read{xv.data(), static_cast<std::size_t>(layout.outer),
                                               static_cast<std::size_t>(layout.k), k_contiguous};

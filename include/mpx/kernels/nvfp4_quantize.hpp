@@ -289,30 +289,14 @@ void quantize_nvfp4(Exec const& exec, X&& x, bool k_contiguous, nvfp4_quantize_o
   static_assert(std::is_same_v<value_t<TensorScale>, float>, "mpx::quantize_nvfp4: the tensor scale is float");
   static_assert(!dtype8<value_t<X>>, "mpx::quantize_nvfp4: x holds half, bfloat16 or float");
   auto const [xv, vv, sv, tv] = detail::views_for<Exec>(x, values, block_scales, tensor_scale);
-  if (xv.shape().rank() != 2)
-    detail::fail<shape_error>("quantize_nvfp4", "x must be a matrix, got shape " + xv.shape().to_string(), loc);
-  std::int64_t const rows = xv.shape()[0], cols = xv.shape()[1];
-  fp8_block_scale_layout const layout{fp8_block_kind::vec16, k_contiguous ? rows : cols, k_contiguous ? cols : rows};
-  shape const want_values{layout.outer, layout.padded_k() / 2};
-  if (vv.shape() != want_values)
-    detail::fail<shape_error>("quantize_nvfp4",
-                              "values has shape " + vv.shape().to_string() + " but x " + xv.shape().to_string() +
-                                  (k_contiguous ? "" : " transposed") + " quantizes to " + want_values.to_string() +
-                                  " pairs of e2m1 (K padded to a multiple of 32)",
-                              loc);
-  if (sv.shape() != shape{layout.count()})
-    detail::fail<shape_error>("quantize_nvfp4",
-                              "block_scales has shape " + sv.shape().to_string() + " but these blocks need [" +
-                                  std::to_string(layout.count()) + "]",
-                              loc);
+  fp8_block_scale_layout const layout =
+      detail::checked_block_layout("quantize_nvfp4", fp8_block_kind::vec16, xv, k_contiguous, vv, 2,
+                                   " pairs of e2m1 (K padded to a multiple of 32)", "block_scales", sv, loc);
   if (tv.shape() != shape{nvfp4_tensor_scale_slots})
     detail::fail<shape_error>("quantize_nvfp4",
                               "tensor_scale has shape " + tv.shape().to_string() + " but holds [" +
                                   std::to_string(nvfp4_tensor_scale_slots) + "] floats (amax, decode factor)",
                               loc);
-  detail::require_disjoint("quantize_nvfp4", "values", vv, "x", xv);
-  detail::require_disjoint("quantize_nvfp4", "block_scales", sv, "x", xv);
-  detail::require_disjoint("quantize_nvfp4", "block_scales", sv, "values", vv);
   detail::require_disjoint("quantize_nvfp4", "tensor_scale", tv, "x", xv);
   detail::require_disjoint("quantize_nvfp4", "tensor_scale", tv, "values", vv);
   detail::require_disjoint("quantize_nvfp4", "tensor_scale", tv, "block_scales", sv);

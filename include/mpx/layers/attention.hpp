@@ -93,12 +93,11 @@ struct causal_self_attention_config {
 };
 
 template <class Policy = model_policy>
-class causal_self_attention : public layer_base {
+class causal_self_attention : public layer_base,
+                              public detail::storage_dtype_layer<Policy, causal_self_attention_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = causal_self_attention_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "MultiHeadAttention";
 
   explicit causal_self_attention(std::int64_t heads, bool scale_logits = true, float dropout = 0.0f)
@@ -183,7 +182,7 @@ class causal_self_attention : public layer_base {
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y,
                bool training) {
     std::int64_t const batch = check_input_and_reserve(*this, exec, x.shape(), y.shape());
     attention_dims const d = dims(batch);
@@ -193,10 +192,11 @@ class causal_self_attention : public layer_base {
     latest_batch_ = batch;
     latest_plan_batch_ = fused_batch_;
     if (fp8_core()) {
-      if constexpr (fp8_core_possible) attend_fp8(exec, tensor_view<input_type const, Space>(qkv), merged, d, training);
+      if constexpr (fp8_core_possible)
+        attend_fp8(exec, tensor_view<storage_type const, Space>(qkv), merged, d, training);
     } else if (fused()) {  // Q, K, V read in place; O straight into merged
       attention_dims const planned = dims(latest_plan_batch_);
-      input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      storage_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       dropped_ = training && config_.dropout > 0.0f;
       if (dropped_)  // this forward's Philox key, where the count lives (a captured step draws anew each replay)
         detail::run_once(exec, detail::fused_dropout_key{dropout_seed_, dropout_step_.template view<Space>().data(),
@@ -208,12 +208,12 @@ class causal_self_attention : public layer_base {
     } else {
       attend_unfused(exec, qkv, merged, d, training);
     }
-    out_.forward(exec, tensor_view<input_type const, Space>(merged), y.reshape(shape{d.rows(), width_}), training);
+    out_.forward(exec, tensor_view<storage_type const, Space>(merged), y.reshape(shape{d.rows(), width_}), training);
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     std::int64_t const batch = check_input(x.shape(), dy.shape());
     attention_dims const d = dims(batch);
     shape const tokens{d.rows(), width_};
@@ -222,15 +222,16 @@ class causal_self_attention : public layer_base {
     auto const d_qkv = d_tokens_.template view<Space>(shape{d.rows(), 3 * width_});
     if (fp8_core()) {
       auto const d_merged = d_qkv.flat(0, tokens.size()).reshape(tokens);
-      out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens), d_merged);
-      if constexpr (fp8_core_possible) backward_fp8(exec, tensor_view<input_type const, Space>(d_merged), d_qkv, d);
+      out_.backward(exec, tensor_view<storage_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
+                    d_merged);
+      if constexpr (fp8_core_possible) backward_fp8(exec, tensor_view<storage_type const, Space>(d_merged), d_qkv, d);
     } else if (fused()) {  // dO in o_heads_; dQ, dK, dV straight into d(QKV)'s token rows
       attention_dims const planned = dims(latest_plan_batch_);  // the forward's plan
       auto const d_o = o_heads_.template view<Space>(shape{planned.rows(), width_});
-      out_.backward(exec, tensor_view<input_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
+      out_.backward(exec, tensor_view<storage_type const, Space>(merged), y.reshape(tokens), dy.reshape(tokens),
                     d_o.flat(0, tokens.size()).reshape(tokens));
-      input_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
-      input_type* const dq = d_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      storage_type const* const q = qkv_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
+      storage_type* const dq = d_tokens_.template view<Space>(shape{planned.rows(), 3 * width_}).data();
       fused_attention<Space>()->backward(fused_shape(planned, dropped_),
                                   {q, q + width_, q + 2 * width_, merged.data(), d_o.data(),
                                    statistics<Space>(planned).data(), dq, dq + width_, dq + 2 * width_,
@@ -239,8 +240,9 @@ class causal_self_attention : public layer_base {
     } else {
       backward_unfused(exec, merged, y.reshape(tokens), dy.reshape(tokens), d_qkv, d);
     }
-    qkv_.backward(exec, x.reshape(tokens), tensor_view<input_type const, Space>(qkv), tensor_view<input_type const, Space>(d_qkv),
-                  dx.size() ? dx.reshape(tokens) : tensor_view<input_type, Space>{});
+    qkv_.backward(exec, x.reshape(tokens), tensor_view<storage_type const, Space>(qkv),
+                  tensor_view<storage_type const, Space>(d_qkv),
+                  dx.size() ? dx.reshape(tokens) : tensor_view<storage_type, Space>{});
   }
 
   template <memory_space Space>
@@ -321,7 +323,8 @@ class causal_self_attention : public layer_base {
       bool const fp8 = fp8_core();
       char const* const q = fp8 ? reinterpret_cast<char const*>(fp8_core_.template qkv8<Space>())
                                 : reinterpret_cast<char const*>(qkv_tokens_.template view<Space>().data());
-      std::int64_t const part = width_ * (fp8 ? 1 : static_cast<std::int64_t>(sizeof(input_type)));  // bytes from Q to K
+      std::int64_t const part =
+          width_ * (fp8 ? 1 : static_cast<std::int64_t>(sizeof(storage_type)));  // bytes from Q to K
       if (fp8) fp8_core_.gather_scalars(exec);
       fused_attention<Space>()->dropout_keeps(fused_shape(planned, true),
                                               {q, q + part, q + 2 * part, nullptr, nullptr, fused_key<Space>(),
@@ -392,7 +395,7 @@ class causal_self_attention : public layer_base {
   // The core in fp8: Q K V cast, the fused kernel or mpx's fp8 core, O back to the
   // storage type for the output projection.
   template <executor Exec, class Space>
-  void attend_fp8(Exec const& exec, tensor_view<input_type const, Space> qkv, tensor_view<input_type, Space> merged,
+  void attend_fp8(Exec const& exec, tensor_view<storage_type const, Space> qkv, tensor_view<storage_type, Space> merged,
                   attention_dims const& d, bool training) {
     fp8_core_.cast_qkv(exec, qkv);
     dropped_ = training && config_.dropout > 0.0f;
@@ -424,8 +427,8 @@ class causal_self_attention : public layer_base {
   // dO cast, dQ dK dV from the fused kernel or mpx's fp8 core, back to the storage type
   // in d_qkv; then the six scales' step ends.
   template <executor Exec, class Space>
-  void backward_fp8(Exec const& exec, tensor_view<input_type const, Space> d_merged, tensor_view<input_type, Space> d_qkv,
-                    attention_dims const& d) {
+  void backward_fp8(Exec const& exec, tensor_view<storage_type const, Space> d_merged,
+                    tensor_view<storage_type, Space> d_qkv, attention_dims const& d) {
     fp8_core_.cast_d_o(exec, d_merged);
     if (fused()) {
       attention_dims const planned = dims(latest_plan_batch_);
@@ -462,7 +465,7 @@ class causal_self_attention : public layer_base {
   }
 
   template <executor Exec, class Space>
-  void attend_unfused(Exec const& exec, tensor_view<input_type, Space> qkv, tensor_view<input_type, Space> merged,
+  void attend_unfused(Exec const& exec, tensor_view<storage_type, Space> qkv, tensor_view<storage_type, Space> merged,
                       attention_dims const& d, bool training) {
     std::int64_t const bh = d.batch * d.heads;
     auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
@@ -472,7 +475,7 @@ class causal_self_attention : public layer_base {
     gemm<core_policy>(exec, q, k, s, {.transpose_b = true, .alpha = logit_scale(d)});
     auto const p = p_.template view<Space>(s.shape());
     auto const ps = p_store_.template view<Space>(s.shape());
-    causal_softmax(exec, tensor_view<input_type const, Space>(s), p, ps, d);
+    causal_softmax(exec, tensor_view<storage_type const, Space>(s), p, ps, d);
     dropped_ = training && config_.dropout > 0.0f;
     if (dropped_) {  // on the weights P V reads; p keeps the softmax for its backward pass
       auto const step = dropout_step_.template view<Space>();
@@ -486,15 +489,15 @@ class causal_self_attention : public layer_base {
   }
 
   template <executor Exec, class Space>
-  void backward_unfused(Exec const& exec, tensor_view<input_type, Space> merged, tensor_view<output_type const, Space> y,
-                        tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> d_qkv,
-                        attention_dims const& d) {
+  void backward_unfused(Exec const& exec, tensor_view<storage_type, Space> merged,
+                        tensor_view<storage_type const, Space> y, tensor_view<storage_type const, Space> dy,
+                        tensor_view<storage_type, Space> d_qkv, attention_dims const& d) {
     std::int64_t const bh = d.batch * d.heads;
     shape const tokens{d.rows(), width_};
     // Buffers are reused once read: d_tokens_ holds dO, then d(QKV); o_heads_ holds dO
     // per head; logits_ holds d(logits).
     auto const d_merged = d_qkv.flat(0, tokens.size()).reshape(tokens);
-    out_.backward(exec, tensor_view<input_type const, Space>(merged), y, dy, d_merged);
+    out_.backward(exec, tensor_view<storage_type const, Space>(merged), y, dy, d_merged);
     auto const heads = qkv_heads_.template view<Space>(shape{3 * bh, d.tokens, d.head_width});
     auto const [q, k, v] = split_qkv(heads, d);
     auto const d_o = o_heads_.template view<Space>(shape{bh, d.tokens, d.head_width});
@@ -522,9 +525,9 @@ class causal_self_attention : public layer_base {
     fused_attention_backend* const backend = fused_attention<memory_space_t<Exec>>();
     if (!config_.fused || (is_host_executor_v<Exec> && backend == nullptr)) return false;  // nothing to note
     std::string why;
-    constexpr bool sixteen_bit = std::is_same_v<input_type, half> || std::is_same_v<input_type, bfloat16>;
+    constexpr bool sixteen_bit = std::is_same_v<storage_type, half> || std::is_same_v<storage_type, bfloat16>;
     if (!sixteen_bit && !fp8_core())  // (in fp8, Q K V are cast whatever the storage type)
-      why = std::string("storage ") + std::string(dtype_traits<input_type>::name) +
+      why = std::string("storage ") + std::string(dtype_traits<storage_type>::name) +
             " (the fused attention takes half and bfloat16)";
     else if (!config_.scale_logits)  // the float16 overflow it exists to show needs stored logits
       why = "unscaled logits (scale_logits = false keeps the logits in the storage dtype, as the unfused path stores them)";
@@ -543,9 +546,9 @@ class causal_self_attention : public layer_base {
     return false;
   }
   [[nodiscard]] fused_attention_shape fused_shape(attention_dims const& d, bool dropping) const {
-    fused_attention_io const io = fp8_core()                     ? fused_attention_io::float8
-                                  : std::is_same_v<input_type, half> ? fused_attention_io::half
-                                                                     : fused_attention_io::bfloat16;
+    fused_attention_io const io = fp8_core()                           ? fused_attention_io::float8
+                                  : std::is_same_v<storage_type, half> ? fused_attention_io::half
+                                                                       : fused_attention_io::bfloat16;
     return {d.batch, d.heads, d.tokens, d.head_width, 3 * width_, width_, io, logit_scale(d),
             dropping ? config_.dropout : 0.0f, config_.deterministic};
   }
@@ -593,10 +596,10 @@ class causal_self_attention : public layer_base {
   std::int64_t width_ = 0;
   dense<Policy> qkv_{1};
   dense<Policy> out_{1};
-  detail::layer_tensor<input_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
+  detail::layer_tensor<storage_type> qkv_tokens_, qkv_heads_, logits_, p_store_, o_heads_, o_tokens_;
   detail::layer_tensor<float> p_, dp_;
   detail::layer_tensor<float> statistics_;  // fused: each row's log-sum-exp, [batch * heads, tokens]
-  detail::layer_tensor<input_type> d_tokens_, d_heads_;  // dO, then d(QKV); the per-head gradients
+  detail::layer_tensor<storage_type> d_tokens_, d_heads_;  // dO, then d(QKV); the per-head gradients
   std::uint64_t dropout_seed_ = 0;
   detail::layer_tensor<std::uint64_t> dropout_step_;  // training forwards with dropout, where the executor computes
   detail::layer_tensor<std::uint64_t> fused_dropout_key_;  // the fused path's {seed, offset} (detail::fused_dropout_key)

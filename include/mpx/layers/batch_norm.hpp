@@ -22,12 +22,10 @@ struct batch_norm_config {
 };
 
 template <class Policy = model_policy>
-class batch_norm : public layer_base {
+class batch_norm : public layer_base, public detail::storage_dtype_layer<Policy, batch_norm_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = batch_norm_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "BatchNormalization";
 
   batch_norm() = default;
@@ -57,7 +55,7 @@ class batch_norm : public layer_base {
     reserved_batch_ = batch;
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y,
                bool training) {
     check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto v = [](auto const& t) { return t.template view<Space>(); };
@@ -70,8 +68,8 @@ class batch_norm : public layer_base {
                                            v(running_mean_), v(running_var_), y, config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     check_input(x.shape(), y.shape());
     auto v = [](auto const& t) { return t.template view<Space>(); };
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
@@ -95,7 +93,7 @@ class batch_norm : public layer_base {
   batch_norm_config config_;
   detail::norm_affine affine_;
   detail::layer_tensor<float> running_mean_, running_var_, save_mean_, save_invstd_;
-  detail::layer_tensor<input_type> dx_scratch_;
+  detail::layer_tensor<storage_type> dx_scratch_;
 };
 
 }  // namespace mpx

@@ -34,12 +34,10 @@ struct conv2d_config {
 };
 
 template <class Policy = model_policy>
-class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy>, Policy> {
+class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy>, Policy, conv2d_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = conv2d_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "Conv2D";
 
   explicit conv2d(conv2d_config config) : config_(config) {
@@ -97,7 +95,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y, bool) {
     check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto const w = this->template kernel<Space>();
     auto const b = this->template bias<Space>();
@@ -116,8 +114,8 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
     if (dx.data() != nullptr)  // before anything runs (a model's first layer computes no dx)
@@ -129,7 +127,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
     auto const dw = this->template kernel_gradient<Space>();
     auto const db = this->template bias_gradient<Space>();
     auto const cols = columns_.template view<Space>();
-    tensor_view<output_type const, Space> dz = dy;
+    tensor_view<storage_type const, Space> dz = dy;
     if (config_.activation == activation::linear) {
       mpx::bias_gradient(exec, dy.reshape(rows), db);
     } else {
@@ -154,7 +152,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
   }
 
  private:
-  friend detail::kernel_bias_layer<conv2d, Policy>;  // its parameter list checks that the layer is built
+  friend detail::kernel_bias_layer<conv2d, Policy, conv2d_config>;  // its parameter list checks that the layer is built
   std::string display_name() const { return name().empty() ? std::string("mpx::conv2d") : name(); }
   shape kernel_shape(std::int64_t channels) const {
     return shape{config_.kernel_h, config_.kernel_w, channels, config_.filters};
@@ -178,7 +176,7 @@ class conv2d : public layer_base, public detail::kernel_bias_layer<conv2d<Policy
 
   conv2d_config config_;
   conv2d_options options_{};
-  detail::layer_tensor<output_type> columns_, pre_activation_, pre_activation_grad_;
+  detail::layer_tensor<storage_type> columns_, pre_activation_, pre_activation_grad_;
   bool columns_hold_forward_ = false;  // whether columns_ still holds the last forward's im2col
 };
 

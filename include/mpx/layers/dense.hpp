@@ -28,12 +28,10 @@ struct dense_config {
 };
 
 template <class Policy = model_policy>
-class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>, Policy> {
+class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>, Policy, dense_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = dense_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "Dense";
 
   explicit dense(dense_config config) : config_(config) { detail::require_positive_units("mpx::dense", config_.units); }
@@ -83,7 +81,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y,
                bool /*training*/) {
     std::int64_t const batch = check_input_and_reserve(*this, exec, x.shape(), y.shape());
     auto const [rows, in] = matrix_of(batch);
@@ -103,8 +101,8 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
 
   //! Writes the parameter gradients (overwriting) and, unless dx is empty, dx.
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     std::int64_t const batch = check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
     auto const [rows, in] = matrix_of(batch);
@@ -116,7 +114,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
     auto const b = this->template bias<Space>();
     auto const dw = this->template kernel_gradient<Space>();
     auto const db = this->template bias_gradient<Space>();
-    tensor_view<output_type const, Space> dz = dym;
+    tensor_view<storage_type const, Space> dz = dym;
     if (config_.activation == activation::linear) {
       mpx::bias_gradient(exec, dym, db);
     } else {
@@ -136,7 +134,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   }
 
  private:
-  friend detail::kernel_bias_layer<dense, Policy>;  // its parameter list checks that the layer is built
+  friend detail::kernel_bias_layer<dense, Policy, dense_config>;  // its parameter list checks that the layer is built
   std::string name_or_kind() const { return name().empty() ? std::string("mpx::dense") : name(); }
   struct rows_in {
     std::int64_t rows, in;
@@ -147,7 +145,7 @@ class dense : public layer_base, public detail::kernel_bias_layer<dense<Policy>,
   }
 
   dense_config config_;
-  detail::layer_tensor<output_type> pre_activation_, pre_activation_grad_;
+  detail::layer_tensor<storage_type> pre_activation_, pre_activation_grad_;
 };
 
 }  // namespace mpx

@@ -23,12 +23,10 @@ struct dropout_config {
 };
 
 template <class Policy = model_policy>
-class dropout : public layer_base {
+class dropout : public layer_base, public detail::storage_dtype_layer<Policy, dropout_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = dropout_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "Dropout";
 
   explicit dropout(dropout_config config) : config_(config) {
@@ -55,7 +53,7 @@ class dropout : public layer_base {
     reserved_batch_ = batch;
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y,
                bool training) {
     check_input_and_reserve(*this, exec, x.shape(), y.shape());
     if (!training || config_.rate == 0.0f) {
@@ -70,8 +68,8 @@ class dropout : public layer_base {
     last_forward_trained_ = true;
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     check_input(x.shape(), y.shape());
     if (dx.data() == nullptr) return;
     if (!last_forward_trained_) copy(exec, dy, dx);

@@ -17,9 +17,10 @@
 namespace mpx::detail {
 
 //! The base of a layer computing act(x W + b), `Layer` deriving from it and from
-//! mpx::layer_base. Layer befriends it: the parameter list checks that Layer is built.
-template <class Layer, class Policy>
-class kernel_bias_layer : public with_matrix_products<Policy> {
+//! mpx::layer_base; `Config` is what Layer's constructor takes (its member types come
+//! from here). Layer befriends it: the parameter list checks that Layer is built.
+template <class Layer, class Policy, class Config>
+class kernel_bias_layer : public with_matrix_products<Policy>, public storage_dtype_layer<Policy, Config> {
   using storage_type = typename Policy::storage_type;
 
  public:

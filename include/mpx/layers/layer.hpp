@@ -216,6 +216,22 @@ class layer_base {
   bool built_ = false;
 };
 
+namespace detail {
+
+//! The member types mpx::sequential reads of a layer whose input and output are its
+//! policy's storage dtype (most layers): `policy`, `config_type` (what its constructor
+//! takes), `input_type` and `output_type`. Such a layer derives from it beside
+//! layer_base; its own code names the dtype `typename Policy::storage_type`.
+template <class Policy, class Config>
+struct storage_dtype_layer {
+  using policy = Policy;
+  using config_type = Config;
+  using input_type = typename Policy::storage_type;
+  using output_type = input_type;
+};
+
+}  // namespace detail
+
 //! What mpx::sequential asks of a layer (the built-in layers and a user's own):
 //! a policy, the dtypes it reads and writes, a kind for summaries, and
 //! build / reserve / forward / backward / parameters on host_executor.

@@ -16,12 +16,10 @@ struct layer_norm_config {
 };
 
 template <class Policy = model_policy>
-class layer_norm : public layer_base {
+class layer_norm : public layer_base, public detail::storage_dtype_layer<Policy, layer_norm_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = layer_norm_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "LayerNormalization";
 
   layer_norm() = default;
@@ -49,15 +47,15 @@ class layer_norm : public layer_base {
     reserved_batch_ = batch;
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y, bool) {
     check_input_and_reserve(*this, exec, x.shape(), y.shape());
     std::int64_t const rows = rows_of(x.shape());
     layer_norm_forward<Policy>(exec, x, affine_.gamma.value<Space>(), affine_.beta.value<Space>(), y,
                                mean_.template view<Space>({rows}), rstd_.template view<Space>({rows}), config_.eps);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     check_input(x.shape(), y.shape());
     std::int64_t const rows = rows_of(x.shape());
     auto const dx_out = dx.data() ? dx : dx_scratch_.template view<Space>(x.shape());
@@ -79,7 +77,7 @@ class layer_norm : public layer_base {
   layer_norm_config config_;
   detail::norm_affine affine_;
   detail::layer_tensor<float> mean_, rstd_;
-  detail::layer_tensor<input_type> dx_scratch_;
+  detail::layer_tensor<storage_type> dx_scratch_;
 };
 
 }  // namespace mpx

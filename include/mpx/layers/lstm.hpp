@@ -31,12 +31,10 @@ struct lstm_config {
 };
 
 template <class Policy = model_policy>
-class lstm : public layer_base {
+class lstm : public layer_base, public detail::storage_dtype_layer<Policy, lstm_config> {
+  using storage_type = typename Policy::storage_type;
+
  public:
-  using policy = Policy;
-  using config_type = lstm_config;
-  using input_type = typename Policy::storage_type;
-  using output_type = typename Policy::storage_type;
   static constexpr std::string_view kind = "LSTM";
 
   explicit lstm(lstm_config config) : config_(config) { detail::require_positive_units("mpx::lstm", config_.units); }
@@ -84,7 +82,7 @@ class lstm : public layer_base {
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y, bool) {
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y, bool) {
     std::int64_t const n = check_input(x.shape(), y.shape());
     if (n > reserved_batch_) reserve(exec, n);
     std::int64_t const t = input_shape_[0], u = config_.units;
@@ -101,15 +99,15 @@ class lstm : public layer_base {
   }
 
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     std::int64_t const n = check_input(x.shape(), y.shape());
     detail::require_batch_shape(name(), "output gradient", dy.shape(), output_shape_);
     std::int64_t const t = input_shape_[0], u = config_.units;
-    tensor_view<output_type const, Space> dh = dy;
+    tensor_view<storage_type const, Space> dh = dy;
     if (!config_.return_sequences) {  // only the last step's output reached the loss
       auto const full = sequence_grad_.template view<Space>({n, t, u});
-      fill(exec, full, cast<output_type>(0.0f));
+      fill(exec, full, cast<storage_type>(0.0f));
       detail::copy_strided_rows(exec, dy.data(), u, full.data() + (t - 1) * u, t * u, n, u);
       dh = full;
     } else {
@@ -138,9 +136,9 @@ class lstm : public layer_base {
 
  private:
   lstm_config config_;
-  detail::trainable<output_type> kernel_, recurrent_;
+  detail::trainable<storage_type> kernel_, recurrent_;
   detail::trainable<float> bias_;
-  detail::layer_tensor<output_type> sequence_, sequence_grad_, dx_scratch_;
+  detail::layer_tensor<storage_type> sequence_, sequence_grad_, dx_scratch_;
   detail::layer_tensor<float> kernel_grad_f_, recurrent_grad_f_, workspace_;
 };
 

@@ -22,13 +22,10 @@ namespace mpx::detail {
 //! `run_backward(exec, x, y, dy, dx)`; the base checks the shapes first and calls
 //! run_backward only when dx is wanted (not for a model's first layer).
 template <class Layer, class Policy, class Config>
-class stateless_layer : public layer_base {
- public:
-  using policy = Policy;
-  using config_type = Config;
-  using input_type = typename Policy::storage_type;
-  using output_type = input_type;  // such a layer keeps its input's dtype
+class stateless_layer : public layer_base, public storage_dtype_layer<Policy, Config> {
+  using storage_type = typename Policy::storage_type;  // such a layer keeps its input's dtype
 
+ public:
   explicit stateless_layer(Config config) : config_(config) {}
   [[nodiscard]] Config const& config() const noexcept { return config_; }
 
@@ -42,14 +39,14 @@ class stateless_layer : public layer_base {
     reserved_batch_ = batch;
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void forward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type, Space> y,
+  void forward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type, Space> y,
                bool /*training*/) {
     check_input(x.shape(), y.shape());
     self().run_forward(exec, x, y);
   }
   template <executor Exec, class Space = memory_space_t<Exec>>
-  void backward(Exec const& exec, tensor_view<input_type const, Space> x, tensor_view<output_type const, Space> y,
-                tensor_view<output_type const, Space> dy, tensor_view<input_type, Space> dx) {
+  void backward(Exec const& exec, tensor_view<storage_type const, Space> x, tensor_view<storage_type const, Space> y,
+                tensor_view<storage_type const, Space> dy, tensor_view<storage_type, Space> dx) {
     check_input(x.shape(), y.shape());
     if (dx.data() != nullptr) self().run_backward(exec, x, y, dy, dx);
   }

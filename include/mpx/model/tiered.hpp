@@ -194,7 +194,7 @@ class tiered : public layer_base {
         using In = typename std::remove_cvref_t<decltype(t)>::input_type;
         using Out = typename std::remove_cvref_t<decltype(t)>::output_type;
         auto& b = std::get<K>(buffers_);
-        copy_weights_into(exec, t);
+        copy_between_tiers(exec, t, tier_copy::weights_into_tier);
         tensor_view<In const, Space> xk;
         if constexpr (std::is_same_v<In, input_type>) {
           xk = x;
@@ -251,7 +251,7 @@ class tiered : public layer_base {
         t.backward(exec, xk, yk, dyk, dxk);
         if constexpr (!std::is_same_v<In, input_type>)
           if (dx.data() != nullptr) cast(exec, tensor_view<In const, Space>(dxk), dx);
-        copy_gradients_from(exec, t);
+        copy_between_tiers(exec, t, tier_copy::gradients_from_tier);
       }
     });
   }
@@ -350,19 +350,16 @@ class tiered : public layer_base {
                                              "shapes, under every policy)");
     return {std::move(p0), std::move(pk)};
   }
+  // Tier 0 holds the trained parameters: its weights are cast into tier t's before t's
+  // forward pass, and t's gradients back into tier 0's after its backward pass.
+  enum class tier_copy { weights_into_tier, gradients_from_tier };
   template <class Exec, class T>
-  void copy_weights_into(Exec const& exec, T& t) {
-    using Space = memory_space_t<Exec>;
-    auto const [p0, pk] = parameter_pairs<Space>(t);
-    for (std::size_t i = 0; i < p0.size(); ++i)
-      detail::cast_between_tiers(exec, p0[i].value, pk[i].value);
-  }
-  template <class Exec, class T>
-  void copy_gradients_from(Exec const& exec, T& t) {
-    using Space = memory_space_t<Exec>;
-    auto const [p0, pk] = parameter_pairs<Space>(t);
-    for (std::size_t i = 0; i < p0.size(); ++i)
-      detail::cast_between_tiers(exec, pk[i].gradient, p0[i].gradient);
+  void copy_between_tiers(Exec const& exec, T& t, tier_copy what) {
+    auto const [p0, pk] = parameter_pairs<memory_space_t<Exec>>(t);
+    for (std::size_t i = 0; i < p0.size(); ++i) {
+      if (what == tier_copy::weights_into_tier) detail::cast_between_tiers(exec, p0[i].value, pk[i].value);
+      else detail::cast_between_tiers(exec, pk[i].gradient, p0[i].gradient);
+    }
   }
 
   //! A move's first forward: the state the layer keeps besides its parameters (batch

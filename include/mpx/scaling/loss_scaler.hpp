@@ -16,7 +16,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -65,10 +64,7 @@ class signal_slot {
 
 #if MPX_HAS_CUDA_RUNTIME
 struct pinned_release {
-  void operator()(void* p) const noexcept {
-    if (cudaError_t status = cudaFreeHost(p); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaFreeHost failed: %s\n", cudaGetErrorString(status));
-  }
+  void operator()(void* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost"); }
 };
 
 template <>
