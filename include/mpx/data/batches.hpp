@@ -182,7 +182,7 @@ class batch_staging<cuda_executor, T> {
     // freed and the device memory is released on the consumer's stream.
     report_if_failed(cudaStreamSynchronize(copy_stream_), "batch_loader: the copy stream");
     for (auto& s : slots_) s.reset();
-    static_cast<void>(cudaStreamDestroy(copy_stream_));
+    report_if_failed(cudaStreamDestroy(copy_stream_), "cudaStreamDestroy (batch_loader's copy stream)");
   }
   batch_staging(batch_staging const&) = delete;
   batch_staging& operator=(batch_staging const&) = delete;

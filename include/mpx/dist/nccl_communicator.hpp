@@ -384,7 +384,7 @@ class nccl_communicator {
     transport_.comm = nullptr;
     if (host_values_) detail::report_if_failed(cudaFreeHost(host_values_), "cudaFreeHost");
     host_values_ = nullptr;
-    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+    if (stream_) detail::report_if_failed(cudaStreamDestroy(stream_), "cudaStreamDestroy");
     stream_ = nullptr;
   }
 

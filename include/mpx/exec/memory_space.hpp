@@ -119,9 +119,7 @@ struct device_release {
   void operator()(void* p) const noexcept {
     // A destructor cannot throw; a failed free means the context is already broken
     // (an earlier kernel faulted), and the next checked call reports that.
-    if (cudaError_t status = cudaFreeAsync(p, stream); status != cudaSuccess)
-      std::fprintf(stderr, "mpx: cudaFreeAsync failed while freeing a device buffer: %s\n",
-                   cudaGetErrorString(status));
+    report_if_failed(cudaFreeAsync(p, stream), "cudaFreeAsync (a device buffer)");
   }
 };
 

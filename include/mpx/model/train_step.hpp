@@ -459,11 +459,13 @@ class classifier_trainer {
       cudaGraphExec_t instance = nullptr;
       cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
       cudaError_t const made = ended == cudaSuccess ? cudaGraphInstantiate(&instance, graph, 0) : cudaSuccess;
-      if (graph) cudaGraphDestroy(graph);
+      if (graph) detail::report_if_failed(cudaGraphDestroy(graph), "cudaGraphDestroy");
       if (ended != cudaSuccess || made != cudaSuccess) graph_rules_.capture_failed();  // the next step is eager
       detail::check_cuda(ended, "cudaStreamEndCapture", __FILE__, __LINE__);
       detail::check_cuda(made, "cudaGraphInstantiate", __FILE__, __LINE__);
-      graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) { cudaGraphExecDestroy(g); });
+      graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) {
+        detail::report_if_failed(cudaGraphExecDestroy(g), "cudaGraphExecDestroy");
+      });
       graph_rules_.captured(batch_kind, capture_state_now());
       captured_in_flight_ = model_.in_flight_state();
     }
