@@ -1,6 +1,8 @@
 // docs/numerics.md: "why is my gradient zero?" answered with mpx::stats, finite checks,
-// a gradient norm, and a reduction of your own with mpx::transform_reduce.
+// a gradient norm, a reduction of your own with mpx::transform_reduce, and the same
+// checks as Thrust algorithms.
 #include <mpx/mpx.hpp>
+#include <mpx/numerics/thrust.hpp>  // not in mpx.hpp: it brings Thrust's headers
 
 #include <cmath>
 #include <cstdio>
@@ -66,5 +68,12 @@ int main() {
   ok &= e.count(-10) == 1 && e.count(-16) == 1 && e.count(16) == 1 && e.zero == 1;  // 1e-3, -2e-5, 70000, 0
   ok &= e.count(-25) == 1;  // 3e-8: above 2^-25, so half rounds it up to 2^-24
   ok &= e.count_between(mpx::exponent_histogram::min_exponent, -26) == 3;  // 2.9e-8, 1e-9, 1e-40: 0 in half
+
+  // Data that lives in Thrust's containers (or behind its iterators), under any of its
+  // execution policies: thrust::device or thrust::cuda::par_nosync.on(stream) on the GPU.
+  std::vector<half> const from_a_thrust_program(stored.data(), stored.data() + stored.size());
+  mpx::numerics_stats const t = mpx::stats(thrust::host, from_a_thrust_program.begin(), from_a_thrust_program.end());
+  ok &= t == mpx::stats(exec, stored);  // the same counts and extremes as on an executor
+  ok &= mpx::count_nonfinite(thrust::host, from_a_thrust_program.begin(), from_a_thrust_program.end()) == 1;
   return ok ? 0 : 1;
 }

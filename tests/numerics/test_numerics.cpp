@@ -3,6 +3,13 @@
 // the tail, behind a misaligned start), and statistics against a float64 reference.
 #include "../support/testing.hpp"
 
+#include <mpx/numerics/thrust.hpp>
+#include <thrust/host_vector.h>
+#include <thrust/system/cpp/execution_policy.h>
+#if MPX_HAS_CUDA
+#include <thrust/device_vector.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -238,6 +245,95 @@ TEMPLATE_LIST_TEST_CASE("empty tensors are finite and have empty stats", "[numer
   CHECK(mpx::stats(exec, e) == mpx::numerics_stats{});
   CHECK(mpx::sum_of_squares<mpx::float32>(exec, e) == 0.0f);
 }
+
+namespace {
+
+//! The Thrust execution policy of an executor: the host system's on the host, the CUDA
+//! system's on the executor's stream.
+template <class Exec>
+auto thrust_policy_of([[maybe_unused]] Exec const& exec) {
+  if constexpr (mpx::is_host_executor_v<Exec>) {
+    return thrust::cpp::par;
+  } else {
+#if MPX_HAS_CUDA
+    return thrust::cuda::par_nosync.on(exec.stream());
+#endif
+  }
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("the checks as Thrust algorithms find what mpx's executors find", "[numerics][thrust]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto const policy = thrust_policy_of(exec);
+  auto for_type = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t n : mpx_test::awkward_sizes()) {
+      auto values = mixed_magnitudes<T>(n, n + 101);
+      if (n > 10) {
+        values[5] = mpx::dtype_traits<T>::quiet_nan();
+        values[n - 2] = -mpx::dtype_traits<T>::infinity();
+        values[n / 2 + 1] = mpx::dtype_traits<T>::min_subnormal();
+      }
+      auto const d = mpx_test::upload(exec, values);
+      T const* const first = d.data();
+      T const* const last = first + n;
+      auto const expected = reference_stats(values);
+      INFO(mpx::dtype_name<T> << " n=" << n);
+      REQUIRE(mpx::stats(policy, first, last) == expected);
+      REQUIRE(mpx::stats(policy, first, last) == mpx::stats(exec, d));
+      REQUIRE(mpx::count_nonfinite(policy, first, last) == expected.nonfinite());
+      REQUIRE(mpx::all_finite(policy, first, last) == (expected.nonfinite() == 0));
+      if (n > 1000) {  // (something to find)
+        REQUIRE(expected.nan == 1);
+        REQUIRE(expected.inf >= 1);
+        REQUIRE(expected.subnormal >= 1);
+      }
+      // The sum of squares of the finite values, against float64: in Thrust's order, so
+      // the bound is a sequential sum's, gamma(n + 1) for n + 1 float roundings (the
+      // squares and the additions; a tree on the GPU does better).
+      auto const finite = mpx_test::random_values<T>(n, -3, 3, n + 202);
+      double exact = 0;
+      for (T x : finite) exact += mpx::detail::to_double(x) * mpx::detail::to_double(x);
+      auto const f = mpx_test::upload(exec, finite);
+      float const got = mpx::sum_of_squares<mpx::mixed_float16>(policy, f.data(), f.data() + n);
+      INFO("sum of squares " << got << " exact " << exact);
+      double const roundings = static_cast<double>(n + 1) * 0x1p-24;
+      REQUIRE(std::fabs(got - exact) <= roundings / (1 - roundings) * exact + 1e-30);
+    }
+  };
+  mpx_test::for_each_dtype(for_type);
+  // A NaN makes the sum NaN, as on an executor: clipping by the norm cannot hide it.
+  auto const bad = mpx_test::upload(exec, std::vector<float>{1.0f, NAN, 2.0f});
+  REQUIRE(std::isnan(mpx::sum_of_squares<mpx::float32>(policy, bad.data(), bad.data() + 3)));
+}
+
+TEST_CASE("the Thrust checks take Thrust's containers and the host policies", "[numerics][thrust]") {
+  thrust::host_vector<mpx::bfloat16> v(1000, mpx::cast<mpx::bfloat16>(1e-8f));
+  v[999] = mpx::dtype_traits<mpx::bfloat16>::quiet_nan();
+  auto const s = mpx::stats(thrust::host, v.begin(), v.end());
+  CHECK(s.size == 1000);
+  CHECK(s.nan == 1);
+  CHECK(s.underflow_in_half == 999);
+  CHECK(mpx::count_nonfinite(thrust::cpp::par, v.cbegin(), v.cend()) == 1);
+  CHECK_FALSE(mpx::all_finite(thrust::host, v.begin(), v.end()));
+  CHECK(mpx::all_finite(thrust::host, v.begin(), v.begin() + 999));
+  CHECK(mpx::stats(thrust::host, v.begin(), v.begin()) == mpx::numerics_stats{});
+}
+
+#if MPX_HAS_CUDA
+TEST_CASE("the Thrust checks take a device_vector on the device policy", "[numerics][thrust][cuda]") {
+  // Its iterators hand the element functions device references, which they must not see.
+  std::vector<mpx::half> host = mpx_test::random_values<mpx::half>(4099, -3, 3, 303);
+  host[17] = mpx::dtype_traits<mpx::half>::infinity();
+  thrust::device_vector<mpx::half> const device(host.begin(), host.end());
+  CHECK(mpx::stats(thrust::device, device.begin(), device.end()) == reference_stats(host));
+  CHECK(mpx::count_nonfinite(thrust::device, device.begin(), device.end()) == 1);
+  CHECK_FALSE(mpx::all_finite(thrust::device, device.begin(), device.end()));
+  CHECK(mpx::all_finite(thrust::device, device.begin() + 18, device.end()));
+}
+#endif
 
 #if MPX_HAS_CUDA
 namespace test_numerics_block {

@@ -123,11 +123,11 @@ struct combine_stats {
 
 }  // namespace detail
 
-//! The numerics of x in one pass. Synchronises a cuda_executor's stream.
-template <executor Exec, tensor_like X>
-numerics_stats stats(Exec const& exec, X&& x) {
-  detail::stats_accumulator const identity{0, 0, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
-  auto const a = transform_reduce(exec, x, identity, detail::stats_of_element{}, detail::combine_stats{});
+namespace detail {
+
+inline constexpr stats_accumulator stats_identity{0, 0, 0, 0, 0, 0, 0, 0, 0.0f, dtype_traits<float>::infinity()};
+
+inline numerics_stats to_numerics_stats(stats_accumulator const& a) {
   numerics_stats s;
   s.size = a.size;
   s.nan = a.nan;
@@ -140,6 +140,15 @@ numerics_stats stats(Exec const& exec, X&& x) {
   s.overflow_in_half = a.overflow_in_half;
   s.at_max = a.at_max;
   return s;
+}
+
+}  // namespace detail
+
+//! The numerics of x in one pass. Synchronises a cuda_executor's stream.
+template <executor Exec, tensor_like X>
+numerics_stats stats(Exec const& exec, X&& x) {
+  return detail::to_numerics_stats(
+      transform_reduce(exec, x, detail::stats_identity, detail::stats_of_element{}, detail::combine_stats{}));
 }
 
 }  // namespace mpx
