@@ -98,3 +98,37 @@ TEST_CASE("the watchdog stops at once when destroyed, and stops nothing while al
   CHECK(collective_watchdog::period_for(milliseconds(50)) == milliseconds(10));
   CHECK(collective_watchdog::period_for(milliseconds::max()) == milliseconds(1000));
 }
+
+TEST_CASE("a blocking call past its deadline ends the process, once, with the reason", "[dist]") {
+  std::atomic<int> ended{0};
+  std::atomic<bool> release{false};
+  auto const start = std::chrono::steady_clock::now();
+  int const got = mpx::detail::end_process_unless_returns_within(
+      std::chrono::milliseconds(20), "ncclCommInitRank has not returned", [&] {
+        // A rank that never joins (for ten seconds at most: a failing test must end).
+        while (!release && std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return 7;
+      },
+      [&] {
+        ++ended;
+        release = true;  // (a test goes on; the real one is std::abort)
+      });
+  CHECK(got == 7);
+  CHECK(ended == 1);
+  CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(20));
+}
+
+TEST_CASE("a blocking call within its deadline returns at once, its value or its exception", "[dist]") {
+  std::atomic<int> ended{0};
+  auto const never = [&] { ++ended; };
+  auto const start = std::chrono::steady_clock::now();
+  CHECK(mpx::detail::end_process_unless_returns_within(std::chrono::hours(1), "init", [] { return 3; }, never) == 3);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));  // not the hour, nor a 1 s slice
+  CHECK_THROWS_WITH(mpx::detail::end_process_unless_returns_within(
+                        std::chrono::milliseconds::max(), "init",
+                        []() -> int { throw std::runtime_error("ncclCommInitRank failed: invalid usage"); }, never),
+                    "ncclCommInitRank failed: invalid usage");
+  mpx::detail::end_process_unless_returns_within(std::chrono::milliseconds::max(), "init", [] {}, never);
+  CHECK(ended == 0);
+}

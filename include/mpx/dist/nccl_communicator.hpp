@@ -12,14 +12,16 @@
 // mpx::collective_error naming the collective. That logic is plain C++, run by the host
 // suite (detail::collective_supervisor); this file gives it NCCL and CUDA. A max or min
 // keeps NaN, unlike NCCL's own on floats (through kernels: all_reduce is called from
-// files nvcc compiles). Needs the CUDA runtime and NCCL (-lnccl); not included by
-// <mpx/mpx.hpp>.
+// files nvcc compiles). The init (ncclCommInitRank, which waits for every rank) ends the
+// process with the reason when it has not returned within the timeout. Needs the CUDA
+// runtime and NCCL (-lnccl); not included by <mpx/mpx.hpp>.
 #pragma once
 
 #include <mpx/core/error.hpp>
 #include <mpx/dist/collective_supervisor.hpp>
 #include <mpx/dist/communicator.hpp>
 #include <mpx/dist/file_bootstrap.hpp>
+#include <mpx/dist/watchdog.hpp>
 #include <mpx/exec/executor.hpp>
 #include <mpx/exec/streams.hpp>
 #include <mpx/exec/tensor.hpp>
@@ -132,7 +134,16 @@ class nccl_communicator {
       : rank_(rank),
         size_(size),
         supervisor_(transport_, "mpx::nccl_communicator: rank " + std::to_string(rank), options.timeout) {
-    detail::check_nccl(ncclCommInitRank(&transport_.comm, size, id, rank), "ncclCommInitRank", "bootstrap");
+    // Every rank must join, and a blocking init cannot be aborted: past the timeout the
+    // process ends with the reason, so that the launcher ends the job.
+    detail::end_process_unless_returns_within(
+        options.timeout,
+        "mpx::nccl_communicator: rank " + std::to_string(rank) + " of " + std::to_string(size) +
+            ": ncclCommInitRank has not returned " + std::to_string(options.timeout.count()) +
+            " ms after it began (a rank did not join: it died, hung, or was given another id)",
+        [&] {
+          detail::check_nccl(ncclCommInitRank(&transport_.comm, size, id, rank), "ncclCommInitRank", "bootstrap");
+        });
     // A constructor that throws runs no destructor: without this the communicator would
     // leak, never aborted, while the other ranks go on with theirs.
     try {
