@@ -379,16 +379,18 @@ TEST_CASE("supervisor: a wait returns once done, and fails past the timeout or o
                Catch::Equals("comm: rank 0: all_gather (3 values) #2: unhandled cuda error"));
   }
   {
-    // An aborted collective's stream completes too: a wait that ends after an
-    // abort throws.
+    // An aborted collective's stream completes too: a wait that ends after the
+    // watchdog aborted throws the watchdog's reason.
     fake_transport t;
-    supervisor s(t, "comm: rank 0", 1h);
-    s.abort("the device buffer could not be allocated");
+    supervisor s(t, "comm: rank 0", 10ms);
+    enqueue(s, "all_reduce (sum of 4 float32)", t.issue());  // hung
+    std::this_thread::sleep_for(30ms);
+    REQUIRE(s.watchdog_stop(s.watchdog_look()));
     CHECK(t.aborts == 1);
-    CHECK_THAT(
-        thrown<mpx::collective_error>([&] { s.wait("barrier #1", [] { return true; }); }),
-        Catch::Equals(
-            "comm: rank 0: the device buffer could not be allocated (the communicator is aborted; end the job)"));
+    CHECK_THAT(thrown<mpx::collective_error>([&] { s.wait("barrier #2", [] { return true; }); }),
+               Catch::Equals("comm: rank 0: all_reduce (sum of 4 float32) #1: not complete 10 ms after it was "
+                             "enqueued (a rank hung, died, or called another collective) (the communicator is "
+                             "aborted; end the job)"));
   }
 }
 

@@ -193,13 +193,6 @@ class collective_supervisor {
     return true;
   }
 
-  //! Marks the communicator aborted for `why` and aborts the transport (for a failure the
-  //! owner finds itself).
-  void abort(std::string const& why) noexcept {
-    std::lock_guard lock(mutex_);
-    if (!broken_) abort_locked(name_ + ": " + why);
-  }
-
  private:
   // Why the communicator must stop now, or "": the transport reports an asynchronous
   // error (also for collectives no list holds: those a CUDA graph replays), or the oldest

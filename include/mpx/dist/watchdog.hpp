@@ -10,7 +10,6 @@
 
 #include <mpx/dist/communicator.hpp>
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -78,43 +77,26 @@ class collective_watchdog {
 };
 
 //! Runs `call()` on this thread and returns what it returns (an exception passes
-//! through). If it has not returned `timeout` after it began, a watching thread says
-//! `why` on stderr and calls `end_process` (std::abort by default, so that the job's
-//! launcher ends the job): for a blocking library call that cannot be aborted and would
-//! otherwise wait for ever, such as NCCL's communicator init waiting for a rank that
-//! never comes. milliseconds::max() waits for ever. `end_process` must not return, but
-//! for a test's.
+//! through). If it has not returned `timeout` after it began, a collective_watchdog
+//! (looking every tenth of the timeout, at most every second) says `why` on stderr and
+//! calls `end_process` (std::abort by default, so that the job's launcher ends the job):
+//! for a blocking library call that cannot be aborted and would otherwise wait for ever,
+//! such as NCCL's communicator init waiting for a rank that never comes.
+//! milliseconds::max() waits for ever. `end_process` must not return, but for a test's.
 template <class Call>
 decltype(auto) end_process_unless_returns_within(std::chrono::milliseconds timeout, std::string why, Call&& call,
                                                  std::function<void()> end_process = [] { std::abort(); }) {
-  struct watch {
-    std::mutex mutex;
-    std::condition_variable returned;
-    bool done = false;
-    std::thread thread;
-    ~watch() {  // on every way out of the call
-      {
-        std::lock_guard lock(mutex);
-        done = true;
-      }
-      returned.notify_all();
-      if (thread.joinable()) thread.join();
-    }
-  } w;
   auto const start = std::chrono::steady_clock::now();
-  w.thread = std::thread([&w, timeout, start, why = std::move(why), end_process = std::move(end_process)] {
-    std::unique_lock lock(w.mutex);
-    while (!w.done) {
-      if (waited_past(start, timeout)) {
-        std::fprintf(stderr, "%s; ending the process\n", why.c_str());
+  // Destroyed on every way out of the call, which stops it at once.
+  collective_watchdog const watch(
+      collective_watchdog::period_for(timeout),
+      [&] { return waited_past(start, timeout) ? why : std::string(); },
+      [&](std::string const& reason) {
+        std::fprintf(stderr, "%s; ending the process\n", reason.c_str());
         std::fflush(stderr);
         end_process();
-        return;
-      }
-      // Slices of at most a second: a deadline of now + milliseconds::max() would overflow.
-      w.returned.wait_for(lock, std::min(timeout, std::chrono::milliseconds(1000)));
-    }
-  });
+        return true;
+      });
   return call();
 }
 

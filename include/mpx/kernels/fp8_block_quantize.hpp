@@ -258,15 +258,15 @@ void quantize_fp8_blocks(Exec const& exec, X&& x, bool k_contiguous, fp8_block_k
                                    "1x16 blocks are NVFP4's (e2m1 values, two scales): quantize them with "
                                    "mpx::quantize_nvfp4",
                                    loc);
-  bool const e8m0 = kind == fp8_block_kind::vec32;  // (fp8_block_scale_layout::e8m0_scales)
-  if (e8m0 != std::is_same_v<Scale, float8_e8m0>)
-    detail::fail<invalid_argument>("quantize_fp8_blocks",
-                                   e8m0 ? "vec32 blocks (MXFP8) keep E8M0 scales: inverse_scales must hold float8_e8m0"
-                                        : "these blocks keep float scales: inverse_scales must hold float",
-                                   loc);
   fp8_block_scale_layout const layout =
       detail::checked_block_layout("quantize_fp8_blocks", kind, xv, k_contiguous, vv, 1, " (K padded)",
                                    "inverse_scales", sv, loc);
+  if (layout.e8m0_scales() != std::is_same_v<Scale, float8_e8m0>)
+    detail::fail<invalid_argument>("quantize_fp8_blocks",
+                                   layout.e8m0_scales()
+                                       ? "vec32 blocks (MXFP8) keep E8M0 scales: inverse_scales must hold float8_e8m0"
+                                       : "these blocks keep float scales: inverse_scales must hold float",
+                                   loc);
   using In = value_t<X>;
   detail::block_operand_reader<In> const read{xv.data(), static_cast<std::size_t>(layout.outer),
                                               static_cast<std::size_t>(layout.k), k_contiguous};
