@@ -385,3 +385,42 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm and quantize_fp8_blocks refuse what they
   CHECK_THROWS_TYPE_WITH(mpx::fp8_block_gemm(exec, mx_labelled_vec, op(values, scales, vec), c),
                          mpx::invalid_argument, Catch::Matchers::Contains("A's layout says 1x128 blocks"));
 }
+
+TEST_CASE("fp8_block_gemm's GPU checks, on the host: alignment, and which device has which scale mode",
+          "[fp8][fp8_block][errors]") {
+  using namespace fp8_block_cases;
+  using space = mpx::host_space;
+  mpx::host_executor exec;
+  mpx::fp8_block_scale_layout const vec{mpx::fp8_block_kind::vec128, 32, 256}, mx{mpx::fp8_block_kind::vec32, 32, 256};
+  auto values = mpx::make_tensor<e4m3>(exec, {32, 256});
+  auto scales = mpx::make_tensor<float>(exec, {vec.count() + 4});
+  auto mx_scales = mpx::make_tensor<e8m0>(exec, {mx.count()});
+  auto c = mpx::make_tensor<float>(exec, {32, 32});
+  mpx::fp8_block_operand<e4m3, space> const a{mpx::view(values), mpx::view(scales).flat(0, vec.count()), vec};
+  mpx::fp8_block_operand<e4m3, space, e8m0> const a_mx{mpx::view(values), mpx::view(mx_scales), mx};
+  mpx::detail::gemm_dims const d{.batch = 1, .m = 32, .n = 32, .k = 256, .stride_a = 0, .stride_b = 0, .stride_c = 0};
+  mpx::gemm_options const o{.transpose_a = false, .transpose_b = true};
+  auto const check = [&](auto const& x, mpx::compute_capability cc) {
+    mpx::detail::check_block_gemm_device(d, o, x, x, c.data(), cc, mpx::source_location::current());
+  };
+  CHECK_NOTHROW(check(a, {9, 0}));
+  CHECK_THROWS_TYPE_WITH(check(a, {10, 0}), mpx::invalid_argument,
+                         Catch::Contains("(rowwise, 1x128, 128x128) on Hopper (sm_90) only; this device is sm_10x"));
+  CHECK_THROWS_TYPE_WITH(check(a, {8, 9}), mpx::invalid_argument, Catch::Contains("this device is sm_8x"));
+  CHECK_THROWS_TYPE_WITH(check(a_mx, {9, 0}), mpx::invalid_argument,
+                         Catch::Contains("MXFP8 products (1x32 blocks, E8M0 scales) on Blackwell (sm_100) and newer"));
+  CHECK_NOTHROW(check(a_mx, {10, 0}));
+  CHECK_NOTHROW(check(a_mx, {12, 0}));
+  // Scales at an offset that is not 16 bytes are refused on any device.
+  mpx::fp8_block_operand<e4m3, space> const shifted{mpx::view(values), mpx::view(scales).flat(1, vec.count()), vec};
+  CHECK_THROWS_TYPE_WITH(check(shifted, {9, 0}), mpx::invalid_argument,
+                         Catch::Contains("inverse scales must start at 16-byte aligned addresses"));
+  // fp8_gemm's own rule: Ada (sm_89) or newer.
+  auto const check_fp8 = [&](mpx::compute_capability cc) {
+    mpx::detail::check_fp8_gemm_device(d, o, values.data(), values.data(), c.data(), cc,
+                                       mpx::source_location::current());
+  };
+  CHECK_NOTHROW(check_fp8({8, 9}));
+  CHECK_THROWS_TYPE_WITH(check_fp8({8, 0}), mpx::invalid_argument,
+                         Catch::Contains("need an Ada (sm_89) or Hopper (sm_90) GPU or newer; this device is sm_80"));
+}

@@ -57,6 +57,26 @@ class cuda_executor {
 };
 #endif
 
+//! A GPU's compute capability: sm_90 is {9, 0}.
+struct compute_capability {
+  int major = 0, minor = 0;
+  [[nodiscard]] constexpr int sm() const noexcept { return major * 10 + minor; }
+};
+
+#if MPX_HAS_CUDA_RUNTIME
+namespace detail {
+//! The compute capability of the current device, where mpx's products run.
+inline compute_capability current_compute_capability() {
+  int device = 0;
+  compute_capability cc;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&cc.major, cudaDevAttrComputeCapabilityMajor, device));
+  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&cc.minor, cudaDevAttrComputeCapabilityMinor, device));
+  return cc;
+}
+}  // namespace detail
+#endif
+
 template <class E>
 inline constexpr bool is_host_executor_v = std::is_same_v<std::remove_cvref_t<E>, host_executor>;
 

@@ -216,23 +216,51 @@ struct nvfp4_alpha_beta {
   }
 };
 
-#if MPX_HAS_CUDA
+//! What cuBLASLt's block-scaled products need of the operands and the device (`cc`, the
+//! current one's), checked before anything is launched: fp8_gemm's layout and alignment
+//! rules, the scales 16-byte aligned too, and a device that has the operands' scale
+//! mode (rowwise, 1x128 and 128x128 blocks: Hopper only; 1x32 and 1x16: Blackwell on).
+template <class FA, class FB, memory_space Space, class SA, class SB, class TC>
+void check_block_gemm_device(gemm_dims const& d, gemm_options const& o, fp8_block_operand<FA, Space, SA> const& a,
+                             fp8_block_operand<FB, Space, SB> const& b, TC const* c, compute_capability cc,
+                             mpx::source_location loc) {
+  check_fp8_gemm_device(d, o, a.values.data(), b.values.data(), c, cc, loc);
+  if (reinterpret_cast<std::uintptr_t>(a.inverse_scales.data()) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(b.inverse_scales.data()) % 16 != 0)
+    fail<invalid_argument>("fp8_block_gemm",
+                           "on the GPU the inverse scales must start at 16-byte aligned addresses (a view at an "
+                           "offset may not); copy them into a tensor of their own",
+                           loc);
+  bool const blackwell_mode = a.layout.swizzled();
+  if (blackwell_mode ? cc.major >= 10 : cc.major == 9) return;
+  fail<invalid_argument>(
+      "fp8_block_gemm",
+      std::string(blackwell_mode ? std::string("cuBLASLt offers ") +
+                                       (a.layout.kind == fp8_block_kind::vec16
+                                            ? "NVFP4 products (1x16 blocks, e4m3 scales)"
+                                            : "MXFP8 products (1x32 blocks, E8M0 scales)") +
+                                       " on Blackwell (sm_100) and newer"
+                                 : "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper "
+                                   "(sm_90) only") +
+          "; this device is sm_" + std::to_string(cc.major) + "x. Use mpx::fp8_gemm with per-tensor scales here",
+      loc);
+}
+
 //! Packed e2m1 pairs are cuBLASLt's CUDA_R_4F_E2M1 (its extents count values, not bytes).
 template <>
 inline constexpr cudaDataType_t cuda_data_type<float4_e2m1x2> = CUDA_R_4F_E2M1;
 
-//! cuBLASLt's scale mode (cublasLtMatmulMatrixScale_t, an int32_t attribute) of a kind.
-inline std::int32_t lt_scale_mode(fp8_block_kind k) noexcept {
+//! How cuBLASLt applies the scales of a kind's blocks.
+constexpr lt_operand_scaling lt_scaling_of(fp8_block_kind k) noexcept {
   switch (k) {
-    case fp8_block_kind::row: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    case fp8_block_kind::vec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    case fp8_block_kind::vec32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
-    case fp8_block_kind::vec16: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
+    case fp8_block_kind::row: return lt_operand_scaling::row;
+    case fp8_block_kind::vec128: return lt_operand_scaling::vec128;
+    case fp8_block_kind::vec32: return lt_operand_scaling::vec32;
+    case fp8_block_kind::vec16: return lt_operand_scaling::vec16;
     case fp8_block_kind::tile128: break;
   }
-  return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  return lt_operand_scaling::tile128;
 }
-#endif
 
 }  // namespace detail
 
@@ -303,33 +331,11 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
     detail::host_gemm<float>(d, false, true, alpha, af, bf, beta, cv.data());
   } else {
 #if MPX_HAS_CUDA
-    detail::check_fp8_gemm_device(d, o, a.values.data(), b.values.data(), cv.data(), loc);
+    detail::check_block_gemm_device(d, o, a, b, cv.data(), detail::current_compute_capability(), loc);
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
-    if (reinterpret_cast<std::uintptr_t>(a.inverse_scales.data()) % 16 != 0 ||
-        reinterpret_cast<std::uintptr_t>(b.inverse_scales.data()) % 16 != 0)
-      detail::fail<invalid_argument>("fp8_block_gemm",
-                                     "on the GPU the inverse scales must start at 16-byte aligned addresses (a view "
-                                     "at an offset may not); copy them into a tensor of their own",
-                                     loc);
-    int device = 0, major = 0;
-    MPX_CUDA_CHECK(cudaGetDevice(&device));
-    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    bool const blackwell_mode = a.layout.swizzled();
-    if (blackwell_mode ? major < 10 : major != 9)
-      detail::fail<invalid_argument>(
-          "fp8_block_gemm",
-          std::string(blackwell_mode ? std::string("cuBLASLt offers ") +
-                                           (a.layout.kind == fp8_block_kind::vec16
-                                                ? "NVFP4 products (1x16 blocks, e4m3 scales)"
-                                                : "MXFP8 products (1x32 blocks, E8M0 scales)") +
-                                           " on Blackwell (sm_100) and newer"
-                                     : "cuBLASLt offers these block scale modes (rowwise, 1x128, 128x128) on Hopper "
-                                       "(sm_90) only") +
-              "; this device is sm_" + std::to_string(major) + "x. Use mpx::fp8_gemm with per-tensor scales here",
-          loc);
     // cuBLASLt's A is our B (see cuda_gemm): its scales and mode come first.
     detail::lt_operand_scales scales{b.inverse_scales.data(), a.inverse_scales.data(),
-                                     detail::lt_scale_mode(b.layout.kind), detail::lt_scale_mode(a.layout.kind)};
+                                     detail::lt_scaling_of(b.layout.kind), detail::lt_scaling_of(a.layout.kind)};
     if constexpr (std::is_same_v<FA, float4_e2m1x2>) {
       // The decode factors live on the device: alpha and beta go to cuBLASLt by device
       // pointer, from a stream-ordered pair written in stream order.

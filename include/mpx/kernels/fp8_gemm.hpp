@@ -73,14 +73,13 @@ inline void check_fp8_gemm_layout(gemm_dims const& d, gemm_options const& o, mpx
                            loc);
 }
 
-#if MPX_HAS_CUDA
 //! What cuBLASLt's fp8 kernels need, checked before anything is launched and in this
 //! order, so that a wrong layout is reported on any GPU: check_fp8_gemm_layout's rules,
 //! every pointer 16-byte aligned (the batch strides follow from K and N), and last a
-//! device of compute capability 8.9 or newer.
+//! device (`cc`, the current one's) of compute capability 8.9 or newer.
 template <class TA, class TB, class TC>
 void check_fp8_gemm_device(gemm_dims const& d, gemm_options const& o, TA const* a, TB const* b, TC const* c,
-                           mpx::source_location loc) {
+                           compute_capability cc, mpx::source_location loc) {
   check_fp8_gemm_layout(d, o, loc);
   auto const misaligned = [](void const* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 != 0; };
   if (misaligned(a) || misaligned(b) || misaligned(c))
@@ -88,18 +87,14 @@ void check_fp8_gemm_device(gemm_dims const& d, gemm_options const& o, TA const* 
                            "on the GPU A, B and C must start at 16-byte aligned addresses (a view at an offset "
                            "may not); copy the operand into a tensor of its own",
                            loc);
-  int device = 0, major = 0, minor = 0;
-  MPX_CUDA_CHECK(cudaGetDevice(&device));
-  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major * 10 + minor < 89)
+  if (cc.sm() < 89)
     fail<invalid_argument>("fp8_gemm",
                            "fp8 products need an Ada (sm_89) or Hopper (sm_90) GPU or newer; this device is sm_" +
-                               std::to_string(major) + std::to_string(minor) +
-                               ". Use mpx::gemm on 16-bit operands here",
+                               std::to_string(cc.sm()) + ". Use mpx::gemm on 16-bit operands here",
                            loc);
 }
 
+#if MPX_HAS_CUDA
 //! One cuBLASLt fp8 product, in the layout check_fp8_gemm_device admits (A [M, K], B
 //! [N, K]): mpx::gemm's call with the inverse scales as cuBLASLt's scale pointers. Its A
 //! is our B, so its A scale is b_inverse_scale.
@@ -167,7 +162,8 @@ void fp8_gemm([[maybe_unused]] Exec const& exec, A&& a, float const* a_inverse_s
 #if MPX_HAS_CUDA
     // Checked before the shortcuts below, so that a layout the GPU cannot take is refused
     // even where it would have nothing to multiply.
-    detail::check_fp8_gemm_device(d, options, av.data(), bv.data(), cv.data(), loc);
+    detail::check_fp8_gemm_device(d, options, av.data(), bv.data(), cv.data(), detail::current_compute_capability(),
+                                  loc);
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, options)) return;
     detail::cuda_fp8_gemm(exec.stream(), d, options.alpha, av.data(), a_inverse_scale, bv.data(), b_inverse_scale,
                           options.beta, cv.data());

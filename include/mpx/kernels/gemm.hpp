@@ -17,6 +17,7 @@
 #include <mpx/exec/host_scratch.hpp>
 #include <mpx/exec/tensor.hpp>
 #include <mpx/kernels/cublaslt.hpp>
+#include <mpx/kernels/gemm_problem.hpp>
 #include <mpx/kernels/elementwise.hpp>
 #if defined(MPX_HAS_ONEDNN) && MPX_HAS_ONEDNN
 #include <mpx/kernels/onednn_gemm.hpp>
@@ -504,35 +505,31 @@ inline std::uint32_t gemm_alignment(void const* p, std::int64_t stride_bytes) {
   return static_cast<std::uint32_t>(v & (~v + 1));
 }
 
-#if MPX_HAS_CUDA
 // From the dtype's traits: a type without them (not in mpx::dtype_list) does not compile,
 // unless specialised (NVFP4's packed e2m1 pairs, in fp8_block_gemm.hpp).
 template <class T>
 inline constexpr cudaDataType_t cuda_data_type = dtype_traits<T>::cuda_data_type;
 
-//! `scales`, in cuBLASLt's terms (its A is our B), are the fp8 operands' inverse scales
-//! on the device (mpx::fp8_gemm); none for other products.
+//! The cuBLASLt problem of the row-major product d on `device`, A, B and C at a, b, c:
+//! cuBLASLt's first operand is our B, its second our A (column_major_terms); `scales` in
+//! its terms too. Refuses extents past cuBLASLt's 2^31 - 1.
 template <class Acc, class TA, class TB, class TC>
-void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, TA const* a, TB const* b, float beta,
-               TC* c, lt_operand_scales const& scales = {}) {
+lt_problem lt_problem_of(int device, gemm_dims d, bool ta, bool tb, TA const* a, TB const* b, TC const* c,
+                         lt_operand_scales const& scales = {}) {
   d = fold_batch(d, ta);
   if (d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX || d.batch > INT_MAX)
     fail<invalid_argument>("gemm", "cuBLASLt takes extents up to 2^31 - 1; got M = " + std::to_string(d.m) +
                                        ", N = " + std::to_string(d.n) + ", K = " + std::to_string(d.k) +
                                        ", batch = " + std::to_string(d.batch));
-  // cuBLASLt's first operand is our B, its second our A (column_major_terms).
   column_major_product const t = column_major_terms(d, ta, tb);
   lt_problem p;
-  MPX_CUDA_CHECK(cudaGetDevice(&p.device));
-  constexpr bool half_sums = std::is_same_v<Acc, half>;
+  p.device = device;
   p.a_type = cuda_data_type<TB>;
   p.b_type = cuda_data_type<TA>;
   p.c_type = cuda_data_type<TC>;
-  p.scale_type = half_sums ? CUDA_R_16F : CUDA_R_32F;
-  p.compute = half_sums ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F;  // never TF32: float32 means float
-  auto const op = [](column_major_matrix const& x) { return x.transposed ? CUBLAS_OP_T : CUBLAS_OP_N; };
-  p.op_a = op(t.first);
-  p.op_b = op(t.second);
+  p.half_sums = std::is_same_v<Acc, half>;
+  p.transpose_a = t.first.transposed;
+  p.transpose_b = t.second.transposed;
   p.a_rows = static_cast<std::uint64_t>(t.first.rows);
   p.a_cols = static_cast<std::uint64_t>(t.first.cols);
   p.lda = t.first.ld;
@@ -549,13 +546,24 @@ void cuda_gemm(cudaStream_t stream, gemm_dims d, bool ta, bool tb, float alpha, 
   p.align_a = gemm_alignment(b, p.stride_a * static_cast<std::int64_t>(sizeof(TB)));
   p.align_b = gemm_alignment(a, p.stride_b * static_cast<std::int64_t>(sizeof(TA)));
   p.align_c = gemm_alignment(c, p.stride_c * static_cast<std::int64_t>(sizeof(TC)));
-  p.a_scale_mode = scales.a_mode;
-  p.b_scale_mode = scales.b_mode;
-  if (scales.device_alpha_beta != nullptr) {
-    p.alpha_beta_on_device = true;
+  p.a_scaling = scales.a_scaling;
+  p.b_scaling = scales.b_scaling;
+  p.alpha_beta_on_device = scales.device_alpha_beta != nullptr;
+  return p;
+}
+
+#if MPX_HAS_CUDA
+//! `scales`, in cuBLASLt's terms (its A is our B), are the fp8 operands' inverse scales
+//! on the device (mpx::fp8_gemm); none for other products.
+template <class Acc, class TA, class TB, class TC>
+void cuda_gemm(cudaStream_t stream, gemm_dims const& d, bool ta, bool tb, float alpha, TA const* a, TB const* b,
+               float beta, TC* c, lt_operand_scales const& scales = {}) {
+  int device = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  lt_problem const p = lt_problem_of<Acc>(device, d, ta, tb, a, b, c, scales);
+  if (p.alpha_beta_on_device)
     return lt_matmul(p, stream, scales.device_alpha_beta, b, a, scales.device_alpha_beta + 1, c, scales);
-  }
-  if constexpr (half_sums) {
+  if constexpr (std::is_same_v<Acc, half>) {
     half const alpha_h = mpx::cast<half>(alpha), beta_h = mpx::cast<half>(beta);
     lt_matmul(p, stream, &alpha_h, b, a, &beta_h, c);
   } else {

@@ -369,7 +369,7 @@ class classifier_trainer {
 
 #if MPX_HAS_CUDA
   graph_capture_state capture_state_now() const {
-    return {graph_state_now(), detail::lt_context::instance().generation()};
+    return {graph_state_now(), detail::lt_cache().generation()};
   }
 
   // Graph mode: every step (eager or replayed) runs on the side stream, so the eager steps
@@ -382,7 +382,7 @@ class classifier_trainer {
       // When the last trainer sharing it goes (after its graph), the stream's cuBLASLt
       // and fused-attention workspaces go too: every trainer makes a stream of its own.
       graph_streams_ = std::shared_ptr<detail::side_stream>(new detail::side_stream, [](detail::side_stream* s) {
-        detail::lt_context::instance().forget_stream(s->stream);
+        detail::lt_cache().forget_stream(s->stream);
         if (fused_attention_backend* const attention = fused_attention()) attention->forget_stream(s->stream);
         delete s;
       });

@@ -1,0 +1,342 @@
+// What mpx::gemm keeps between products on the GPU (kernels/gemm_resources.hpp: a handle
+// per device, a workspace per stream, a plan per problem) and the problem a product
+// becomes (kernels/gemm_problem.hpp), against a backend of the test's own: handles are
+// numbers, workspaces are addresses the backend hands out and takes back, a stream is an
+// address with an id the test chooses. mpx::gemm on the GPU runs this same code with
+// cuBLASLt and CUDA (cublaslt.hpp).
+#include "../support/testing.hpp"
+
+#include <mpx/kernels/gemm.hpp>
+#include <mpx/kernels/gemm_problem.hpp>
+#include <mpx/kernels/gemm_resources.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct fake_gemm_plan {
+  mpx::detail::lt_problem problem;
+  void const* a_scale = nullptr;
+  void const* b_scale = nullptr;
+};
+
+//! Records what it is asked to do. Streams are addresses; ids[stream] is the stream's
+//! driver id (absent: the stream is destroyed, its id cannot be asked for).
+struct fake_gemm_backend {
+  using handle_type = int;
+  using plan_type = fake_gemm_plan;
+  using stream_type = void*;
+
+  std::vector<std::string> log;
+  std::map<void*, std::uint64_t> ids;
+  std::set<std::uintptr_t> live;  // workspaces handed out and not freed
+  std::uintptr_t next_address = 0x1000;
+  int next_handle = 1;
+  int device = 0;
+  bool fail_allocation = false, fail_stream_wait = false;
+  std::vector<std::string> reports;
+
+  int create_handle(int on) {
+    log.push_back("create_handle " + std::to_string(on));
+    return next_handle++;
+  }
+  void destroy_handle(int h) { log.push_back("destroy_handle " + std::to_string(h)); }
+  std::uint64_t stream_id(void* stream) {
+    auto const it = ids.find(stream);
+    if (it == ids.end()) throw mpx::cuda_error("cudaStreamGetId: invalid resource handle", 400);
+    return it->second;
+  }
+  bool try_stream_id(void* stream, std::uint64_t& id) noexcept {
+    auto const it = ids.find(stream);
+    if (it == ids.end()) return false;
+    id = it->second;
+    return true;
+  }
+  std::size_t workspace_bytes_for(int on) { return on == 0 ? 32u << 20 : 4u << 20; }
+  void* allocate(std::size_t bytes) {
+    if (fail_allocation) throw mpx::cuda_error("cudaMalloc: out of memory", 2);
+    log.push_back("allocate " + std::to_string(bytes) + " on " + std::to_string(device));
+    live.insert(next_address);
+    auto* const p = reinterpret_cast<void*>(next_address);
+    next_address += 0x1000;
+    return p;
+  }
+  void free(void* p) {
+    log.push_back("free on " + std::to_string(device));
+    REQUIRE(live.erase(reinterpret_cast<std::uintptr_t>(p)) == 1);  // handed out, freed once
+  }
+  void wait_for_device() { log.push_back("wait_for_device " + std::to_string(device)); }
+  void wait_for_stream(void*) {
+    if (fail_stream_wait) throw mpx::cuda_error("cudaStreamSynchronize: an illegal memory access", 700);
+    log.push_back("wait_for_stream");
+  }
+  int current_device() { return device; }
+  void set_device(int d) { device = d; }
+  void report(char const* what, char const* why) noexcept { reports.push_back(std::string(what) + ": " + why); }
+  std::unique_ptr<fake_gemm_plan> make_plan(mpx::detail::lt_problem const& p, int, std::size_t, void const* a_scale,
+                                            void const* b_scale) {
+    log.push_back("make_plan");
+    return std::make_unique<fake_gemm_plan>(fake_gemm_plan{p, a_scale, b_scale});
+  }
+
+  std::size_t count(std::string const& entry) const {
+    std::size_t n = 0;
+    for (auto const& e : log) n += e == entry;
+    return n;
+  }
+};
+
+using gemm_resources = mpx::detail::lt_resources<fake_gemm_backend>;
+
+void* stream_at(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+}  // namespace
+
+TEST_CASE("gemm resources: a handle per device, made once and never during a capture", "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  CHECK_THROWS_TYPE_WITH(r.handle(0, true), mpx::invalid_argument,
+                         Catch::Contains("run one gemm (or one eager step) on this stream before capturing"));
+  CHECK(b.log.empty());  // nothing was made for the capture
+  int const h0 = r.handle(0, false);
+  CHECK(r.handle(0, false) == h0);
+  CHECK(r.handle(0, true) == h0);  // once made, a capture may use it
+  int const h1 = r.handle(1, false);
+  CHECK(h1 != h0);
+  CHECK(b.count("create_handle 0") == 1);
+  CHECK(b.count("create_handle 1") == 1);
+}
+
+TEST_CASE("gemm resources: a workspace per stream, found again by a capture on its handle", "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  void* const s1 = stream_at(0x100);
+  void* const s2 = stream_at(0x200);
+  b.ids = {{s1, 11}, {s2, 12}};
+
+  // A capture on a stream no eager product used is refused, and nothing is allocated.
+  CHECK_THROWS_TYPE_WITH(r.workspace_for(0, s1, true), mpx::invalid_argument, Catch::Contains("before capturing"));
+  CHECK(b.live.empty());
+
+  auto const w1 = r.workspace_for(0, s1, false);
+  CHECK(w1.bytes == std::size_t{32} << 20);
+  CHECK(r.workspace_for(0, s1, false).data == w1.data);  // the same stream: the same workspace
+  auto const w2 = r.workspace_for(0, s2, false);
+  CHECK(w2.data != w1.data);  // two streams that may run at once never share one
+  CHECK(r.workspace_for(0, s1, true).data == w1.data);  // a capture finds it by the handle
+  CHECK(r.workspace_for(1, s1, false).bytes == std::size_t{4} << 20);  // the device's own size
+  CHECK(b.live.size() == 3);
+  CHECK(r.workspace_bytes() == (std::size_t{32} << 21) + (std::size_t{4} << 20));
+  CHECK(b.count("wait_for_device 0") == 0);  // nothing was inherited
+
+  // A failed allocation leaves nothing behind, and the next product tries again.
+  void* const s3 = stream_at(0x300);
+  b.ids[s3] = 13;
+  b.fail_allocation = true;
+  CHECK_THROWS_AS(r.workspace_for(0, s3, false), mpx::cuda_error);
+  CHECK_THROWS_AS(r.workspace_for(0, s3, true), mpx::invalid_argument);  // none to capture with
+  b.fail_allocation = false;
+  CHECK(r.workspace_for(0, s3, false).data != nullptr);
+  CHECK(b.live.size() == 4);
+}
+
+TEST_CASE("gemm resources: a destroyed stream's workspace is waited for before a new stream reuses or frees it",
+          "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  void* const handle = stream_at(0x100);
+  b.ids[handle] = 11;
+  auto const old = r.workspace_for(0, handle, false);
+
+  // The stream is destroyed without forget_stream and its handle comes back for stream 21:
+  // the new stream takes the workspace over, after the device has finished the old one's work.
+  b.ids[handle] = 21;
+  auto const taken = r.workspace_for(0, handle, false);
+  CHECK(taken.data == old.data);
+  CHECK(b.count("wait_for_device 0") == 1);
+  CHECK(b.live.size() == 1);
+  CHECK(r.workspace_for(0, handle, false).data == old.data);
+  CHECK(b.count("wait_for_device 0") == 1);  // waited once, not on every product
+
+  // Stream 31 made its workspace under another handle; then a destroyed stream's handle
+  // names it: the dead stream's workspace can never be used again, and is freed after a wait.
+  void* const other = stream_at(0x200);
+  b.ids[other] = 31;
+  auto const own = r.workspace_for(0, other, false);
+  b.ids[handle] = 31;
+  CHECK(r.workspace_for(0, handle, false).data == own.data);
+  CHECK(b.count("wait_for_device 0") == 2);
+  CHECK(b.count("free on 0") == 1);
+  CHECK(b.live.size() == 1);
+}
+
+TEST_CASE("gemm resources: forgetting a stream waits for it and frees its workspace, and never throws",
+          "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  void* const s1 = stream_at(0x100);
+  void* const s2 = stream_at(0x200);
+  b.ids = {{s1, 11}, {s2, 12}};
+  b.device = 1;
+  r.workspace_for(1, s1, false);
+  b.device = 0;
+  r.workspace_for(0, s2, false);
+
+  r.forget_stream(s1);
+  CHECK(b.log.back() == "free on 1");  // on the workspace's device,
+  CHECK(b.count("wait_for_stream") == 1);  // after the stream's work,
+  CHECK(b.device == 0);                    // and the caller's device is put back
+  CHECK(b.live.size() == 1);
+  CHECK_THROWS_AS(r.workspace_for(1, s1, true), mpx::invalid_argument);  // no capture finds it now
+
+  std::size_t const before = b.log.size();
+  r.forget_stream(s1);                // again: nothing left to free
+  r.forget_stream(stream_at(0x999));  // a stream whose id cannot be asked for: nothing
+  CHECK(b.log.size() == before);
+
+  // A failed wait is reported, not thrown, and the workspace is not freed under the work.
+  b.fail_stream_wait = true;
+  r.forget_stream(s2);
+  REQUIRE(b.reports.size() == 1);
+  CHECK_THAT(b.reports[0], Catch::StartsWith("freeing a stream's cuBLASLt workspace: ") &&
+                               Catch::Contains("illegal memory access"));
+  CHECK(b.live.size() == 1);
+  CHECK(b.device == 0);
+}
+
+TEST_CASE("gemm resources: a plan per problem, made once with the first call's scales", "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  mpx::detail::lt_problem p;
+  p.a_rows = p.c_rows = 8;
+  p.a_cols = p.b_rows = 16;
+  p.b_cols = p.c_cols = 4;
+  int const s1 = 1, s2 = 2;
+  auto const& first = r.plan(p, 1, 1024, &s1, &s2);
+  CHECK(first.a_scale == &s1);
+  CHECK(first.b_scale == &s2);
+  CHECK(&r.plan(p, 1, 1024) == &first);
+  CHECK(b.count("make_plan") == 1);
+  // Any field of the key makes another problem: an alignment, a scaling, alpha's place.
+  auto q = p;
+  q.align_c = 2;
+  auto s = p;
+  s.a_scaling = mpx::detail::lt_operand_scaling::vec128;
+  auto t = p;
+  t.alpha_beta_on_device = true;
+  CHECK(&r.plan(q, 1, 1024) != &first);
+  CHECK(&r.plan(s, 1, 1024) != &first);
+  CHECK(&r.plan(t, 1, 1024) != &first);
+  CHECK(b.count("make_plan") == 4);
+}
+
+TEST_CASE("gemm resources: release frees everything after each device's work and starts a new generation",
+          "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  void* const s1 = stream_at(0x100);
+  void* const s2 = stream_at(0x200);
+  b.ids = {{s1, 11}, {s2, 12}};
+  r.handle(0, false);
+  r.handle(1, false);
+  r.workspace_for(0, s1, false);
+  r.workspace_for(1, s2, false);
+  mpx::detail::lt_problem p;
+  r.plan(p, 1, 1024);
+  CHECK(r.generation() == 0);
+  b.device = 0;  // the caller's; release visits device 0, then device 1
+
+  b.log.clear();
+  r.release();
+  CHECK(b.live.empty());
+  CHECK(b.count("wait_for_device 0") == 1);
+  CHECK(b.count("wait_for_device 1") == 1);
+  CHECK(b.count("free on 0") == 1);
+  CHECK(b.count("free on 1") == 1);
+  CHECK(b.count("destroy_handle 1") == 1);
+  CHECK(b.count("destroy_handle 2") == 1);
+  CHECK(b.device == 0);  // the caller's device, put back
+  CHECK(r.workspace_bytes() == 0);
+  CHECK(r.generation() == 1);  // a graph captured before holds freed workspaces
+
+  // Everything is made again on demand; a capture first is refused, as on a cold stream.
+  CHECK_THROWS_AS(r.workspace_for(0, s1, true), mpx::invalid_argument);
+  CHECK_THROWS_AS(r.handle(0, true), mpx::invalid_argument);
+  r.plan(p, 1, 1024);
+  CHECK(b.count("make_plan") == 1);
+}
+
+TEST_CASE("a gemm's cuBLASLt problem: the operands swapped into column-major terms, its key and its refusal",
+          "[gemm][resources]") {
+  using mpx::detail::lt_operand_scaling;
+  // A [3, 5, 7] transposed (each [K = 5, M = 7]) times B [5, 4]: a batch of 3 with a shared B.
+  mpx::detail::gemm_dims d;
+  d.batch = 3;
+  d.m = 7;
+  d.n = 4;
+  d.k = 5;
+  d.stride_a = 35;
+  d.stride_c = 28;
+  auto const* a = reinterpret_cast<mpx::half const*>(std::uintptr_t{0x10000});
+  auto const* b = reinterpret_cast<mpx::bfloat16 const*>(std::uintptr_t{0x20008});
+  auto const* c = reinterpret_cast<float const*>(std::uintptr_t{0x30000});
+  auto const p = mpx::detail::lt_problem_of<float>(2, d, true, false, a, b, c);
+  CHECK(p.device == 2);
+  CHECK(p.a_type == CUDA_R_16BF);  // cuBLASLt's A is mpx's B
+  CHECK(p.b_type == CUDA_R_16F);
+  CHECK(p.c_type == CUDA_R_32F);
+  CHECK_FALSE(p.half_sums);
+  CHECK_FALSE(p.transpose_a);
+  CHECK(p.transpose_b);
+  CHECK(p.batch == 3);  // a transposed A does not fold into one tall product
+  CHECK((p.a_rows == 4 && p.a_cols == 5 && p.lda == 4 && p.stride_a == 0));
+  CHECK((p.b_rows == 7 && p.b_cols == 5 && p.ldb == 7 && p.stride_b == 35));
+  CHECK((p.c_rows == 4 && p.c_cols == 7 && p.ldc == 4 && p.stride_c == 28));
+  CHECK(p.align_a == 8);    // B's address
+  CHECK(p.align_b == 2);    // A's batch stride: 35 halves
+  CHECK(p.align_c == 16);   // C's batch stride: 28 floats
+  CHECK_FALSE(p.alpha_beta_on_device);
+  CHECK(mpx::detail::lt_problem_of<float>(2, d, true, false, a, b, c) == p);  // the same product, the same key
+
+  // Not transposed, the shared-B batch is one tall product.
+  auto const tall = mpx::detail::lt_problem_of<mpx::half>(0, d, false, false, a, b, c);
+  CHECK(tall.batch == 1);
+  CHECK(tall.c_cols == 21);
+  CHECK(tall.half_sums);
+
+  mpx::detail::lt_operand_scales scales;
+  scales.a_scaling = lt_operand_scaling::vec16;
+  scales.b_scaling = lt_operand_scaling::tile128;
+  float const alpha_beta[2] = {1, 0};
+  scales.device_alpha_beta = alpha_beta;
+  auto const scaled = mpx::detail::lt_problem_of<float>(0, d, true, false, a, b, c, scales);
+  CHECK(scaled.a_scaling == lt_operand_scaling::vec16);
+  CHECK(scaled.b_scaling == lt_operand_scaling::tile128);
+  CHECK(scaled.alpha_beta_on_device);
+  CHECK(((scaled < p) != (p < scaled)));  // a different key
+
+  // What a product cuBLASLt has no algorithm for says, in mpx's terms (M x N x K, mpx's A).
+  CHECK(mpx::detail::lt_no_algorithm_message(scaled, "CUBLAS_STATUS_NOT_SUPPORTED") ==
+        "mpx::gemm: cuBLASLt has no algorithm for this product (M x N x K = 7 x 4 x 5, batch 3; A half (128x128 "
+        "block scales), B bfloat16 (1x16 UE4M3 block scales), C float, alpha on the device): "
+        "CUBLAS_STATUS_NOT_SUPPORTED");
+  auto e2m1 = p;
+  e2m1.a_type = CUDA_R_4F_E2M1;
+  e2m1.b_type = CUDA_R_8F_E4M3;
+  e2m1.c_type = CUDA_R_16BF;
+  CHECK_THAT(mpx::detail::lt_no_algorithm_message(e2m1, "X"),
+             Catch::Contains("A e4m3, B e2m1, C bfloat16): X") && Catch::Contains("7 x 4 x 5"));
+
+  // Extents past cuBLASLt's int32 are refused before anything is asked of it.
+  auto huge = d;
+  huge.batch = 1;
+  huge.k = std::int64_t{1} << 31;
+  CHECK_THROWS_TYPE_WITH(mpx::detail::lt_problem_of<float>(0, huge, false, false, a, b, c), mpx::invalid_argument,
+                         Catch::Contains("cuBLASLt takes extents up to 2^31 - 1") && Catch::Contains("K = 2147483648"));
+}
