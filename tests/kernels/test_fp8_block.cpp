@@ -411,6 +411,21 @@ TEST_CASE("fp8_block_gemm's GPU checks, on the host: alignment, and which device
                          Catch::Contains("MXFP8 products (1x32 blocks, E8M0 scales) on Blackwell (sm_100) and newer"));
   CHECK_NOTHROW(check(a_mx, {10, 0}));
   CHECK_NOTHROW(check(a_mx, {12, 0}));
+  // The mode is A's: B in 128x128 tiles beside A in 1x128 blocks is Hopper's too.
+  mpx::fp8_block_scale_layout const tile{mpx::fp8_block_kind::tile128, 32, 256};
+  auto tile_scales = mpx::make_tensor<float>(exec, {tile.count()});
+  mpx::fp8_block_operand<e4m3, space> const b_tile{mpx::view(values), mpx::view(tile_scales), tile};
+  CHECK_NOTHROW(mpx::detail::check_block_gemm_device(d, o, a, b_tile, c.data(), {9, 0}, mpx::source_location::current()));
+  CHECK_THROWS_WITH(
+      mpx::detail::check_block_gemm_device(d, o, a, b_tile, c.data(), {10, 0}, mpx::source_location::current()),
+      Catch::Contains("on Hopper (sm_90) only"));
+  // How each kind's scales reach cuBLASLt (its mode, mapped in one place for the GPU).
+  using mpx::detail::lt_operand_scaling;
+  STATIC_REQUIRE(mpx::detail::lt_scaling_of(mpx::fp8_block_kind::row) == lt_operand_scaling::row);
+  STATIC_REQUIRE(mpx::detail::lt_scaling_of(mpx::fp8_block_kind::vec128) == lt_operand_scaling::vec128);
+  STATIC_REQUIRE(mpx::detail::lt_scaling_of(mpx::fp8_block_kind::tile128) == lt_operand_scaling::tile128);
+  STATIC_REQUIRE(mpx::detail::lt_scaling_of(mpx::fp8_block_kind::vec32) == lt_operand_scaling::vec32);
+  STATIC_REQUIRE(mpx::detail::lt_scaling_of(mpx::fp8_block_kind::vec16) == lt_operand_scaling::vec16);
   // Scales at an offset that is not 16 bytes are refused on any device.
   mpx::fp8_block_operand<e4m3, space> const shifted{mpx::view(values), mpx::view(scales).flat(1, vec.count()), vec};
   CHECK_THROWS_TYPE_WITH(check(shifted, {9, 0}), mpx::invalid_argument,

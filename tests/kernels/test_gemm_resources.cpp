@@ -39,7 +39,8 @@ struct fake_gemm_backend {
   std::uintptr_t next_address = 0x1000;
   int next_handle = 1;
   int device = 0;
-  bool fail_allocation = false, fail_stream_wait = false;
+  bool fail_allocation = false, fail_stream_wait = false, fail_free = false;
+  std::size_t double_frees = 0;  // counted, not REQUIREd: free runs inside noexcept forget_stream
   std::vector<std::string> reports;
 
   int create_handle(int on) {
@@ -68,8 +69,9 @@ struct fake_gemm_backend {
     return p;
   }
   void free(void* p) {
+    if (fail_free) throw mpx::cuda_error("cudaFree: an illegal memory access", 700);
     log.push_back("free on " + std::to_string(device));
-    REQUIRE(live.erase(reinterpret_cast<std::uintptr_t>(p)) == 1);  // handed out, freed once
+    if (live.erase(reinterpret_cast<std::uintptr_t>(p)) != 1) ++double_frees;  // not handed out, or freed twice
   }
   void wait_for_device() { log.push_back("wait_for_device " + std::to_string(device)); }
   void wait_for_stream(void*) {
@@ -89,6 +91,12 @@ struct fake_gemm_backend {
     std::size_t n = 0;
     for (auto const& e : log) n += e == entry;
     return n;
+  }
+  //! Where `entry` first is in the log (the log's length if nowhere), for order checks.
+  std::size_t first(std::string const& entry) const {
+    std::size_t i = 0;
+    while (i < log.size() && log[i] != entry) ++i;
+    return i;
   }
 };
 
@@ -169,11 +177,14 @@ TEST_CASE("gemm resources: a destroyed stream's workspace is waited for before a
   void* const other = stream_at(0x200);
   b.ids[other] = 31;
   auto const own = r.workspace_for(0, other, false);
+  b.log.clear();
   b.ids[handle] = 31;
   CHECK(r.workspace_for(0, handle, false).data == own.data);
-  CHECK(b.count("wait_for_device 0") == 2);
+  CHECK(b.count("wait_for_device 0") == 1);
   CHECK(b.count("free on 0") == 1);
+  CHECK(b.first("wait_for_device 0") < b.first("free on 0"));  // waited for before it is freed
   CHECK(b.live.size() == 1);
+  CHECK(b.double_frees == 0);
 }
 
 TEST_CASE("gemm resources: forgetting a stream waits for it and frees its workspace, and never throws",
@@ -191,6 +202,7 @@ TEST_CASE("gemm resources: forgetting a stream waits for it and frees its worksp
   r.forget_stream(s1);
   CHECK(b.log.back() == "free on 1");  // on the workspace's device,
   CHECK(b.count("wait_for_stream") == 1);  // after the stream's work,
+  CHECK(b.first("wait_for_stream") < b.first("free on 1"));
   CHECK(b.device == 0);                    // and the caller's device is put back
   CHECK(b.live.size() == 1);
   CHECK_THROWS_AS(r.workspace_for(1, s1, true), mpx::invalid_argument);  // no capture finds it now
@@ -208,6 +220,19 @@ TEST_CASE("gemm resources: forgetting a stream waits for it and frees its worksp
                                Catch::Contains("illegal memory access"));
   CHECK(b.live.size() == 1);
   CHECK(b.device == 0);
+
+  // A failed free on another device: reported, and the caller's device put back.
+  void* const s3 = stream_at(0x300);
+  b.ids[s3] = 13;
+  b.fail_stream_wait = false;
+  b.device = 1;
+  r.workspace_for(1, s3, false);
+  b.device = 0;
+  b.fail_free = true;
+  r.forget_stream(s3);
+  CHECK(b.reports.size() == 2);
+  CHECK(b.device == 0);
+  CHECK(b.double_frees == 0);
 }
 
 TEST_CASE("gemm resources: a plan per problem, made once with the first call's scales", "[gemm][resources]") {
@@ -259,6 +284,8 @@ TEST_CASE("gemm resources: release frees everything after each device's work and
   CHECK(b.count("wait_for_device 1") == 1);
   CHECK(b.count("free on 0") == 1);
   CHECK(b.count("free on 1") == 1);
+  CHECK(b.first("wait_for_device 0") < b.first("free on 0"));  // each device's work done first
+  CHECK(b.first("wait_for_device 1") < b.first("free on 1"));
   CHECK(b.count("destroy_handle 1") == 1);
   CHECK(b.count("destroy_handle 2") == 1);
   CHECK(b.device == 0);  // the caller's device, put back
@@ -270,6 +297,17 @@ TEST_CASE("gemm resources: release frees everything after each device's work and
   CHECK_THROWS_AS(r.handle(0, true), mpx::invalid_argument);
   r.plan(p, 1, 1024);
   CHECK(b.count("make_plan") == 1);
+  CHECK(b.double_frees == 0);
+
+  // A release that fails part way: the error comes through, the caller's device is put
+  // back, and the generation has moved on all the same (what graphs held may be gone).
+  r.workspace_for(0, s1, false);
+  r.workspace_for(1, s2, false);
+  b.fail_free = true;
+  CHECK_THROWS_AS(r.release(), mpx::cuda_error);
+  CHECK(b.device == 0);
+  CHECK(r.generation() == 2);
+  b.fail_free = false;
 }
 
 TEST_CASE("a gemm's cuBLASLt problem: the operands swapped into column-major terms, its key and its refusal",

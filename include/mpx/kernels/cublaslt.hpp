@@ -107,7 +107,10 @@ struct cublaslt_backend {
   }
   static bool try_stream_id(cudaStream_t stream, std::uint64_t& id) noexcept {
     unsigned long long got = 0;
-    if (cudaStreamGetId(stream, &got) != cudaSuccess) return false;
+    if (cudaStreamGetId(stream, &got) != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());  // not to be taken by a later launch check for its own
+      return false;
+    }
     id = got;
     return true;
   }
@@ -143,9 +146,9 @@ struct cublaslt_backend {
     cublasOperation_t const op_b = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     plan->set(CUBLASLT_MATMUL_DESC_TRANSA, op_a, "cublasLtMatmulDescSetAttribute(TRANSA)");
     plan->set(CUBLASLT_MATMUL_DESC_TRANSB, op_b, "cublasLtMatmulDescSetAttribute(TRANSB)");
-    make_layout(plan->a, p.a_type, p.a_rows, p.a_cols, p.lda, p.batch, p.stride_a);
-    make_layout(plan->b, p.b_type, p.b_rows, p.b_cols, p.ldb, p.batch, p.stride_b);
-    make_layout(plan->c, p.c_type, p.c_rows, p.c_cols, p.ldc, p.batch, p.stride_c);
+    make_layout(plan->a, "A", p.a_type, p.a_rows, p.a_cols, p.lda, p.batch, p.stride_a);
+    make_layout(plan->b, "B", p.b_type, p.b_rows, p.b_cols, p.ldb, p.batch, p.stride_b);
+    make_layout(plan->c, "C", p.c_type, p.c_rows, p.c_cols, p.ldc, p.batch, p.stride_c);
     if (p.alpha_beta_on_device)
       plan->set(CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE,
                 "cublasLtMatmulDescSetAttribute(POINTER_MODE)");
@@ -207,15 +210,17 @@ struct cublaslt_backend {
   }
 
  private:
-  static void make_layout(cublasLtMatrixLayout_t& layout, cudaDataType_t type, std::uint64_t rows,
+  // `name`: cuBLASLt's operand (A, B or C), for the message of a failed call.
+  static void make_layout(cublasLtMatrixLayout_t& layout, char const* name, cudaDataType_t type, std::uint64_t rows,
                           std::uint64_t cols, std::int64_t ld, std::int32_t batch, std::int64_t stride) {
-    check_cublas(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld), "cublasLtMatrixLayoutCreate");
+    auto const call = [name](char const* what) { return std::string("cublasLtMatrixLayout") + what + " (" + name + ")"; };
+    check_cublas(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld), call("Create").c_str());
     if (batch == 1) return;
     check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)),
-                 "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+                 call("SetAttribute(BATCH_COUNT)").c_str());
     check_cublas(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
                                                   sizeof(stride)),
-                 "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+                 call("SetAttribute(STRIDED_BATCH_OFFSET)").c_str());
   }
 };
 

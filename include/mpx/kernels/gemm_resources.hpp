@@ -60,7 +60,12 @@ class lt_resources {
     if (known != handles_.end()) return known->second;
     if (capturing) fail_cold_capture();
     handle_type const made = backend_.create_handle(device);
-    handles_.emplace(device, made);
+    try {
+      handles_.emplace(device, made);
+    } catch (...) {
+      backend_.destroy_handle(made);
+      throw;
+    }
     return made;
   }
 
@@ -90,7 +95,12 @@ class lt_resources {
     lt_workspace made;
     made.bytes = backend_.workspace_bytes_for(device);
     made.data = backend_.allocate(made.bytes);
-    return workspaces_.put(device, id, made);
+    try {
+      return workspaces_.put(device, id, made);
+    } catch (...) {
+      backend_.free(made.data);
+      throw;
+    }
   }
 
   //! The plan of `p`, made on first use. a_scale and b_scale: the first call's scale
@@ -110,15 +120,20 @@ class lt_resources {
   void release() {
     std::lock_guard lock(mutex_);
     device_restorer const restore(backend_);
+    // A new generation first: should a wait or a free fail, graphs captured before still
+    // know that their workspaces may be gone.
+    ++generation_;
+    plans_.clear();
     for (auto const& [device, ws] : workspaces_.clear()) {
       backend_.set_device(device);
       backend_.wait_for_device();
       backend_.free(ws.data);
     }
-    plans_.clear();
-    for (auto const& [device, h] : handles_) backend_.destroy_handle(h);
-    handles_.clear();
-    ++generation_;
+    while (!handles_.empty()) {
+      handle_type const h = handles_.begin()->second;
+      handles_.erase(handles_.begin());
+      backend_.destroy_handle(h);
+    }
   }
 
   //! Waits for `stream` and frees the workspace it was given, for a live stream about to
