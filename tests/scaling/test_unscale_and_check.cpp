@@ -349,22 +349,18 @@ TEMPLATE_LIST_TEST_CASE("gradient_list refuses gradients that share memory: in p
 
 namespace test_unscale_and_check {
 
-//! Tensors of more chunks than this are folded by a warp in the finish kernel, smaller
-//! ones by one thread (finish_check_kernel's small_tensor_chunks).
+//! 32 chunks: as many as a warp's lanes, so a tensor of more has lanes that fold two.
 constexpr std::size_t warp_path_chunks = 32;
-#if MPX_HAS_CUDA
-static_assert(mpx::detail::small_tensor_chunks == warp_path_chunks, "update the sizes of the test below");
-#endif
 constexpr std::size_t chunk = mpx::detail::multi_tensor_chunk;
 
 }  // namespace test_unscale_and_check
 
-// The finish kernel folds each tensor of more than 32 chunks (over 524,288 elements) with
-// all lanes of a warp, the rest one per thread; warps scan the list 32 tensors at a
-// time, 1,024 tensors per pass. Here: large tensors of each dtype (just over 32 chunks,
-// exactly 32, 40, one misaligned), among 1,100 small ones, one large at index 1,050 (the
-// second pass); non-finite values in their last chunks, and a small tensor's beating a
-// later large one's.
+// The finishing pass folds each tensor's chunks with the lanes of a warp (a tensor of
+// more than 32 chunks, over 524,288 elements, gives some lanes two or more), eight
+// tensors to a block, the blocks' results then folded by one. Here: large tensors of each
+// dtype (just over 32 chunks, exactly 32, 40, one misaligned), among 1,100 small ones,
+// one large at index 1,050 (in a late block); non-finite values in their last chunks,
+// and a small tensor's beating a later large one's.
 TEMPLATE_LIST_TEST_CASE("unscale_and_check folds tensors of over 32 chunks by warps, late chunks included", "[scaling]",
                         mpx_test::executors) {
   TestType exec;
@@ -458,4 +454,81 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check folds tensors of over 32 chunks by wa
       CHECK(bad == 0);
     });
   }
+}
+
+namespace test_unscale_and_check {
+
+//! The finishing pass alone on made-up chunk results: `tensors` tensors, tensor t of
+//! t % 5 chunks (some empty), chunk values from `value`, non-finite flags on the tensors
+//! in `bad`; returns the per-tensor sums and the summary, as `exec` computed them.
+template <class Exec, class Value>
+std::pair<std::vector<float>, mpx::gradient_summary> finish_pass(Exec const& exec, std::size_t tensors, Value value,
+                                                                 std::vector<std::size_t> const& bad) {
+  std::vector<std::uint32_t> ranges(2 * tensors);
+  std::vector<mpx::detail::chunk_partial> partials;
+  for (std::size_t t = 0; t < tensors; ++t) {
+    ranges[2 * t] = static_cast<std::uint32_t>(partials.size());
+    for (std::size_t c = 0; c < t % 5; ++c) {
+      bool const flagged = c + 1 == t % 5 && std::find(bad.begin(), bad.end(), t) != bad.end();
+      partials.push_back({value(t, c), flagged ? 1u : 0u});
+    }
+    ranges[2 * t + 1] = static_cast<std::uint32_t>(partials.size());
+  }
+  auto const r = upload(exec, ranges);
+  auto const p = upload(exec, partials);
+  auto sums = upload(exec, std::vector<float>(tensors, std::numeric_limits<float>::quiet_NaN()));  // poisoned
+  auto summary = upload(exec, std::vector<mpx::gradient_summary>{{7u, 7, -7.0f, -7.0f, -7.0f, 7}});
+  auto verdicts = mpx::make_tensor<mpx::detail::tensor_verdict>(exec, mpx::shape{std::int64_t{mpx::detail::max_item_blocks}});
+  mpx::detail::reduce_items<mpx::detail::item_kind::row>(
+      exec, tensors, mpx::detail::combine_verdicts{},
+      mpx::detail::finish_check_tensor{r.data(), p.data(), sums.data()},
+      mpx::detail::finish_check_summary{0.0f, nullptr, false, false, summary.data()}, verdicts.data());
+  return {download(exec, sums), download(exec, summary)[0]};
+}
+
+}  // namespace test_unscale_and_check
+
+// More tensors than the pass has warps (1,024 blocks of 8): warps fold several tensors,
+// the host's emulation wraps; empty tensors among them; non-finite tensors on both sides
+// of index 8,192. Integer chunk sums are exact in any order; random ones must give the
+// host's bits on the GPU.
+TEMPLATE_LIST_TEST_CASE("unscale_and_check's finishing pass folds each of 9,000 tensors once, in the host's order",
+                        "[scaling]", mpx_test::executors) {
+  using test_unscale_and_check::finish_pass;
+  TestType exec;
+  std::size_t const tensors = 9000;
+  auto const integer = [](std::size_t t, std::size_t c) { return static_cast<float>(t % 7 + c); };
+  auto const [sums, summary] = finish_pass(exec, tensors, integer, {3, 8191, 8192, 8999});
+  double total = 0;
+  std::size_t wrong = 0;
+  for (std::size_t t = 0; t < tensors; ++t) {
+    double want = 0;
+    for (std::size_t c = 0; c < t % 5; ++c) want += integer(t, c);
+    total += want;
+    wrong += sums[t] != want;
+  }
+  CHECK(wrong == 0);
+  CHECK(summary.found_nonfinite == 1u);
+  CHECK(summary.first_nonfinite == 3);
+  CHECK(summary.last_nonfinite == 8999);
+  CHECK(summary.norm == static_cast<float>(std::sqrt(total)));  // the total is an exact integer too
+  CHECK(summary.clip_coefficient == 1.0f);
+  CHECK(summary.gradient_factor == 1.0f);
+
+  auto const none = finish_pass(exec, tensors, integer, {}).second;
+  CHECK(none.found_nonfinite == 0u);
+  CHECK(none.first_nonfinite == -1);
+  CHECK(none.last_nonfinite == -1);
+  auto const empty = finish_pass(exec, 0, integer, {}).second;
+  CHECK((empty.found_nonfinite == 0u && empty.first_nonfinite == -1 && empty.norm == 0.0f));
+
+  std::mt19937_64 gen(mpx_test::seed + 41);
+  std::vector<float> random(5 * tensors);
+  std::uniform_real_distribution<float> dist(0.0f, 1.0f);
+  for (float& x : random) x = dist(gen);
+  auto const value = [&](std::size_t t, std::size_t c) { return random[5 * t + c]; };
+  auto const here = finish_pass(exec, tensors, value, {});
+  auto const host = finish_pass(mpx::host_executor{}, tensors, value, {});
+  CHECK(here.first == host.first);  // bit for bit, on the GPU too
+  CHECK(here.second.norm == host.second.norm);
 }

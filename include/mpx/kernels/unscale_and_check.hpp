@@ -1,7 +1,9 @@
 // The kernels of mpx::unscale_and_check (scaling/unscale_and_check.hpp holds the
 // gradient list and the public calls): one multi-tensor pass per dtype that unscales
 // and checks every chunk, then one small pass that folds the chunks into per-tensor
-// norms and the verdict. The host loops visit the same chunks in the same order.
+// norms and the verdict. The host loops visit the same chunks in the same order; the
+// second pass is one body for both executors (exec/reduce_items.hpp), folded in the same
+// order on both.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -10,6 +12,7 @@
 #include <mpx/exec/host_threads.hpp>
 #include <mpx/exec/lanes.hpp>
 #include <mpx/exec/launch.hpp>
+#include <mpx/exec/reduce_items.hpp>
 #include <mpx/kernels/multi_tensor.hpp>
 
 #include <array>
@@ -19,8 +22,6 @@
 
 #if MPX_HAS_CUDA
 #include <cub/block/block_reduce.cuh>
-#include <cub/warp/warp_reduce.cuh>
-#include <cuda/functional>
 #endif
 
 namespace mpx {
@@ -102,6 +103,8 @@ struct unscale_chunk_on_host {
   }
 };
 struct combine_partials {
+  using value_type = chunk_partial;
+  MPX_HD static chunk_partial identity() noexcept { return {0.0f, 0u}; }
   MPX_HD chunk_partial operator()(chunk_partial a, chunk_partial b) const noexcept {
     return {a.sum_of_squares + b.sum_of_squares, a.nonfinite | b.nonfinite};
   }
@@ -130,24 +133,65 @@ MPX_HD inline void set_clipping(gradient_summary& s, float max_norm, float defer
   s.gradient_factor = s.clip_coefficient * deferred_factor;
 }
 
-inline void host_finish_check(std::uint32_t tensors, std::uint32_t const* ranges, chunk_partial const* partials,
-                              float max_norm, float deferred_factor, float* tensor_sum_of_squares,
-                              gradient_summary* summary) {
-  gradient_summary s;
-  float total = 0;
-  for (std::uint32_t t = 0; t < tensors; ++t) {
-    chunk_partial p{0, 0};
-    for (std::uint32_t c = ranges[2 * t]; c < ranges[2 * t + 1]; ++c) p = combine_partials{}(p, partials[c]);
-    tensor_sum_of_squares[t] = p.sum_of_squares;
-    total += p.sum_of_squares;
-    if (p.nonfinite && s.first_nonfinite < 0) s.first_nonfinite = static_cast<std::int32_t>(t);
-    if (p.nonfinite) s.last_nonfinite = static_cast<std::int32_t>(t);
+//! What the tensors folded so far add up to: their sums of squares, and the first and
+//! last list index among them that held a NaN or inf (no_nonfinite and -1: none did).
+struct tensor_verdict {
+  float sum_of_squares;
+  std::int32_t first_nonfinite;
+  std::int32_t last_nonfinite;
+};
+inline constexpr std::int32_t no_nonfinite = 0x7fffffff;
+
+struct combine_verdicts {
+  using value_type = tensor_verdict;
+  MPX_HD static tensor_verdict identity() noexcept { return {0.0f, no_nonfinite, -1}; }
+  MPX_HD tensor_verdict operator()(tensor_verdict a, tensor_verdict b) const noexcept {
+    return {add_rn(a.sum_of_squares, b.sum_of_squares),
+            a.first_nonfinite < b.first_nonfinite ? a.first_nonfinite : b.first_nonfinite,
+            a.last_nonfinite > b.last_nonfinite ? a.last_nonfinite : b.last_nonfinite};
   }
-  s.found_nonfinite = s.first_nonfinite >= 0 ? 1u : 0u;
-  s.norm = std::sqrt(total);
-  set_clipping(s, max_norm, deferred_factor);
-  *summary = s;
-}
+};
+
+//! The finishing pass's row body (exec/reduce_items.hpp): tensor t's chunks [ranges[2t],
+//! ranges[2t + 1]) folded by a warp's lanes into its sum of squares, which it stores, and
+//! its verdict. A warp per tensor: a huge tensor's thousands of chunks are shared by 32
+//! lanes, and a long list of small tensors by the warps of every block.
+struct finish_check_tensor {
+  std::uint32_t const* ranges;
+  chunk_partial const* partials;
+  float* tensor_sum_of_squares;
+
+  template <class Lanes>
+  MPX_HD tensor_verdict operator()(Lanes const& lanes, std::size_t t) const {
+    std::uint32_t const begin = ranges[2 * t], end = ranges[2 * t + 1];
+    chunk_partial const p = lanes.reduce(end - begin, combine_partials{}, [&](std::size_t c) { return partials[begin + c]; });
+    lanes.once([&] { tensor_sum_of_squares[t] = p.sum_of_squares; });
+    auto const index = static_cast<std::int32_t>(t);
+    return p.nonfinite ? tensor_verdict{p.sum_of_squares, index, index}
+                       : tensor_verdict{p.sum_of_squares, no_nonfinite, -1};
+  }
+};
+
+//! Writes the summary from every tensor's verdict: the norm, and the clipping (times the
+//! inverse scale when the unscaling was deferred).
+struct finish_check_summary {
+  float max_norm;
+  float const* scale;
+  bool is_inverse;
+  bool deferred;
+  gradient_summary* summary;
+
+  MPX_HD void operator()(tensor_verdict const& all) const {
+    gradient_summary s;
+    bool const found = all.first_nonfinite != no_nonfinite;
+    s.first_nonfinite = found ? all.first_nonfinite : -1;
+    s.last_nonfinite = all.last_nonfinite;
+    s.found_nonfinite = found ? 1u : 0u;
+    s.norm = ::sqrtf(all.sum_of_squares);
+    set_clipping(s, max_norm, deferred ? unscaling_factor(scale, is_inverse) : 1.0f);
+    *summary = s;
+  }
+};
 
 #if MPX_HAS_CUDA
 template <class T, bool InPlace>
@@ -181,94 +225,6 @@ __global__ void __launch_bounds__(block_size)
 static_assert(sizeof(tensor_table<1>) + 3 * sizeof(void*) <= kernel_parameter_limit,
               "unscale_and_check_kernel's parameters exceed what CUDA 12.1+ accepts");
 
-inline constexpr int finish_threads = 1024;
-//! Tensors of at most this many chunks are folded by one thread, larger ones by a warp.
-inline constexpr std::uint32_t small_tensor_chunks = 32;
-
-// One block turns the per-chunk results into per-tensor sums and the verdict. A thread
-// per tensor would serialise a huge tensor's thousands of chunks; a warp per tensor
-// would serialise a long list of small ones (each step a dependent load). So: every
-// thread folds the small tensors of its stride, then each warp scans groups of 32
-// tensors and folds the large ones among them with all its lanes. Every sum is taken in
-// a fixed order, so the norm is the same run after run. (A template, as every kernel in
-// a header must be: a plain __global__ function would be defined in every translation
-// unit.)
-template <int Threads = finish_threads>
-__global__ void __launch_bounds__(Threads)
-    finish_check_kernel(std::uint32_t tensors, std::uint32_t const* __restrict__ ranges,
-                        chunk_partial const* __restrict__ partials, float max_norm, float const* __restrict__ scale,
-                        bool is_inverse, bool deferred, float* __restrict__ tensor_sum_of_squares,
-                        gradient_summary* __restrict__ summary) {
-  constexpr int warps = Threads / 32;
-  constexpr std::int32_t none = 0x7fffffff;
-  unsigned const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float total = 0;
-  std::int32_t first_bad = none, last_bad = -1;
-
-  for (std::uint32_t t = threadIdx.x; t < tensors; t += Threads) {
-    std::uint32_t const begin = ranges[2 * t], end = ranges[2 * t + 1];
-    if (end - begin > small_tensor_chunks) continue;
-    float sum = 0;
-    std::uint32_t bad = 0;
-    for (std::uint32_t c = begin; c < end; ++c) {
-      sum += partials[c].sum_of_squares;
-      bad |= partials[c].nonfinite;
-    }
-    tensor_sum_of_squares[t] = sum;
-    total += sum;
-    if (bad && first_bad == none) first_bad = static_cast<std::int32_t>(t);
-    if (bad) last_bad = static_cast<std::int32_t>(t);  // t grows along this thread's loop
-  }
-
-  using warp_reduce = cub::WarpReduce<float>;
-  __shared__ typename warp_reduce::TempStorage warp_temp[warps];
-  for (std::uint32_t base = warp * 32; base < tensors; base += Threads) {
-    std::uint32_t const t = base + lane;
-    std::uint32_t const begin = t < tensors ? ranges[2 * t] : 0, end = t < tensors ? ranges[2 * t + 1] : 0;
-    unsigned large = __ballot_sync(0xffffffffu, end - begin > small_tensor_chunks);
-    while (large) {
-      int const j = __ffs(static_cast<int>(large)) - 1;
-      large &= large - 1;
-      std::uint32_t const b = __shfl_sync(0xffffffffu, begin, j), e = __shfl_sync(0xffffffffu, end, j);
-      float sum = 0;
-      std::uint32_t bad = 0;
-      for (std::uint32_t c = b + lane; c < e; c += 32) {
-        sum += partials[c].sum_of_squares;
-        bad |= partials[c].nonfinite;
-      }
-      float const tensor_sum = warp_reduce(warp_temp[warp]).Sum(sum);
-      bool const tensor_bad = __any_sync(0xffffffffu, bad != 0);
-      if (lane == 0) {
-        tensor_sum_of_squares[base + j] = tensor_sum;
-        total += tensor_sum;
-        if (tensor_bad && static_cast<std::int32_t>(base + j) < first_bad) first_bad = static_cast<std::int32_t>(base + j);
-        if (tensor_bad && static_cast<std::int32_t>(base + j) > last_bad) last_bad = static_cast<std::int32_t>(base + j);
-      }
-      __syncwarp();  // CUB: the warp's temporary storage is reused by the next Sum only after a warp barrier
-    }
-  }
-
-  using sum_reduce = cub::BlockReduce<float, Threads>;
-  using min_reduce = cub::BlockReduce<std::int32_t, Threads>;
-  __shared__ union {
-    typename sum_reduce::TempStorage sum;
-    typename min_reduce::TempStorage min;
-  } temp;
-  float const all = sum_reduce(temp.sum).Sum(total);
-  __syncthreads();  // the union's storage is reused
-  std::int32_t const first = min_reduce(temp.min).Reduce(first_bad, ::cuda::minimum<>{});
-  __syncthreads();
-  std::int32_t const last = min_reduce(temp.min).Reduce(last_bad, ::cuda::maximum<>{});
-  if (threadIdx.x == 0) {
-    gradient_summary s;
-    s.first_nonfinite = first == none ? -1 : first;
-    s.last_nonfinite = last;
-    s.found_nonfinite = first == none ? 0u : 1u;
-    s.norm = sqrtf(all);
-    set_clipping(s, max_norm, deferred ? unscaling_factor(scale, is_inverse) : 1.0f);
-    *summary = s;
-  }
-}
 #endif
 
 //! One multi-tensor plan per dtype of mpx::dtype_list, in this order.
@@ -277,13 +233,14 @@ inline constexpr auto const& all_dtypes = all_dtype_ids;
 //! The passes of unscale_and_check over a gradient list planned per dtype (plans[d] for
 //! all_dtypes[d]), host or CUDA: every chunk unscaled and checked into partials, then
 //! the per-tensor sums of squares (tensors of them, chunk ranges [ranges[2t],
-//! ranges[2t + 1])) and the verdict folded from them in a fixed order. `deferred`
+//! ranges[2t + 1])) and the verdict folded from them in a fixed order, the same on both
+//! executors (reduce_items, with verdict_partials: max_item_blocks of them). `deferred`
 //! leaves the gradients scaled and puts the inverse scale into the verdict's factor.
 template <class Exec>
 void unscale_and_check_pass([[maybe_unused]] Exec const& exec, std::array<multi_tensor_plan<1>, dtype_count> const& plans,
                             float const* scale, bool is_inverse, float max_norm, bool deferred, std::uint32_t tensors,
                             std::uint32_t const* ranges, chunk_partial* partials, float* tensor_sum_of_squares,
-                            gradient_summary* summary) {
+                            tensor_verdict* verdict_partials, gradient_summary* summary) {
   if constexpr (is_host_executor_v<Exec>) {
     float const inverse = unscaling_factor(scale, is_inverse);
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
@@ -294,7 +251,6 @@ void unscale_and_check_pass([[maybe_unused]] Exec const& exec, std::array<multi_
         }
       });
     }
-    host_finish_check(tensors, ranges, partials, max_norm, deferred ? inverse : 1.0f, tensor_sum_of_squares, summary);
   } else {
 #if MPX_HAS_CUDA
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
@@ -308,13 +264,12 @@ void unscale_and_check_pass([[maybe_unused]] Exec const& exec, std::array<multi_
         }
       });
     }
-    finish_check_kernel<><<<1, finish_threads, 0, exec.stream()>>>(tensors, ranges, partials, max_norm, scale,
-                                                                  is_inverse, deferred, tensor_sum_of_squares, summary);
-    MPX_CUDA_CHECK_LAUNCH("mpx::finish_check_kernel");
 #else
     kernels_need_nvcc<Exec>();
 #endif
   }
+  reduce_items<item_kind::row>(exec, tensors, combine_verdicts{}, finish_check_tensor{ranges, partials, tensor_sum_of_squares},
+                               finish_check_summary{max_norm, scale, is_inverse, deferred, summary}, verdict_partials);
 }
 
 }  // namespace detail

@@ -1,6 +1,6 @@
 // mpx::unscale_and_check: divides every gradient of a list by the loss scale, in place,
 // and finds NaN and ±inf, in one pass over the data. One launch per dtype present (per
-// ~1,600 tensors), then one small launch turns the per-chunk results into the verdict:
+// ~1,600 tensors), then two small launches turn the per-chunk results into the verdict:
 // whether any value was non-finite, the first gradient that held one, per-tensor and
 // global L2 norms, and the factor that clips to a maximum norm. Nothing waits for the
 // host; the results stay where the executor computes until asked for. The passes are
@@ -93,6 +93,7 @@ class gradient_list {
     copy(exec, tensor_view<std::uint32_t const, host_space>(ranges.data(), ranges_.shape()), ranges_);
     partials_ = make_tensor<detail::chunk_partial>(exec, shape{std::max<std::int64_t>(std::int64_t{next}, 1)});
     sum_of_squares_ = make_tensor<float>(exec, shape{static_cast<std::int64_t>(gradients_.size())});
+    verdict_partials_ = make_tensor<detail::tensor_verdict>(exec, shape{std::int64_t{detail::max_item_blocks}});
     summary_ = resident<gradient_summary, space>(exec, gradient_summary{});
     exec.synchronize();  // the host vector `ranges` dies here
   }
@@ -138,6 +139,7 @@ class gradient_list {
   tensor<std::uint32_t, space> ranges_;
   tensor<detail::chunk_partial, space> partials_;
   tensor<float, space> sum_of_squares_;
+  tensor<detail::tensor_verdict, space> verdict_partials_;  // the finishing pass's per-block results
   resident<gradient_summary, space> summary_;
 };
 
@@ -148,7 +150,7 @@ void unscale_and_check(Exec const& exec, gradient_list<Exec>& gradients, detail:
   detail::unscale_and_check_pass(exec, gradients.plans_, scale.value, scale.is_inverse, max_norm,
                                  mode == unscaling::deferred, static_cast<std::uint32_t>(gradients.size()),
                                  gradients.ranges_.data(), gradients.partials_.data(), gradients.sum_of_squares_.data(),
-                                 gradients.summary_.get());
+                                 gradients.verdict_partials_.data(), gradients.summary_.get());
 }
 
 //! Multiplies every gradient by 1 / *scale (scale: a float in the executor's space, such
