@@ -753,6 +753,105 @@ TEST_CASE("a graph-mode trainer captures after an eager step in the same state a
   CHECK(rules.captures() == 2);
 }
 
+namespace test_model_graph {
+
+//! CUDA's graph calls as a log: a graph is a number (0: none), a status 0 is success, and
+//! what fails is chosen per test.
+struct fake_graph_backend {
+  using graph = int;
+  using executable = int;
+  using status = int;
+  std::vector<std::string> log;
+  bool fail_begin = false;
+  status end_status = 0, instantiate_status = 0;
+
+  void begin_capture() {
+    if (fail_begin) throw mpx::cuda_error("cudaStreamBeginCapture failed", 900);
+    log.push_back("begin");
+  }
+  status end_capture(graph& g) {
+    log.push_back("end");
+    g = 7;  // a graph comes back even from a failed end (an invalidated capture's)
+    return end_status;
+  }
+  status instantiate(executable& e, graph g) {
+    log.push_back("instantiate " + std::to_string(g));
+    if (instantiate_status == 0) e = 70 + g;
+    return instantiate_status;
+  }
+  void destroy_graph(graph g) noexcept { log.push_back("destroy " + std::to_string(g)); }
+  void clear_error() noexcept { log.push_back("clear"); }
+  static bool ok(status s) noexcept { return s == 0; }
+  void check(status s, char const* call) {
+    if (s != 0) throw mpx::cuda_error(std::string(call) + " failed", s);
+  }
+};
+
+}  // namespace test_model_graph
+
+// How the graph-mode trainer captures (detail::capture_graph: plain C++, run here with a
+// fake of CUDA's calls): a capture that fails in any of its three places leaves the stream
+// out of capture mode, destroys what was captured, clears the error, makes the rules run
+// the next step eagerly, and throws the failure.
+TEST_CASE("a graph capture that fails is undone, and the next step runs eagerly", "[model]") {
+  using test_model_graph::fake_graph_backend;
+  using rules_type = mpx::detail::graph_capture_rules<int>;
+  using log_type = std::vector<std::string>;
+  int const as_float = 0;
+  rules_type::batch const full{mpx::shape{32, 4}, &as_float};
+  auto ready_rules = [&] {
+    rules_type rules;
+    rules.ran_eagerly(full, 1);
+    REQUIRE(rules.next(full, 1) == mpx::detail::graph_step::capture);
+    return rules;
+  };
+
+  {  // the capture succeeds
+    fake_graph_backend b;
+    bool ran = false, failed = false;
+    int const made = mpx::detail::capture_graph(b, [&] { ran = true; }, [&] { failed = true; });
+    CHECK(made == 77);
+    CHECK(ran);
+    CHECK_FALSE(failed);
+    CHECK(b.log == log_type{"begin", "end", "instantiate 7", "destroy 7"});
+  }
+  {  // the step throws during the capture (an operation that may not be captured)
+    fake_graph_backend b;
+    auto rules = ready_rules();
+    CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] { throw mpx::invalid_argument("mpx::gemm: cold stream"); },
+                                                 [&] { rules.capture_failed(); }),
+                      "mpx::gemm: cold stream");  // the step's own error, not the capture's
+    CHECK(b.log == log_type{"begin", "end", "destroy 7", "clear"});
+    CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
+  }
+  {  // the capture cannot end (invalidated): nothing is instantiated
+    fake_graph_backend b;
+    b.end_status = 901;
+    auto rules = ready_rules();
+    CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] {}, [&] { rules.capture_failed(); }),
+                      "cudaStreamEndCapture failed");
+    CHECK(b.log == log_type{"begin", "end", "destroy 7", "clear"});
+    CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
+  }
+  {  // the graph cannot be instantiated
+    fake_graph_backend b;
+    b.instantiate_status = 902;
+    auto rules = ready_rules();
+    CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] {}, [&] { rules.capture_failed(); }),
+                      "cudaGraphInstantiate failed");
+    CHECK(b.log == log_type{"begin", "end", "instantiate 7", "destroy 7", "clear"});
+    CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
+  }
+  {  // the capture cannot begin: the step is not run
+    fake_graph_backend b;
+    b.fail_begin = true;
+    bool ran = false;
+    CHECK_THROWS_AS(mpx::detail::capture_graph(b, [&] { ran = true; }, [] {}), mpx::cuda_error);
+    CHECK_FALSE(ran);
+    CHECK(b.log.empty());
+  }
+}
+
 #if MPX_HAS_CUDA
 // On the legacy default stream (a default cuda_executor), through a dropout layer, with
 // the model's buffers moved by a larger evaluate batch, and the learning rate changed and

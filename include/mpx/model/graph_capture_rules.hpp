@@ -1,6 +1,6 @@
 // When a CUDA-graph trainer (classifier_trainer::use_cuda_graph) runs a step eagerly,
-// captures one, or replays its graph. Plain C++: the CUDA calls stay in train_step.hpp,
-// and the host suite runs the rules the GPU follows.
+// captures one, or replays its graph, and how a capture that fails is undone. Plain C++:
+// the CUDA calls stay in train_step.hpp, and the host suite runs the rules the GPU follows.
 #pragma once
 
 #include <mpx/core/shape.hpp>
@@ -66,5 +66,42 @@ class graph_capture_rules {
   std::optional<std::pair<batch, State>> graph_;  // the graph's batch and the state at its capture
   std::size_t captures_ = 0;
 };
+
+//! Captures what `body` enqueues on the backend's stream into a graph and returns it
+//! instantiated. A Backend (CUDA's calls in train_step.hpp; a test's own on the host) has
+//! types graph, executable and status; begin_capture() (throws); end_capture(graph&) and
+//! instantiate(executable&, graph), which return a status; destroy_graph(graph) and
+//! clear_error() (never throw); ok(status) and check(status, call) (throws when not ok).
+//!
+//! However the capture fails (the body throws, as an operation that may not be captured
+//! does; the capture cannot end, invalidated by such an operation; the graph cannot be
+//! instantiated), the stream leaves capture mode, a partial graph is destroyed, the
+//! thread's error is cleared (no later launch check may take it for its own),
+//! `failed()` is called (the rules: the next step runs eagerly), and the error is thrown.
+template <class Backend, class Body, class Failed>
+typename Backend::executable capture_graph(Backend& backend, Body&& body, Failed&& failed) {
+  typename Backend::graph graph{};
+  backend.begin_capture();
+  try {
+    body();
+  } catch (...) {
+    static_cast<void>(backend.end_capture(graph));  // invalidated, most likely: the error is not the news
+    if (graph) backend.destroy_graph(graph);
+    backend.clear_error();
+    failed();
+    throw;
+  }
+  typename Backend::executable made{};
+  auto const ended = backend.end_capture(graph);
+  auto const instantiated = Backend::ok(ended) ? backend.instantiate(made, graph) : ended;
+  if (graph) backend.destroy_graph(graph);  // the executable keeps what it needs
+  if (!Backend::ok(ended) || !Backend::ok(instantiated)) {
+    backend.clear_error();
+    failed();
+  }
+  backend.check(ended, "cudaStreamEndCapture");
+  backend.check(instantiated, "cudaGraphInstantiate");
+  return made;
+}
 
 }  // namespace mpx::detail

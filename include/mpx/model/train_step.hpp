@@ -57,6 +57,24 @@ constexpr void const* batch_type_key() noexcept {
   return &batch_type_tag<T>;
 }
 
+#if MPX_HAS_CUDA
+//! CUDA's graph calls for capture_graph (graph_capture_rules.hpp), on `stream`.
+struct cuda_graph_backend {
+  using graph = cudaGraph_t;
+  using executable = cudaGraphExec_t;
+  using status = cudaError_t;
+  cudaStream_t stream;
+
+  void begin_capture() const { MPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal)); }
+  status end_capture(graph& g) const { return cudaStreamEndCapture(stream, &g); }
+  static status instantiate(executable& e, graph g) { return cudaGraphInstantiate(&e, g, 0); }
+  static void destroy_graph(graph g) noexcept { report_if_failed(cudaGraphDestroy(g), "cudaGraphDestroy"); }
+  static void clear_error() noexcept { static_cast<void>(cudaGetLastError()); }
+  static bool ok(status s) noexcept { return s == cudaSuccess; }
+  static void check(status s, char const* call) { check_cuda(s, call, __FILE__, __LINE__); }
+};
+#endif
+
 }  // namespace detail
 
 //! Adds to record->correct the rows of logits [rows, classes] whose arg-max is the label
@@ -444,25 +462,14 @@ class classifier_trainer {
     copy(on, images, in);
     copy(on, labels, graph_labels_);
     if (!graph_exec_) {
-      cudaGraph_t graph = nullptr;
-      MPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      try {
-        step_body(on, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
-                  graph_record_.data());
-      } catch (...) {
-        cudaStreamEndCapture(stream, &graph);  // invalidated, most likely: the error is not the news
-        if (graph) cudaGraphDestroy(graph);
-        static_cast<void>(cudaGetLastError());  // nor may it be blamed on the next launch
-        graph_rules_.capture_failed();
-        throw;
-      }
-      cudaGraphExec_t instance = nullptr;
-      cudaError_t const ended = cudaStreamEndCapture(stream, &graph);
-      cudaError_t const made = ended == cudaSuccess ? cudaGraphInstantiate(&instance, graph, 0) : cudaSuccess;
-      if (graph) detail::report_if_failed(cudaGraphDestroy(graph), "cudaGraphDestroy");
-      if (ended != cudaSuccess || made != cudaSuccess) graph_rules_.capture_failed();  // the next step is eager
-      detail::check_cuda(ended, "cudaStreamEndCapture", __FILE__, __LINE__);
-      detail::check_cuda(made, "cudaGraphInstantiate", __FILE__, __LINE__);
+      detail::cuda_graph_backend backend{stream};
+      cudaGraphExec_t const instance = detail::capture_graph(
+          backend,
+          [&] {
+            step_body(on, tensor_view<T const, Space>(in), tensor_view<std::int32_t const, Space>(graph_labels_),
+                      graph_record_.data());
+          },
+          [&] { graph_rules_.capture_failed(); });
       graph_exec_ = std::shared_ptr<CUgraphExec_st>(instance, [](cudaGraphExec_t g) {
         detail::report_if_failed(cudaGraphExecDestroy(g), "cudaGraphExecDestroy");
       });
