@@ -764,6 +764,7 @@ struct fake_graph_backend {
   std::vector<std::string> log;
   bool fail_begin = false;
   status end_status = 0, instantiate_status = 0;
+  graph end_graph = 7;  // what cudaStreamEndCapture gives back: none (0) from an invalidated capture
 
   void begin_capture() {
     if (fail_begin) throw mpx::cuda_error("cudaStreamBeginCapture failed", 900);
@@ -771,7 +772,7 @@ struct fake_graph_backend {
   }
   status end_capture(graph& g) {
     log.push_back("end");
-    g = 7;  // a graph comes back even from a failed end (an invalidated capture's)
+    g = end_graph;
     return end_status;
   }
   status instantiate(executable& e, graph g) {
@@ -824,14 +825,32 @@ TEST_CASE("a graph capture that fails is undone, and the next step runs eagerly"
     CHECK(b.log == log_type{"begin", "end", "destroy 7", "clear"});
     CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
   }
-  {  // the capture cannot end (invalidated): nothing is instantiated
+  {  // the step throws, and the capture it broke ends without a graph: nothing to destroy
     fake_graph_backend b;
     b.end_status = 901;
+    b.end_graph = 0;
+    auto rules = ready_rules();
+    CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] { throw mpx::invalid_argument("a host wait in a capture"); },
+                                                 [&] { rules.capture_failed(); }),
+                      "a host wait in a capture");
+    CHECK(b.log == log_type{"begin", "end", "clear"});
+    CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
+  }
+  {  // the capture cannot end (invalidated): no graph, nothing instantiated
+    fake_graph_backend b;
+    b.end_status = 901;
+    b.end_graph = 0;
     auto rules = ready_rules();
     CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] {}, [&] { rules.capture_failed(); }),
                       "cudaStreamEndCapture failed");
-    CHECK(b.log == log_type{"begin", "end", "destroy 7", "clear"});
+    CHECK(b.log == log_type{"begin", "end", "clear"});
     CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
+  }
+  {  // an end that fails yet gives a graph back: destroyed all the same
+    fake_graph_backend b;
+    b.end_status = 901;
+    CHECK_THROWS_WITH(mpx::detail::capture_graph(b, [] {}, [] {}), "cudaStreamEndCapture failed");
+    CHECK(b.log == log_type{"begin", "end", "destroy 7", "clear"});
   }
   {  // the graph cannot be instantiated
     fake_graph_backend b;
@@ -842,12 +861,13 @@ TEST_CASE("a graph capture that fails is undone, and the next step runs eagerly"
     CHECK(b.log == log_type{"begin", "end", "instantiate 7", "destroy 7", "clear"});
     CHECK(rules.next(full, 1) == mpx::detail::graph_step::eager);
   }
-  {  // the capture cannot begin: the step is not run
+  {  // the capture cannot begin: the step is not run, and the rules are not told
     fake_graph_backend b;
     b.fail_begin = true;
-    bool ran = false;
-    CHECK_THROWS_AS(mpx::detail::capture_graph(b, [&] { ran = true; }, [] {}), mpx::cuda_error);
+    bool ran = false, failed = false;
+    CHECK_THROWS_AS(mpx::detail::capture_graph(b, [&] { ran = true; }, [&] { failed = true; }), mpx::cuda_error);
     CHECK_FALSE(ran);
+    CHECK_FALSE(failed);
     CHECK(b.log.empty());
   }
 }

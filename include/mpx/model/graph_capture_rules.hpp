@@ -71,13 +71,16 @@ class graph_capture_rules {
 //! instantiated. A Backend (CUDA's calls in train_step.hpp; a test's own on the host) has
 //! types graph, executable and status; begin_capture() (throws); end_capture(graph&) and
 //! instantiate(executable&, graph), which return a status; destroy_graph(graph) and
-//! clear_error() (never throw); ok(status) and check(status, call) (throws when not ok).
+//! clear_error() (never throw); a static ok(status), and check(status, call) (throws when
+//! not ok).
 //!
 //! However the capture fails (the body throws, as an operation that may not be captured
 //! does; the capture cannot end, invalidated by such an operation; the graph cannot be
 //! instantiated), the stream leaves capture mode, a partial graph is destroyed, the
 //! thread's error is cleared (no later launch check may take it for its own),
 //! `failed()` is called (the rules: the next step runs eagerly), and the error is thrown.
+//! A capture that cannot begin runs nothing and throws; the rules are not told (the next
+//! step tries the capture again).
 template <class Backend, class Body, class Failed>
 typename Backend::executable capture_graph(Backend& backend, Body&& body, Failed&& failed) {
   typename Backend::graph graph{};

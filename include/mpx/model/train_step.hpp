@@ -63,7 +63,7 @@ struct cuda_graph_backend {
   using graph = cudaGraph_t;
   using executable = cudaGraphExec_t;
   using status = cudaError_t;
-  cudaStream_t stream;
+  cudaStream_t stream = nullptr;
 
   void begin_capture() const { MPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal)); }
   status end_capture(graph& g) const { return cudaStreamEndCapture(stream, &g); }
