@@ -15,6 +15,7 @@
 #include <memory>
 #include <set>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,14 @@ using gemm_resources = mpx::detail::lt_resources<fake_gemm_backend>;
 
 void* stream_at(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
 
+//! Two live streams, of ids 11 and 12.
+std::pair<void*, void*> two_streams(fake_gemm_backend& b) {
+  void* const s1 = stream_at(0x100);
+  void* const s2 = stream_at(0x200);
+  b.ids = {{s1, 11}, {s2, 12}};
+  return {s1, s2};
+}
+
 }  // namespace
 
 TEST_CASE("gemm resources: a handle per device, made once and never during a capture", "[gemm][resources]") {
@@ -124,9 +133,7 @@ TEST_CASE("gemm resources: a handle per device, made once and never during a cap
 TEST_CASE("gemm resources: a workspace per stream, found again by a capture on its handle", "[gemm][resources]") {
   gemm_resources r;
   fake_gemm_backend& b = r.backend();
-  void* const s1 = stream_at(0x100);
-  void* const s2 = stream_at(0x200);
-  b.ids = {{s1, 11}, {s2, 12}};
+  auto const [s1, s2] = two_streams(b);
 
   // A capture on a stream no eager product used is refused, and nothing is allocated.
   CHECK_THROWS_TYPE_WITH(r.workspace_for(0, s1, true), mpx::invalid_argument, Catch::Contains("before capturing"));
@@ -191,9 +198,7 @@ TEST_CASE("gemm resources: forgetting a stream waits for it and frees its worksp
           "[gemm][resources]") {
   gemm_resources r;
   fake_gemm_backend& b = r.backend();
-  void* const s1 = stream_at(0x100);
-  void* const s2 = stream_at(0x200);
-  b.ids = {{s1, 11}, {s2, 12}};
+  auto const [s1, s2] = two_streams(b);
   b.device = 1;
   r.workspace_for(1, s1, false);
   b.device = 0;
@@ -265,9 +270,7 @@ TEST_CASE("gemm resources: release frees everything after each device's work and
           "[gemm][resources]") {
   gemm_resources r;
   fake_gemm_backend& b = r.backend();
-  void* const s1 = stream_at(0x100);
-  void* const s2 = stream_at(0x200);
-  b.ids = {{s1, 11}, {s2, 12}};
+  auto const [s1, s2] = two_streams(b);
   r.handle(0, false);
   r.handle(1, false);
   r.workspace_for(0, s1, false);

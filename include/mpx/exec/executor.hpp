@@ -65,14 +65,18 @@ struct compute_capability {
 
 #if MPX_HAS_CUDA_RUNTIME
 namespace detail {
-//! The compute capability of the current device, where mpx's products run.
-inline compute_capability current_compute_capability() {
-  int device = 0;
+//! The compute capability of `device`.
+inline compute_capability compute_capability_of(int device) {
   compute_capability cc;
-  MPX_CUDA_CHECK(cudaGetDevice(&device));
   MPX_CUDA_CHECK(cudaDeviceGetAttribute(&cc.major, cudaDevAttrComputeCapabilityMajor, device));
   MPX_CUDA_CHECK(cudaDeviceGetAttribute(&cc.minor, cudaDevAttrComputeCapabilityMinor, device));
   return cc;
+}
+//! The compute capability of the current device, where mpx's products run.
+inline compute_capability current_compute_capability() {
+  int device = 0;
+  MPX_CUDA_CHECK(cudaGetDevice(&device));
+  return compute_capability_of(device);
 }
 }  // namespace detail
 #endif

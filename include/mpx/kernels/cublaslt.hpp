@@ -116,9 +116,7 @@ struct cublaslt_backend {
   }
   //! 32 MiB on Hopper and later (NVIDIA's recommendation for sm_90), 4 MiB before.
   static std::size_t workspace_bytes_for(int device) {
-    int major = 0;
-    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 9 ? std::size_t{32} << 20 : std::size_t{4} << 20;
+    return compute_capability_of(device).major >= 9 ? std::size_t{32} << 20 : std::size_t{4} << 20;
   }
   static void* allocate(std::size_t bytes) {
     void* data = nullptr;
