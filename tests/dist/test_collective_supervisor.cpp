@@ -19,6 +19,9 @@
 
 namespace {
 
+using mpx_test::eventually;
+using mpx_test::thrown_message;
+
 using namespace std::chrono_literals;
 
 struct fake_transport {
@@ -63,33 +66,6 @@ std::string enqueue(supervisor& s, std::string what, std::optional<event> e = st
   return s.enqueue(std::move(what), look_first, [&](std::string const&) { return e; });
 }
 
-template <class Condition>
-bool eventually(Condition&& condition, std::chrono::seconds limit = 10s) {
-  auto const until = std::chrono::steady_clock::now() + limit;
-  while (!condition()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
-
-//! The message of the `Error` that `f()` throws ("" and a failed check when it
-//! throws none, or another type): once, since a call that fails changes the
-//! supervisor.
-template <class Error, class F>
-std::string thrown(F&& f) {
-  try {
-    f();
-  } catch (Error const& e) {
-    return e.what();
-  } catch (...) {
-    FAIL_CHECK("another exception type");
-    return "";
-  }
-  FAIL_CHECK("nothing thrown");
-  return "";
-}
-
 }  // namespace
 
 TEST_CASE("supervisor: collectives that complete pass every look, are numbered, and drain", "[dist]") {
@@ -119,11 +95,11 @@ TEST_CASE("supervisor: a collective past its timeout aborts, and every later cal
   std::string const why =
       "comm: rank 1: all_reduce (sum of 4 float32) #1: not complete 20 ms after it was enqueued (a rank hung, died, or "
       "called another collective)";
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.poll(); }), Catch::Equals(why));
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.poll(); }), Catch::Equals(why));
   CHECK(t.aborts == 1);
   CHECK(s.aborted());
   bool called = false;
-  CHECK_THAT(thrown<mpx::collective_error>([&] {
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] {
                s.enqueue("barrier", true, [&](std::string const&) {
                  called = true;
                  return std::optional<event>();
@@ -143,7 +119,7 @@ TEST_CASE("supervisor: an enqueue looks first, so a hung collective fails the ne
   enqueue(s, "all_reduce (max of 1 float32)", t.issue());
   std::this_thread::sleep_for(30ms);
   bool called = false;
-  CHECK_THAT(thrown<mpx::collective_error>([&] {
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] {
                s.enqueue("all_reduce (sum of 9 bfloat16)", true, [&](std::string const&) {
                  called = true;
                  return std::optional<event>();
@@ -173,7 +149,7 @@ TEST_CASE("supervisor: a collective captured into a graph is not timed, but an a
   CHECK(called);
   CHECK(t2.aborts == 0);
   t.fail_async("unhandled system error");
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.poll(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.poll(); }),
              Catch::Equals("comm: rank 0: a collective (replayed from a CUDA graph?): unhandled system error"));
   CHECK(t.aborts == 1);
 }
@@ -186,7 +162,7 @@ TEST_CASE("supervisor: an asynchronous error names the oldest collective still r
   enqueue(s, "all_reduce (sum of 2 float32)", t.issue());
   completed->store(true);
   t.fail_async("remote process exited or there was a network error");
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.poll(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.poll(); }),
              Catch::Equals(
                  "comm: rank 3: all_reduce (sum of 2 float32) #2: remote process exited or there was a network error"));
 }
@@ -194,14 +170,14 @@ TEST_CASE("supervisor: an asynchronous error names the oldest collective still r
 TEST_CASE("supervisor: a failure while a collective is enqueued aborts, with what failed", "[dist]") {
   fake_transport t;
   supervisor s(t, "comm: rank 0", 1h);
-  CHECK_THAT(thrown<std::runtime_error>([&] {
+  CHECK_THAT(thrown_message<std::runtime_error>([&] {
                s.enqueue("all_gather (2 values)", true, [](std::string const&) -> std::optional<event> {
                  throw std::runtime_error("cudaMemcpyAsync failed: invalid argument");
                });
              }),
              Catch::Equals("cudaMemcpyAsync failed: invalid argument"));
   CHECK(t.aborts == 1);
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.poll(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.poll(); }),
              Catch::Equals("comm: rank 0: all_gather (2 values) #1: failed while it was enqueued: cudaMemcpyAsync "
                            "failed: invalid argument (the communicator is aborted; end the job)"));
 
@@ -214,7 +190,7 @@ TEST_CASE("supervisor: a failure while a collective is enqueued aborts, with wha
                                throw mpx::collective_error("ncclBroadcast failed: invalid usage", {});
                              }),
                   mpx::collective_error);
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s2.require_usable(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s2.require_usable(); }),
              Catch::Equals("ncclBroadcast failed: invalid usage (the communicator is aborted; end the job)"));
 }
 
@@ -235,7 +211,7 @@ TEST_CASE("supervisor: the watchdog aborts a hung collective while the host wait
   CHECK(t.aborts == 1);
   CHECK(started);
   CHECK(watch_thread != std::this_thread::get_id());
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.poll(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.poll(); }),
              Catch::Contains("all_reduce (sum of 1024 float32) #1: not complete 30 ms after it was enqueued"));
 }
 
@@ -271,7 +247,7 @@ TEST_CASE("supervisor: the watchdog takes a failed completion query as its reaso
   CHECK(t.aborts == 0);
   CHECK(s.watchdog_stop("the first look's reason"));  // the second look's is the one kept
   CHECK(t.aborts == 1);
-  CHECK_THAT(thrown<mpx::collective_error>([&] { s.require_usable(); }),
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.require_usable(); }),
              Catch::Equals("comm: rank 0: cudaEventQuery failed: an illegal memory access was encountered (the "
                            "communicator is aborted; end the job)"));
   CHECK_FALSE(s.drained_within_timeout());
@@ -362,7 +338,7 @@ TEST_CASE("supervisor: a wait returns once done, and fails past the timeout or o
   {
     fake_transport t;
     supervisor s(t, "comm: rank 0", 20ms);
-    CHECK_THAT(thrown<mpx::collective_error>([&] { s.wait("all_reduce (sum of 1 values) #4", [] { return false; }); }),
+    CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.wait("all_reduce (sum of 1 values) #4", [] { return false; }); }),
                Catch::Equals("comm: rank 0: all_reduce (sum of 1 values) #4: not complete after 20 ms"));
     CHECK(t.aborts == 1);
   }
@@ -370,7 +346,7 @@ TEST_CASE("supervisor: a wait returns once done, and fails past the timeout or o
     fake_transport t;
     supervisor s(t, "comm: rank 0", 1h);
     int looks = 0;
-    CHECK_THAT(thrown<mpx::collective_error>([&] {
+    CHECK_THAT(thrown_message<mpx::collective_error>([&] {
                  s.wait("all_gather (3 values) #2", [&] {
                    if (++looks == 2) t.fail_async("unhandled cuda error");
                    return false;
@@ -387,7 +363,7 @@ TEST_CASE("supervisor: a wait returns once done, and fails past the timeout or o
     std::this_thread::sleep_for(30ms);
     REQUIRE(s.watchdog_stop(s.watchdog_look()));
     CHECK(t.aborts == 1);
-    CHECK_THAT(thrown<mpx::collective_error>([&] { s.wait("barrier #2", [] { return true; }); }),
+    CHECK_THAT(thrown_message<mpx::collective_error>([&] { s.wait("barrier #2", [] { return true; }); }),
                Catch::Equals("comm: rank 0: all_reduce (sum of 4 float32) #1: not complete 10 ms after it was "
                              "enqueued (a rank hung, died, or called another collective) (the communicator is "
                              "aborted; end the job)"));

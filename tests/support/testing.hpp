@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +51,34 @@
 #endif
 
 namespace mpx_test {
+
+//! The message of the `Error` that `f()` throws ("" and a failed check when it throws
+//! none, or another type). Calls f once: a call that fails may change what it called.
+template <class Error, class F>
+std::string thrown_message(F&& f) {
+  try {
+    f();
+  } catch (Error const& e) {
+    return e.what();
+  } catch (...) {
+    FAIL_CHECK("another exception type");
+    return "";
+  }
+  FAIL_CHECK("nothing thrown");
+  return "";
+}
+
+//! Whether `condition()` comes true within `limit`, asked every millisecond: for what
+//! another thread (a watchdog) makes true.
+template <class Condition>
+bool eventually(Condition&& condition, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+  auto const until = std::chrono::steady_clock::now() + limit;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 #if MPX_HAS_CUDA
 // The nvcc-built suite runs every case on the GPU; the host suite covers the host.

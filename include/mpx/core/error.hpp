@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -187,6 +188,20 @@ inline std::string missing_kernel_image_note(int device, std::string_view device
   return note + ". Rebuild for it: meson configure -Dgpu_architectures=native (or a list with " +
          std::to_string(capability) + "), or nvcc -gencode arch=compute_" + std::to_string(capability) +
          ",code=sm_" + std::to_string(capability);
+}
+
+//! `f()`, its failure said through `backend.report(what, why)` and never thrown: for
+//! what runs in destructors and aborts, where a backend's call (which throws what failed)
+//! must not end the program.
+template <class Backend, class F>
+void report_failure_of(Backend& backend, char const* what, F&& f) noexcept {
+  try {
+    f();
+  } catch (std::exception const& e) {
+    backend.report(what, e.what());
+  } catch (...) {
+    backend.report(what, "an exception of unknown type");
+  }
 }
 
 #if MPX_HAS_CUDA_RUNTIME

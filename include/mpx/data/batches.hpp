@@ -2,7 +2,9 @@
 // same on every platform (splitmix64 and Fisher-Yates, never std::shuffle, whose
 // algorithm the standard leaves open), each batch gathered, cast to the storage dtype
 // and placed in the executor's memory. On a cuda_executor the next batch is staged in
-// pinned memory and copied on a second stream while the current step runs.
+// pinned memory and copied on a second stream while the current step runs; the ordering
+// of that double buffer is plain C++ over a backend (CUDA's calls in
+// cuda_staging_backend), so the host suite runs it against a fake GPU.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -19,6 +21,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -132,6 +135,114 @@ class batch_staging<host_executor, T> {
   std::span<std::size_t const> staged_;
 };
 
+//! Double buffering. Slot s holds a pinned host copy and a device copy of one batch,
+//! and two events: `copied` (recorded on the copy stream after its upload) and
+//! `released` (recorded on the consumer's stream when the batch it held is no longer
+//! needed). While the consumer's step runs on batch n from one slot, batch n + 1 is
+//! gathered into the other slot's pinned memory and uploaded on the copy stream. The
+//! consumer's stream waits for `copied` on the GPU; the host waits only before it
+//! overwrites pinned memory whose upload (one batch earlier) may still be running.
+//!
+//! Plain C++ over a Backend that makes and frees the streams, events and memory, so the
+//! host suite runs this ordering against a backend of its own; cuda_staging_backend
+//! gives it CUDA. A Backend has: types consumer_type (the executor the batches are for),
+//! stream_type, event_type (neither copied nor moved), host_buffer<U> and
+//! device_buffer<U> (move-only owners with data()); stream_of(consumer);
+//! create_stream(), synchronize_stream(stream), destroy_stream(stream); make_event(),
+//! record_event(event, stream), wait_event(stream, event) (the stream waits, not the
+//! host), synchronize_event(event) (the host waits); allocate_pinned<U>(n) (page-locked
+//! host memory), allocate_device<U>(consumer, n); upload(to, from, n, stream) (n
+//! elements, host to device, in the stream's order). Each of these may throw; report(what,
+//! why) never does, for failures nothing can throw.
+template <class Backend, class T>
+class double_buffered_staging {
+ public:
+  using consumer_type = typename Backend::consumer_type;
+  using stream_type = typename Backend::stream_type;
+
+  double_buffered_staging(consumer_type const& consumer, image_dataset const& data, std::size_t capacity,
+                          Backend backend = {})
+      : backend_(std::move(backend)), consumer_(consumer), data_(&data), copy_stream_(backend_.create_stream()) {
+    try {
+      std::size_t const pixels = capacity * data.image_size();
+      for (auto& s : slots_)  // (new, not make_unique: a slot's events cannot be moved)
+        s.reset(new slot{backend_.template allocate_pinned<T>(pixels),
+                         backend_.template allocate_pinned<std::int32_t>(capacity),
+                         backend_.template allocate_device<T>(consumer, pixels),
+                         backend_.template allocate_device<std::int32_t>(consumer, capacity), backend_.make_event(),
+                         backend_.make_event()});
+    } catch (...) {
+      for (auto& s : slots_) s.reset();
+      destroy_copy_stream();
+      throw;
+    }
+  }
+  ~double_buffered_staging() {
+    // An upload may still be writing a slot: let it finish before the pinned memory is
+    // freed and the device memory is released on the consumer's stream.
+    report_failure_of(backend_, "batch_loader: waiting for the copy stream",
+                      [&] { backend_.synchronize_stream(copy_stream_); });
+    for (auto& s : slots_) s.reset();
+    destroy_copy_stream();
+  }
+  double_buffered_staging(double_buffered_staging const&) = delete;
+  double_buffered_staging& operator=(double_buffered_staging const&) = delete;
+
+  //! Gathers `samples` into the next slot and enqueues its upload. Everything the
+  //! consumer enqueued until now on its stream (the work on the batch this slot held
+  //! before) runs before the upload overwrites the slot.
+  void stage(std::span<std::size_t const> samples) {
+    slot& s = *slots_[next_];
+    // The pinned memory is free again. (The wait does not empty the device's pool of the
+    // step's freed temporaries: keep_pool_memory raised its release threshold.)
+    backend_.synchronize_event(s.copied);
+    gather_batch(*data_, samples, s.host_images.data(), s.host_labels.data());
+    backend_.record_event(s.released, backend_.stream_of(consumer_));
+    backend_.wait_event(copy_stream_, s.released);
+    std::size_t const pixels = samples.size() * data_->image_size();
+    if (pixels) backend_.upload(s.images.data(), s.host_images.data(), pixels, copy_stream_);
+    if (!samples.empty()) backend_.upload(s.labels.data(), s.host_labels.data(), samples.size(), copy_stream_);
+    backend_.record_event(s.copied, copy_stream_);
+  }
+  //! The staged batch: the consumer's stream waits (on the GPU) for its upload.
+  std::pair<T const*, std::int32_t const*> take() {
+    slot& s = *slots_[next_];
+    backend_.wait_event(backend_.stream_of(consumer_), s.copied);
+    next_ ^= 1;
+    return {s.images.data(), s.labels.data()};
+  }
+
+ private:
+  template <class U>
+  using host_buffer = typename Backend::template host_buffer<U>;
+  template <class U>
+  using device_buffer = typename Backend::template device_buffer<U>;
+  using event_type = typename Backend::event_type;
+
+  struct slot {
+    host_buffer<T> host_images;
+    host_buffer<std::int32_t> host_labels;
+    device_buffer<T> images;
+    device_buffer<std::int32_t> labels;
+    event_type copied;
+    event_type released;
+  };
+
+  // Reports, never throws: it runs in the destructor and while a failed constructor's
+  // error is on its way out.
+  void destroy_copy_stream() noexcept {
+    report_failure_of(backend_, "batch_loader: destroying the copy stream",
+                      [&] { backend_.destroy_stream(copy_stream_); });
+  }
+
+  Backend backend_;
+  consumer_type consumer_;
+  image_dataset const* data_;
+  stream_type copy_stream_;
+  std::array<std::unique_ptr<slot>, 2> slots_;
+  std::size_t next_ = 0;  // the slot that holds, or will hold, the next batch
+};
+
 #if MPX_HAS_CUDA_RUNTIME
 //! Page-locked host memory, so a host-to-device copy from it is truly asynchronous.
 template <class T>
@@ -154,82 +265,55 @@ class pinned_buffer {
   std::unique_ptr<T, release> data_;
 };
 
-//! Double buffering. Slot s holds a pinned host copy and a device copy of one batch,
-//! and two events: `copied` (recorded on the copy stream after its upload) and
-//! `released` (recorded on the consumer's stream when the batch it held is no longer
-//! needed). While the consumer's step runs on batch n from one slot, batch n + 1 is
-//! gathered into the other slot's pinned memory and uploaded on the copy stream. The
-//! consumer's stream waits for `copied` on the GPU; the host waits only before it
-//! overwrites pinned memory whose upload (one batch earlier) may still be running.
+//! CUDA's calls for double_buffered_staging: a non-blocking copy stream, ordering
+//! events, pinned host memory and device memory on the consumer's stream.
+struct cuda_staging_backend {
+  using consumer_type = cuda_executor;
+  using stream_type = cudaStream_t;
+  using event_type = ordering_event;
+  template <class U>
+  using host_buffer = pinned_buffer<U>;
+  template <class U>
+  using device_buffer = buffer<U, device_space>;
+
+  static cudaStream_t stream_of(cuda_executor const& exec) noexcept { return exec.stream(); }
+  static cudaStream_t create_stream() {
+    cudaStream_t stream = nullptr;
+    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return stream;
+  }
+  static void synchronize_stream(cudaStream_t stream) { MPX_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+  static void destroy_stream(cudaStream_t stream) { MPX_CUDA_CHECK(cudaStreamDestroy(stream)); }
+  static ordering_event make_event() { return {}; }
+  static void record_event(ordering_event const& e, cudaStream_t stream) {
+    MPX_CUDA_CHECK(cudaEventRecord(e.get(), stream));
+  }
+  static void wait_event(cudaStream_t stream, ordering_event const& e) {
+    MPX_CUDA_CHECK(cudaStreamWaitEvent(stream, e.get(), 0));
+  }
+  static void synchronize_event(ordering_event const& e) { MPX_CUDA_CHECK(cudaEventSynchronize(e.get())); }
+  template <class U>
+  static pinned_buffer<U> allocate_pinned(std::size_t n) {
+    return pinned_buffer<U>(n);
+  }
+  template <class U>
+  static buffer<U, device_space> allocate_device(cuda_executor const& exec, std::size_t n) {
+    return detail::allocate<U>(exec, n);
+  }
+  template <class U>
+  static void upload(U* to, U const* from, std::size_t n, cudaStream_t stream) {
+    MPX_CUDA_CHECK(cudaMemcpyAsync(to, from, n * sizeof(U), cudaMemcpyHostToDevice, stream));
+  }
+  static void report(char const* what, char const* why) noexcept {
+    std::fprintf(stderr, "mpx: %s failed: %s\n", what, why);
+  }
+};
+
+//! The GPU's double buffer, on the executor's stream and a copy stream of its own.
 template <class T>
-class batch_staging<cuda_executor, T> {
+class batch_staging<cuda_executor, T> : public double_buffered_staging<cuda_staging_backend, T> {
  public:
-  batch_staging(cuda_executor const& exec, image_dataset const& data, std::size_t capacity)
-      : exec_(exec), data_(&data) {
-    MPX_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
-    try {
-      std::size_t const pixels = capacity * data.image_size();
-      for (auto& s : slots_)  // (new, not make_unique: a slot's events cannot be moved)
-        s.reset(new slot{pinned_buffer<T>(pixels), pinned_buffer<std::int32_t>(capacity),
-                         detail::allocate<T>(exec, pixels), detail::allocate<std::int32_t>(exec, capacity), {}, {}});
-    } catch (...) {
-      static_cast<void>(cudaStreamDestroy(copy_stream_));
-      throw;
-    }
-  }
-  ~batch_staging() {
-    // An upload may still be writing a slot: let it finish before the pinned memory is
-    // freed and the device memory is released on the consumer's stream.
-    report_if_failed(cudaStreamSynchronize(copy_stream_), "batch_loader: the copy stream");
-    for (auto& s : slots_) s.reset();
-    report_if_failed(cudaStreamDestroy(copy_stream_), "cudaStreamDestroy (batch_loader's copy stream)");
-  }
-  batch_staging(batch_staging const&) = delete;
-  batch_staging& operator=(batch_staging const&) = delete;
-
-  //! Gathers `samples` into the next slot and enqueues its upload. Everything the
-  //! consumer enqueued until now on its stream (the work on the batch this slot held
-  //! before) runs before the upload overwrites the slot.
-  void stage(std::span<std::size_t const> samples) {
-    slot& s = *slots_[next_];
-    // The pinned memory is free again. (The wait does not empty the device's pool of the
-    // step's freed temporaries: keep_pool_memory raised its release threshold.)
-    MPX_CUDA_CHECK(cudaEventSynchronize(s.copied.get()));
-    gather_batch(*data_, samples, s.host_images.data(), s.host_labels.data());
-    MPX_CUDA_CHECK(cudaEventRecord(s.released.get(), exec_.stream()));
-    MPX_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, s.released.get(), 0));
-    std::size_t const pixels = samples.size() * data_->image_size();
-    if (pixels)
-      MPX_CUDA_CHECK(cudaMemcpyAsync(s.images.data(), s.host_images.data(), pixels * sizeof(T),
-                                     cudaMemcpyHostToDevice, copy_stream_));
-    if (!samples.empty())
-      MPX_CUDA_CHECK(cudaMemcpyAsync(s.labels.data(), s.host_labels.data(), samples.size() * sizeof(std::int32_t),
-                                     cudaMemcpyHostToDevice, copy_stream_));
-    MPX_CUDA_CHECK(cudaEventRecord(s.copied.get(), copy_stream_));
-  }
-  //! The staged batch: the consumer's stream waits (on the GPU) for its upload.
-  std::pair<T const*, std::int32_t const*> take() {
-    slot& s = *slots_[next_];
-    MPX_CUDA_CHECK(cudaStreamWaitEvent(exec_.stream(), s.copied.get(), 0));
-    next_ ^= 1;
-    return {s.images.data(), s.labels.data()};
-  }
-
- private:
-  struct slot {
-    pinned_buffer<T> host_images;
-    pinned_buffer<std::int32_t> host_labels;
-    buffer<T, device_space> images;
-    buffer<std::int32_t, device_space> labels;
-    ordering_event copied;
-    ordering_event released;
-  };
-
-  cuda_executor exec_;
-  image_dataset const* data_;
-  cudaStream_t copy_stream_ = nullptr;
-  std::array<std::unique_ptr<slot>, 2> slots_;
-  std::size_t next_ = 0;  // the slot that holds, or will hold, the next batch
+  using double_buffered_staging<cuda_staging_backend, T>::double_buffered_staging;
 };
 #endif
 

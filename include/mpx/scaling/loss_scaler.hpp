@@ -48,47 +48,32 @@ struct loss_scale_report {
 
 namespace detail {
 
-//! A stuck_signal the device writes and the host reads without synchronising: mapped
-//! pinned memory for the GPU, plain memory for the host executor.
+//! Where a signal_slot keeps its stuck_signal: plain memory for the host executor; for
+//! the GPU, mapped pinned memory (signal_memory<device_space>, below), which the device
+//! writes through its own pointer.
+template <class Space>
+struct signal_memory {
+  std::unique_ptr<stuck_signal> host = std::make_unique<stuck_signal>();
+  [[nodiscard]] stuck_signal* device() const noexcept { return host.get(); }
+};
+
+//! A stuck_signal the device writes and the host reads without synchronising.
 template <class Space>
 class signal_slot {
  public:
   template <class Exec>
-  explicit signal_slot(Exec const&) : host_(std::make_unique<stuck_signal>()) {}
-  [[nodiscard]] stuck_signal* device() const noexcept { return host_.get(); }
-  [[nodiscard]] stuck_signal read() const noexcept { return *host_; }
-
- private:
-  std::unique_ptr<stuck_signal> host_;
-};
-
-#if MPX_HAS_CUDA_RUNTIME
-struct pinned_release {
-  void operator()(void* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost"); }
-};
-
-template <>
-class signal_slot<device_space> {
- public:
-  template <class Exec>
   explicit signal_slot(Exec const&) {
-    void* p = nullptr;
-    MPX_CUDA_CHECK(cudaHostAlloc(&p, sizeof(stuck_signal), cudaHostAllocMapped));
-    host_.reset(static_cast<stuck_signal*>(p));
-    *host_ = stuck_signal{};
-    void* d = nullptr;
-    MPX_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
-    device_ = static_cast<stuck_signal*>(d);
+    *memory_.host = stuck_signal{};
   }
-  [[nodiscard]] stuck_signal* device() const noexcept { return device_; }
+  [[nodiscard]] stuck_signal* device() const noexcept { return memory_.device(); }
   //! The latest signal the device has written; it may lag the stream by a few steps.
   //! The device's 16-byte store need not reach host memory as one piece, so a read
   //! could mix two signals: read until two reads in a row agree (the device writes once
   //! per run of overflows, so this ends at once in practice).
   [[nodiscard]] stuck_signal read() const noexcept {
-    auto once = [this] {
+    auto once = [signal = memory_.host.get()] {
       std::array<std::uint32_t, 4> words;
-      auto const* src = reinterpret_cast<std::uint32_t const volatile*>(host_.get());
+      auto const* src = reinterpret_cast<std::uint32_t const volatile*>(signal);
       for (std::size_t i = 0; i < 4; ++i) words[i] = src[i];
       return words;
     };
@@ -100,8 +85,27 @@ class signal_slot<device_space> {
   }
 
  private:
-  std::unique_ptr<stuck_signal, pinned_release> host_;
-  stuck_signal* device_ = nullptr;
+  signal_memory<Space> memory_;
+};
+
+#if MPX_HAS_CUDA_RUNTIME
+struct pinned_release {
+  void operator()(void* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost"); }
+};
+
+template <>
+struct signal_memory<device_space> {
+  signal_memory() {
+    void* p = nullptr;
+    MPX_CUDA_CHECK(cudaHostAlloc(&p, sizeof(stuck_signal), cudaHostAllocMapped));
+    host.reset(static_cast<stuck_signal*>(p));
+    void* d = nullptr;
+    MPX_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+    device_pointer = static_cast<stuck_signal*>(d);
+  }
+  [[nodiscard]] stuck_signal* device() const noexcept { return device_pointer; }
+  std::unique_ptr<stuck_signal, pinned_release> host;
+  stuck_signal* device_pointer = nullptr;
 };
 #endif
 
