@@ -398,6 +398,60 @@ TEST_CASE("gemm folds a shared-B batch into one product only where the extents a
 // op(X)[r, c] = X[c + r * ld] when X is transposed and X[r + c * ld] otherwise, batch
 // entry b at b * batch_stride (0: shared). Every transpose pair, batches with A, B or
 // neither shared, and the folded shared-B batch; integer operands, so the sums are exact.
+TEST_CASE("gemm on the GPU gets operands it must round as Compute temporaries, and a 16-bit C through float",
+          "[gemm]") {
+  // What cuBLASLt is handed (it takes only Compute operands, and a C of Compute or float),
+  // run on the host with a product of the test's own.
+  mpx::host_executor const exec;
+  mpx::shape const sa{2, 3}, sb{3, 2}, sc{2, 2};
+  auto const a = mpx_test::random_values<mpx::half>(6, -4, 4, 1), b = mpx_test::random_values<mpx::half>(6, -4, 4, 2);
+  auto const c0 = mpx_test::random_values<mpx::half>(4, -4, 4, 3);
+  for (float const beta : {0.0f, 0.5f}) {
+    CAPTURE(beta);
+    auto c = c0;
+    int calls = 0;
+    mpx::detail::with_compute_operands<mpx::bfloat16>(
+        exec, sa, sb, sc, a.data(), b.data(), beta, c.data(), [&](auto const* a_in, auto const* b_in, auto* c_out) {
+          ++calls;
+          STATIC_REQUIRE(std::is_same_v<decltype(a_in), mpx::bfloat16 const*>);
+          STATIC_REQUIRE(std::is_same_v<decltype(b_in), mpx::bfloat16 const*>);
+          STATIC_REQUIRE(std::is_same_v<decltype(c_out), float*>);  // half C: a float temporary
+          for (std::size_t i = 0; i < 6; ++i) {
+            CHECK(mpx::detail::bit_cast<std::uint16_t>(a_in[i]) ==
+                  mpx::detail::bit_cast<std::uint16_t>(mpx::cast<mpx::bfloat16>(a[i])));
+            CHECK(mpx::detail::bit_cast<std::uint16_t>(b_in[i]) ==
+                  mpx::detail::bit_cast<std::uint16_t>(mpx::cast<mpx::bfloat16>(b[i])));
+          }
+          for (std::size_t i = 0; i < 4; ++i) {
+            if (beta != 0.0f) CHECK(c_out[i] == mpx::cast<float>(c0[i]));  // C is read when beta is not 0
+            c_out[i] = 1000.25f + static_cast<float>(i);  // rounded once, back into half
+          }
+        });
+    CHECK(calls == 1);
+    for (std::size_t i = 0; i < 4; ++i)
+      CHECK(mpx::cast<float>(c[i]) == mpx::cast<float>(mpx::cast<mpx::half>(1000.25f + static_cast<float>(i))));
+  }
+  // Nothing to round (a float compute type reads 16-bit operands exactly): the caller's
+  // own pointers; a float C is the caller's too.
+  auto c = c0;
+  mpx::detail::with_compute_operands<float>(exec, sa, sb, sc, a.data(), b.data(), 1.0f, c.data(),
+                                            [&](auto const* a_in, auto const* b_in, auto* c_out) {
+                                              CHECK(a_in == a.data());
+                                              CHECK(b_in == b.data());
+                                              CHECK(c_out == c.data());
+                                            });
+  auto const af = mpx_test::random_values<float>(6, -4, 4, 4), bf = mpx_test::random_values<float>(6, -4, 4, 5);
+  std::vector<float> cf(4, 7.0f);
+  mpx::detail::with_compute_operands<mpx::bfloat16>(exec, sa, sb, sc, af.data(), bf.data(), 1.0f, cf.data(),
+                                                    [&](auto const* a_in, auto const*, auto* c_out) {
+                                                      STATIC_REQUIRE(std::is_same_v<decltype(a_in),
+                                                                                    mpx::bfloat16 const*>);
+                                                      CHECK(c_out == cf.data());
+                                                      CHECK(mpx::cast<float>(a_in[0]) ==
+                                                            mpx::cast<float>(mpx::cast<mpx::bfloat16>(af[0])));
+                                                    });
+}
+
 TEST_CASE("gemm's cuBLASLt terms, read column-major as cuBLASLt reads them, give the row-major product", "[gemm]") {
   using mpx::detail::column_major_matrix;
   auto const op_rows = [](column_major_matrix const& x) { return x.transposed ? x.cols : x.rows; };

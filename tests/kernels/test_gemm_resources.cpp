@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -25,6 +26,7 @@ struct fake_gemm_plan {
   mpx::detail::lt_problem problem;
   void const* a_scale = nullptr;
   void const* b_scale = nullptr;
+  mutable std::mutex call_mutex;
 };
 
 //! Records what it is asked to do. Streams are addresses; ids[stream] is the stream's
@@ -85,7 +87,17 @@ struct fake_gemm_backend {
   std::unique_ptr<fake_gemm_plan> make_plan(mpx::detail::lt_problem const& p, int, std::size_t, void const* a_scale,
                                             void const* b_scale) {
     log.push_back("make_plan");
-    return std::make_unique<fake_gemm_plan>(fake_gemm_plan{p, a_scale, b_scale});
+    auto plan = std::make_unique<fake_gemm_plan>();
+    plan->problem = p;
+    plan->a_scale = a_scale;
+    plan->b_scale = b_scale;
+    return plan;
+  }
+  //! Logged with whether the plan's lock is held (a try_lock from this thread fails).
+  void set_scale_pointers(fake_gemm_plan const& plan, void const*, void const*) {
+    bool const locked = !plan.call_mutex.try_lock();
+    if (!locked) plan.call_mutex.unlock();
+    log.push_back(locked ? "scales under the lock" : "scales without the lock");
   }
 
   std::size_t count(std::string const& entry) const {
@@ -266,6 +278,48 @@ TEST_CASE("gemm resources: a plan per problem, made once with the first call's s
   CHECK(b.count("make_plan") == 4);
 }
 
+TEST_CASE("gemm resources: a product asks for its workspace first, and sets its scales under the plan's lock",
+          "[gemm][resources]") {
+  gemm_resources r;
+  fake_gemm_backend& b = r.backend();
+  auto const [s1, s2] = two_streams(b);
+  mpx::detail::lt_problem p;
+  p.a_rows = p.c_rows = 8;
+  p.a_cols = p.b_rows = 16;
+  p.b_cols = p.c_cols = 4;
+  int launches = 0;
+  auto const launch = [&](int handle, fake_gemm_plan const& plan, mpx::detail::lt_workspace ws) {
+    bool const locked = !plan.call_mutex.try_lock();
+    if (!locked) plan.call_mutex.unlock();
+    b.log.push_back(std::string("launch with handle ") + std::to_string(handle) +
+                    (ws.data ? " and a workspace" : " and no workspace") + (locked ? ", locked" : ", unlocked"));
+    ++launches;
+  };
+  // Without scales: workspace, handle, plan, launch; the lock is not taken.
+  r.run(p, s1, false, {}, launch);
+  CHECK(b.log == std::vector<std::string>{"allocate 33554432 on 0", "create_handle 0", "make_plan",
+                                          "launch with handle 1 and a workspace, unlocked"});
+  // With scales: set, then launched, both under the plan's lock; the same plan and handle.
+  b.log.clear();
+  int const a_scale = 1, b_scale = 2;
+  mpx::detail::lt_operand_scales scales;
+  scales.a = &a_scale;
+  scales.b = &b_scale;
+  r.run(p, s1, false, scales, launch);
+  CHECK(b.log == std::vector<std::string>{"scales under the lock", "launch with handle 1 and a workspace, locked"});
+  // A capture on a stream that never ran a product eagerly is refused before anything is
+  // made or launched.
+  b.log.clear();
+  CHECK_THROWS_AS(r.run(p, s2, true, scales, launch), mpx::error);
+  CHECK(b.log.empty());
+  CHECK(launches == 2);
+  // Once it has, the capture runs on what the eager product made.
+  r.run(p, s2, false, {}, launch);
+  b.log.clear();
+  r.run(p, s2, true, scales, launch);
+  CHECK(b.log == std::vector<std::string>{"scales under the lock", "launch with handle 1 and a workspace, locked"});
+}
+
 TEST_CASE("gemm resources: release frees everything after each device's work and starts a new generation",
           "[gemm][resources]") {
   gemm_resources r;
@@ -380,4 +434,93 @@ TEST_CASE("a gemm's cuBLASLt problem: the operands swapped into column-major ter
   huge.k = std::int64_t{1} << 31;
   CHECK_THROWS_TYPE_WITH(mpx::detail::lt_problem_of<float>(0, huge, false, false, a, b, c), mpx::invalid_argument,
                          Catch::Contains("cuBLASLt takes extents up to 2^31 - 1") && Catch::Contains("K = 2147483648"));
+}
+
+TEST_CASE("a gemm's cuBLASLt plan settings: compute type, transposes, pointer mode and alignments",
+          "[gemm][resources]") {
+  mpx::detail::lt_problem p;
+  p.transpose_b = true;
+  p.align_a = 4;
+  p.align_b = 8;
+  p.align_c = 16;
+  auto const s = mpx::detail::lt_plan_settings_of(p, nullptr, nullptr);
+  CHECK_FALSE(s.half_compute);  // float sums, never TF32
+  CHECK_FALSE(s.transpose_a);
+  CHECK(s.transpose_b);
+  CHECK_FALSE(s.device_pointers);
+  CHECK_FALSE(s.set_scales);  // a plain product sets no scale modes
+  // The problem's alignments become the heuristic's, D's being C's (the product is in place).
+  CHECK((s.align_a == 4 && s.align_b == 8 && s.align_c == 16 && s.align_d == 16));
+
+  auto half = p;
+  half.half_sums = true;
+  half.transpose_a = true;
+  half.transpose_b = false;
+  half.alpha_beta_on_device = true;
+  auto const h = mpx::detail::lt_plan_settings_of(half, nullptr, nullptr);
+  CHECK(h.half_compute);
+  CHECK(h.transpose_a);
+  CHECK_FALSE(h.transpose_b);
+  CHECK(h.device_pointers);  // alpha and beta read from the device
+}
+
+TEST_CASE("a gemm's cuBLASLt plan settings: split-K sums in C's type only when C is float", "[gemm][resources]") {
+  using mpx::detail::lt_split_k_sums;
+  mpx::detail::lt_problem p;
+  p.c_type = CUDA_R_32F;
+  CHECK(mpx::detail::lt_plan_settings_of(p, nullptr, nullptr).split_k_sums == lt_split_k_sums::any);
+  // A 16-bit C would round every partial sum: only none or the compute type's sums.
+  for (cudaDataType_t const c : {CUDA_R_16F, CUDA_R_16BF}) {
+    p.c_type = c;
+    CHECK(mpx::detail::lt_plan_settings_of(p, nullptr, nullptr).split_k_sums == lt_split_k_sums::compute_type);
+    p.half_sums = true;  // half sums as well: C's type is not the compute type's rule
+    CHECK(mpx::detail::lt_plan_settings_of(p, nullptr, nullptr).split_k_sums == lt_split_k_sums::compute_type);
+    p.half_sums = false;
+  }
+}
+
+TEST_CASE("a gemm's cuBLASLt plan settings: scales set before the heuristic whenever the product has any",
+          "[gemm][resources]") {
+  using mpx::detail::lt_operand_scaling;
+  int const a_scale = 0, b_scale = 0;
+  mpx::detail::lt_problem p;
+  p.a_type = p.b_type = CUDA_R_8F_E4M3;
+
+  // fp8 with tensor scales: a pointer on either operand is enough.
+  auto const only_a = mpx::detail::lt_plan_settings_of(p, &a_scale, nullptr);
+  CHECK(only_a.set_scales);
+  CHECK((only_a.a_scale == &a_scale && only_a.b_scale == nullptr));
+  CHECK((only_a.a_scaling == lt_operand_scaling::tensor && only_a.b_scaling == lt_operand_scaling::tensor));
+  auto const only_b = mpx::detail::lt_plan_settings_of(p, nullptr, &b_scale);
+  CHECK(only_b.set_scales);
+  CHECK((only_b.a_scale == nullptr && only_b.b_scale == &b_scale));
+  CHECK_FALSE(mpx::detail::lt_plan_settings_of(p, nullptr, nullptr).set_scales);
+
+  // Block scales on either operand set the modes even before a call's pointers are known.
+  auto blocks_a = p;
+  blocks_a.a_scaling = lt_operand_scaling::vec32;
+  auto const a = mpx::detail::lt_plan_settings_of(blocks_a, nullptr, nullptr);
+  CHECK(a.set_scales);
+  CHECK((a.a_scaling == lt_operand_scaling::vec32 && a.b_scaling == lt_operand_scaling::tensor));
+  auto blocks_b = p;
+  blocks_b.b_scaling = lt_operand_scaling::tile128;
+  auto const b = mpx::detail::lt_plan_settings_of(blocks_b, &a_scale, &b_scale);
+  CHECK(b.set_scales);
+  CHECK((b.a_scaling == lt_operand_scaling::tensor && b.b_scaling == lt_operand_scaling::tile128));
+  CHECK((b.a_scale == &a_scale && b.b_scale == &b_scale));
+}
+
+TEST_CASE("a gemm's cuBLASLt plan: what the heuristic's answer comes to", "[gemm][resources]") {
+  using mpx::detail::lt_heuristic_outcome;
+  using mpx::detail::lt_heuristic_outcome_of;
+  CHECK(lt_heuristic_outcome_of(false, 1, true) == lt_heuristic_outcome::found);
+  // NOT_SUPPORTED from the query is a refusal with its status, whatever it returned.
+  CHECK(lt_heuristic_outcome_of(true, 1, true) == lt_heuristic_outcome::unsupported);
+  CHECK(lt_heuristic_outcome_of(true, 0, false) == lt_heuristic_outcome::unsupported);
+  // An empty answer is NOT_SUPPORTED, whatever its (unset) result's state.
+  CHECK(lt_heuristic_outcome_of(false, 0, true) == lt_heuristic_outcome::none_found);
+  CHECK(lt_heuristic_outcome_of(false, 0, false) == lt_heuristic_outcome::none_found);
+  CHECK(lt_heuristic_outcome_of(false, -1, true) == lt_heuristic_outcome::none_found);
+  // An algorithm whose state failed is refused with that state.
+  CHECK(lt_heuristic_outcome_of(false, 1, false) == lt_heuristic_outcome::failed);
 }

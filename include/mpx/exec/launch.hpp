@@ -5,9 +5,9 @@
 
 #include <mpx/core/config.hpp>
 #include <mpx/core/error.hpp>
+#include <mpx/exec/per_device.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -61,16 +61,14 @@ constexpr bool fits_32_bit_grid_stride(std::size_t total, std::size_t largest, u
 #if MPX_HAS_CUDA_RUNTIME
 //! Multiprocessors of the current device, asked once per device.
 inline int sm_count() {
-  static std::atomic<int> cache[64] = {};
+  static per_device<int> counts;
   int device = 0;
   MPX_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 64) {
-    if (int known = cache[device].load(std::memory_order_relaxed)) return known;
-  }
-  int count = 0;
-  MPX_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cache[device].store(count, std::memory_order_relaxed);
-  return count;
+  return counts.get(device, [device] {
+    int count = 0;
+    MPX_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  });
 }
 
 //! Blocks for a grid-stride loop over `items` work items: enough to fill every SM

@@ -4,15 +4,13 @@
 #pragma once
 
 #include <mpx/core/error.hpp>
+#include <mpx/exec/per_device.hpp>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <new>
-#include <set>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -94,23 +92,18 @@ class buffer<T, host_space> {
 //! so is a pool installed with cudaDeviceSetMemPool; cudaMemPoolTrimTo gives the memory
 //! back on request.
 inline void keep_pool_memory(int device) {
-  static std::atomic<std::uint64_t> kept{0};  // bit d: device d is done (devices below 64)
-  static std::mutex mutex;
-  static std::set<int> kept_beyond_64;
-  std::uint64_t const bit = device >= 0 && device < 64 ? std::uint64_t{1} << device : 0;
-  if (bit && (kept.load(std::memory_order_acquire) & bit)) return;
-  std::lock_guard lock(mutex);
-  if (bit ? (kept.load(std::memory_order_relaxed) & bit) != 0 : kept_beyond_64.contains(device)) return;
-  cudaMemPool_t pool = nullptr;
-  MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
-  std::uint64_t threshold = 0;
-  MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-  if (threshold == 0) {
-    threshold = UINT64_MAX;
-    MPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-  }
-  if (bit) kept.fetch_or(bit, std::memory_order_release);
-  else kept_beyond_64.insert(device);
+  static per_device<bool> kept;
+  kept.get(device, [device] {
+    cudaMemPool_t pool = nullptr;
+    MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    std::uint64_t threshold = 0;
+    MPX_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    if (threshold == 0) {
+      threshold = UINT64_MAX;
+      MPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    }
+    return true;
+  });
 }
 
 //! Frees device memory in the order of the stream it was allocated on.

@@ -133,33 +133,37 @@ struct cublaslt_backend {
   }
   static void set_device(int device) { MPX_CUDA_CHECK(cudaSetDevice(device)); }
   static void report(char const* what, char const* why) noexcept { std::fprintf(stderr, "mpx: %s failed: %s\n", what, why); }
+  //! A call's scale pointers, on the plan's descriptor (under the plan's lock).
+  static void set_scale_pointers(lt_plan const& plan, void const* a_scale, void const* b_scale) {
+    plan.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale, "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
+    plan.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale, "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
+  }
 
+  //! The plan of `p`: its settings (lt_plan_settings_of, where the decisions and their
+  //! reasons are) applied to new descriptors, then the heuristic's algorithm.
   static std::unique_ptr<lt_plan> make_plan(lt_problem const& p, cublasLtHandle_t handle, std::size_t workspace_bytes,
                                             void const* a_scale, void const* b_scale) {
+    lt_plan_settings const s = lt_plan_settings_of(p, a_scale, b_scale);
     auto plan = std::make_unique<lt_plan>();
-    check_cublas(cublasLtMatmulDescCreate(&plan->desc, p.half_sums ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F,
-                                          p.half_sums ? CUDA_R_16F : CUDA_R_32F),
+    check_cublas(cublasLtMatmulDescCreate(&plan->desc, s.half_compute ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F,
+                                          s.half_compute ? CUDA_R_16F : CUDA_R_32F),
                  "cublasLtMatmulDescCreate");
-    cublasOperation_t const op_a = p.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasOperation_t const op_b = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t const op_a = s.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t const op_b = s.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     plan->set(CUBLASLT_MATMUL_DESC_TRANSA, op_a, "cublasLtMatmulDescSetAttribute(TRANSA)");
     plan->set(CUBLASLT_MATMUL_DESC_TRANSB, op_b, "cublasLtMatmulDescSetAttribute(TRANSB)");
     make_layout(plan->a, "A", p.a_type, p.a_rows, p.a_cols, p.lda, p.batch, p.stride_a);
     make_layout(plan->b, "B", p.b_type, p.b_rows, p.b_cols, p.ldb, p.batch, p.stride_b);
     make_layout(plan->c, "C", p.c_type, p.c_rows, p.c_cols, p.ldc, p.batch, p.stride_c);
-    if (p.alpha_beta_on_device)
+    if (s.device_pointers)  // a cublasLtPointerMode_t, as cuBLASLt reads it
       plan->set(CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE,
                 "cublasLtMatmulDescSetAttribute(POINTER_MODE)");
-    // Set before the heuristic, which picks kernels by them (as PyTorch's scaled_gemm and
-    // Transformer Engine set them), whenever the product has scales.
-    bool const blocks = p.a_scaling != lt_operand_scaling::tensor || p.b_scaling != lt_operand_scaling::tensor;
-    if (blocks || a_scale != nullptr || b_scale != nullptr) {
-      plan->set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, lt_scale_mode(p.a_scaling),
+    if (s.set_scales) {  // before the heuristic, which picks kernels by them
+      plan->set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, lt_scale_mode(s.a_scaling),
                 "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)");
-      plan->set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, lt_scale_mode(p.b_scaling),
+      plan->set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, lt_scale_mode(s.b_scaling),
                 "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)");
-      plan->set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale, "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
-      plan->set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale, "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
+      set_scale_pointers(*plan, s.a_scale, s.b_scale);
     }
 
     cublasLtMatmulPreference_t pref = nullptr;
@@ -172,35 +176,31 @@ struct cublaslt_backend {
     };
     prefer(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, std::uint64_t{workspace_bytes},
            "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
-    // The default assumes 256-byte aligned pointers; views at an offset and batch
-    // strides can be less aligned, and an algorithm that needs more would fault.
-    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_a, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_A)");
-    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_b, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_B)");
-    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align_c, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_C)");
-    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align_c, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_D)");
-    // Split-K partial products must be summed in the compute type. The in-place and
-    // output-type schemes sum them in C's type, which for a 16-bit C rounds every
-    // partial sum to half or bfloat16: one rounding per slice of K, not the one rounding
-    // at the end that gemm's error bound (and docs/gemm.md) promises.
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, s.align_a, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_A)");
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, s.align_b, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_B)");
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, s.align_c, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_C)");
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, s.align_d, "cublasLtMatmulPreferenceSetAttribute(ALIGNMENT_D)");
     prefer(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-           p.c_type == CUDA_R_32F
+           s.split_k_sums == lt_split_k_sums::any
                ? std::uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
                : std::uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE},
            "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)");
 
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    // D is C (in place), so the C layout serves both. "Not supported" is how the
-    // heuristic itself usually says it found nothing: report it with the product's
-    // shape, like an empty result.
+    // D is C (in place), so the C layout serves both.
     cublasStatus_t const asked =
         cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-    if (asked != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(asked, "cublasLtMatmulAlgoGetHeuristic");
-    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
-      cublasStatus_t const status = asked != CUBLAS_STATUS_SUCCESS ? asked
-                                    : found < 1                    ? CUBLAS_STATUS_NOT_SUPPORTED
-                                                                   : result.state;
-      throw cublas_error(lt_no_algorithm_message(p, cublasLtGetStatusName(status)), static_cast<int>(status));
+    bool const unsupported = asked == CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!unsupported) check_cublas(asked, "cublasLtMatmulAlgoGetHeuristic");
+    auto const refuse = [&p](cublasStatus_t status) {
+      return cublas_error(lt_no_algorithm_message(p, cublasLtGetStatusName(status)), static_cast<int>(status));
+    };
+    switch (lt_heuristic_outcome_of(unsupported, found, result.state == CUBLAS_STATUS_SUCCESS)) {
+      case lt_heuristic_outcome::found: break;
+      case lt_heuristic_outcome::unsupported: throw refuse(asked);
+      case lt_heuristic_outcome::none_found: throw refuse(CUBLAS_STATUS_NOT_SUPPORTED);
+      case lt_heuristic_outcome::failed: throw refuse(result.state);
     }
     plan->algo = result.algo;
     plan->workspace_bytes = result.workspaceSize;
@@ -237,26 +237,13 @@ inline lt_context& lt_cache() {
 //! to device memory, read when the product runs.
 inline void lt_matmul(lt_problem const& p, cudaStream_t stream, void const* alpha, void const* a, void const* b,
                       void const* beta, void* c, lt_operand_scales const& scales = {}) {
-  lt_context& context = lt_cache();
-  // Asked first: during a capture nothing may be created, so a cold stream is refused
-  // before a handle or workspace would be.
+  // lt_resources::run refuses a stream that never ran a product eagerly during a capture.
   bool const capturing = cuda_executor(stream).capturing();
-  lt_workspace const ws = context.workspace_for(p.device, stream, capturing);
-  cublasLtHandle_t const handle = context.handle(p.device, capturing);
-  lt_plan const& plan = context.plan(p, handle, ws.bytes, scales.a, scales.b);
-  auto const run = [&] {
+  lt_cache().run(p, stream, capturing, scales, [&](cublasLtHandle_t handle, lt_plan const& plan, lt_workspace ws) {
     check_cublas(cublasLtMatmul(handle, plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c, plan.c,
                                 &plan.algo, ws.data, ws.bytes, stream),
                  "cublasLtMatmul");
-  };
-  if (!scales.a && !scales.b) return run();
-  // The pointers are attributes of the cached descriptor, which other threads' products
-  // of the same problem share: set them and launch under the plan's lock (cuBLASLt reads
-  // the attributes when it enqueues the kernel, not when the kernel runs).
-  std::lock_guard lock(plan.call_mutex);
-  plan.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scales.a, "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
-  plan.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scales.b, "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
-  run();
+  });
 }
 
 }  // namespace detail

@@ -552,6 +552,33 @@ lt_problem lt_problem_of(int device, gemm_dims d, bool ta, bool tb, TA const* a,
   return p;
 }
 
+//! A product read in Compute by a library that takes only Compute operands (cuBLASLt):
+//! operands Compute would round are cast into temporaries on the executor first, and
+//! `product(a, b, c)` runs on them. The library takes a C of Compute or float; any other
+//! C gets a float temporary (holding C when beta reads it), converted back once at the
+//! end. Plain C++, so the host suite runs it with a product of its own.
+template <class Compute, class Exec, class TA, class TB, class TC, class Product>
+void with_compute_operands(Exec const& exec, shape const& sa, shape const& sb, shape const& sc, TA const* a,
+                           TB const* b, float beta, TC* c, Product&& product) {
+  using Space = memory_space_t<Exec>;
+  if constexpr (!rounds_operand<TA, Compute> && !rounds_operand<TB, Compute>) {
+    product(a, b, c);
+  } else {
+    tensor<Compute, Space> ac(exec, sa), bc(exec, sb);
+    mpx::cast(exec, tensor_view<TA const, Space>(a, sa), ac);
+    mpx::cast(exec, tensor_view<TB const, Space>(b, sb), bc);
+    if constexpr (std::is_same_v<TC, float> || std::is_same_v<TC, Compute>) {
+      product(ac.data(), bc.data(), c);
+    } else {
+      tensor<float, Space> cf(exec, sc);
+      tensor_view<TC, Space> const cv(c, sc);
+      if (beta != 0.0f) mpx::cast(exec, cv, cf);
+      product(ac.data(), bc.data(), cf.data());
+      mpx::cast(exec, cf, cv);
+    }
+  }
+}
+
 #if MPX_HAS_CUDA
 //! `scales`, in cuBLASLt's terms (its A is our B), are the fp8 operands' inverse scales
 //! on the device (mpx::fp8_gemm); none for other products.
@@ -571,29 +598,6 @@ void cuda_gemm(cudaStream_t stream, gemm_dims const& d, bool ta, bool tb, float 
   }
 }
 
-//! cuda_gemm with A and B read in Compute: operands Compute would round are cast into
-//! stream-ordered temporaries first. cuBLASLt takes Compute operands with a C of
-//! Compute or float; any other C gets a float temporary, converted once at the end.
-template <class Acc, class Compute, class Exec, class TA, class TB, class TC>
-void cuda_gemm_in(Exec const& exec, gemm_dims const& d, shape const& sa, shape const& sb, shape const& sc, bool ta,
-                  bool tb, float alpha, TA const* a, TB const* b, float beta, TC* c) {
-  if constexpr (!rounds_operand<TA, Compute> && !rounds_operand<TB, Compute>) {
-    cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, a, b, beta, c);
-  } else {
-    tensor<Compute, device_space> ac(exec, sa), bc(exec, sb);
-    mpx::cast(exec, tensor_view<TA const, device_space>(a, sa), ac);
-    mpx::cast(exec, tensor_view<TB const, device_space>(b, sb), bc);
-    if constexpr (std::is_same_v<TC, float> || std::is_same_v<TC, Compute>) {
-      cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, ac.data(), bc.data(), beta, c);
-    } else {
-      tensor<float, device_space> cf(exec, sc);
-      tensor_view<TC, device_space> const cv(c, sc);
-      if (beta != 0.0f) mpx::cast(exec, cv, cf);
-      cuda_gemm<Acc>(exec.stream(), d, ta, tb, alpha, ac.data(), bc.data(), beta, cf.data());
-      mpx::cast(exec, cf, cv);
-    }
-  }
-}
 #endif
 
 //! C = beta * C when the product has no terms (K = 0 or alpha = 0), leaving A and B
@@ -645,9 +649,12 @@ void gemm([[maybe_unused]] Exec const& exec, A&& a, B&& b, C&& c, gemm_options c
                                        bv.data(), options.beta, cv.data());
   } else {
 #if MPX_HAS_CUDA
-    detail::cuda_gemm_in<Acc, Compute>(exec, d, av.shape(), bv.shape(), cv.shape(), options.transpose_a,
-                                       options.transpose_b, options.alpha, av.data(), bv.data(), options.beta,
-                                       cv.data());
+    detail::with_compute_operands<Compute>(exec, av.shape(), bv.shape(), cv.shape(), av.data(), bv.data(), options.beta,
+                                           cv.data(), [&](auto const* a_in, auto const* b_in, auto* c_out) {
+                                             detail::cuda_gemm<Acc>(exec.stream(), d, options.transpose_a,
+                                                                    options.transpose_b, options.alpha, a_in, b_in,
+                                                                    options.beta, c_out);
+                                           });
 #else
     detail::kernels_need_nvcc<Exec>();
 #endif

@@ -1,8 +1,8 @@
-// What identifies one cuBLASLt matrix product, the key of its cached plan, and the
-// message a product cuBLASLt has no algorithm for gets. Plain C++ (CUDA's data type
-// enumerators come from library_types.h, a header every mpx build has), so the host
-// suite checks the problem a product becomes and what its refusal says; cublaslt.hpp
-// turns a problem into cuBLASLt's descriptors.
+// What identifies one cuBLASLt matrix product, the key of its cached plan, what that plan
+// sets on cuBLASLt's descriptors, and the message a product cuBLASLt has no algorithm for
+// gets. Plain C++ (CUDA's data type enumerators come from library_types.h, a header every
+// mpx build has), so the host suite checks the problem a product becomes, its plan's
+// settings and what its refusal says; cublaslt.hpp applies the settings with cuBLASLt.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
@@ -65,6 +65,81 @@ struct lt_operand_scales {
   //! the GPU computes (NVFP4's decode factors); null: they are host values.
   float const* device_alpha_beta = nullptr;
 };
+
+//! Which schemes cuBLASLt may sum split-K partial products with (its reduction scheme mask).
+enum class lt_split_k_sums : std::uint8_t {
+  any,           //!< every scheme (C is float: C's type is the compute type's precision)
+  compute_type,  //!< none, or in the compute type (NONE | COMPUTE_TYPE)
+};
+
+//! What make_plan (cublaslt.hpp) sets on a problem's descriptor and heuristic preference,
+//! decided here in plain C++ so the host suite checks it; make_plan only applies it, in
+//! cuBLASLt's types.
+struct lt_plan_settings {
+  //! Compute and scale type half (CUBLAS_COMPUTE_16F, CUDA_R_16F); else float (32F).
+  bool half_compute = false;
+  bool transpose_a = false, transpose_b = false;
+  //! alpha and beta are device pointers (CUBLASLT_POINTER_MODE_DEVICE).
+  bool device_pointers = false;
+  //! The scale modes and pointers are set before the heuristic, which picks kernels by
+  //! them (as PyTorch's scaled_gemm and Transformer Engine set them), whenever the
+  //! product has scales: block scales on either operand, or a scale pointer.
+  bool set_scales = false;
+  lt_operand_scaling a_scaling = lt_operand_scaling::tensor, b_scaling = lt_operand_scaling::tensor;
+  void const* a_scale = nullptr;
+  void const* b_scale = nullptr;
+  //! The least alignment (bytes) of A's, B's, C's and D's pointers. The heuristic's
+  //! default assumes 256-byte aligned pointers; views at an offset and batch strides can
+  //! be less aligned, and an algorithm that needs more would fault. D is C (in place).
+  std::uint32_t align_a = 0, align_b = 0, align_c = 0, align_d = 0;
+  //! Split-K partial products must be summed in the compute type. The in-place and
+  //! output-type schemes sum them in C's type, which for a 16-bit C rounds every partial
+  //! sum to half or bfloat16: one rounding per slice of K, not the one rounding at the
+  //! end that gemm's error bound (and docs/gemm.md) promises.
+  lt_split_k_sums split_k_sums = lt_split_k_sums::any;
+};
+
+//! The settings of problem `p`'s plan, whose first call's scale pointers are `a_scale` and
+//! `b_scale` (null: none).
+inline lt_plan_settings lt_plan_settings_of(lt_problem const& p, void const* a_scale, void const* b_scale) noexcept {
+  lt_plan_settings s;
+  s.half_compute = p.half_sums;
+  s.transpose_a = p.transpose_a;
+  s.transpose_b = p.transpose_b;
+  s.device_pointers = p.alpha_beta_on_device;
+  bool const blocks = p.a_scaling != lt_operand_scaling::tensor || p.b_scaling != lt_operand_scaling::tensor;
+  s.set_scales = blocks || a_scale != nullptr || b_scale != nullptr;
+  s.a_scaling = p.a_scaling;
+  s.b_scaling = p.b_scaling;
+  s.a_scale = a_scale;
+  s.b_scale = b_scale;
+  s.align_a = p.align_a;
+  s.align_b = p.align_b;
+  s.align_c = p.align_c;
+  s.align_d = p.align_c;
+  s.split_k_sums = p.c_type == CUDA_R_32F ? lt_split_k_sums::any : lt_split_k_sums::compute_type;
+  return s;
+}
+
+//! What the heuristic's answer comes to: an algorithm, or the refusal to report (with
+//! lt_no_algorithm_message) and which cuBLAS status names it.
+enum class lt_heuristic_outcome : std::uint8_t {
+  found,        //!< an algorithm to use
+  unsupported,  //!< the query said NOT_SUPPORTED: report its status
+  none_found,   //!< the query found nothing: report NOT_SUPPORTED
+  failed,       //!< the algorithm it found has a failed state: report that state
+};
+
+//! "Not supported" is how the heuristic itself usually says it found nothing: it is
+//! reported with the product's shape, like an empty result (any other failed query is a
+//! failed call, before this). `found`: how many algorithms it returned; `result_ok`: the
+//! first one's state is success.
+inline lt_heuristic_outcome lt_heuristic_outcome_of(bool query_unsupported, int found, bool result_ok) noexcept {
+  if (query_unsupported) return lt_heuristic_outcome::unsupported;
+  if (found < 1) return lt_heuristic_outcome::none_found;
+  if (!result_ok) return lt_heuristic_outcome::failed;
+  return lt_heuristic_outcome::found;
+}
 
 //! An operand type's name in mpx's messages.
 inline std::string lt_type_name(cudaDataType_t t) {

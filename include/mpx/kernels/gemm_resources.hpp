@@ -10,7 +10,9 @@
 // try_stream_id(stream, id&) (noexcept); workspace_bytes_for(device); allocate(bytes),
 // free(data); wait_for_device() and wait_for_stream(stream) (throw); current_device(),
 // set_device(device); make_plan(problem, handle, workspace bytes, a_scale, b_scale) (a
-// std::unique_ptr<plan_type>); report(what, why) noexcept, for failures nothing can throw.
+// std::unique_ptr<plan_type>; a plan_type has a mutex call_mutex);
+// set_scale_pointers(plan, a_scale, b_scale); report(what, why) noexcept, for failures
+// nothing can throw.
 #pragma once
 
 #include <mpx/core/error.hpp>
@@ -113,6 +115,24 @@ class lt_resources {
     if (it != plans_.end()) return *it->second;
     auto made = backend_.make_plan(p, handle, workspace_bytes, a_scale, b_scale);
     return *plans_.emplace(p, std::move(made)).first->second;
+  }
+
+  //! One product of `p` on `stream`: its workspace (asked first: a capture may create
+  //! nothing, so a stream that never ran a product eagerly is refused before a handle
+  //! would be made), its handle and its plan, then `launch(handle, plan, workspace)`. With
+  //! scales, the call's scale pointers are set on the plan first, and both happen under
+  //! the plan's lock: the pointers are attributes of the cached descriptor, which other
+  //! threads' products of the same problem share (cuBLASLt reads them when it enqueues the
+  //! kernel, not when the kernel runs).
+  template <class Launch>
+  void run(lt_problem const& p, stream_type stream, bool capturing, lt_operand_scales const& scales, Launch&& launch) {
+    lt_workspace const ws = workspace_for(p.device, stream, capturing);
+    handle_type const h = handle(p.device, capturing);
+    plan_type const& made = plan(p, h, ws.bytes, scales.a, scales.b);
+    if (!scales.a && !scales.b) return launch(h, made, ws);
+    std::lock_guard lock(made.call_mutex);
+    backend_.set_scale_pointers(made, scales.a, scales.b);
+    launch(h, made, ws);
   }
 
   //! Frees every workspace and plan and destroys the handles, after waiting for the
