@@ -391,13 +391,6 @@ TEST_CASE("gemm folds a shared-B batch into one product only where the extents a
   CHECK(kept.m == 1 << 28);
 }
 
-// What only a GPU runs, checked on the host: the translation of mpx's row-major product
-// into cuBLASLt's column-major terms (detail::column_major_terms, after gemm_shapes and
-// fold_batch, as cuda_gemm calls them), interpreted as cuBLASLt's documentation defines
-// them: D[r + c * ldd] = sum_k op(first)[r, k] op(second)[k, c], where
-// op(X)[r, c] = X[c + r * ld] when X is transposed and X[r + c * ld] otherwise, batch
-// entry b at b * batch_stride (0: shared). Every transpose pair, batches with A, B or
-// neither shared, and the folded shared-B batch; integer operands, so the sums are exact.
 TEST_CASE("gemm on the GPU gets operands it must round as Compute temporaries, and a 16-bit C through float",
           "[gemm]") {
   // What cuBLASLt is handed (it takes only Compute operands, and a C of Compute or float),
@@ -434,8 +427,10 @@ TEST_CASE("gemm on the GPU gets operands it must round as Compute temporaries, a
   // Nothing to round (a float compute type reads 16-bit operands exactly): the caller's
   // own pointers; a float C is the caller's too.
   auto c = c0;
+  int calls = 0;
   mpx::detail::with_compute_operands<float>(exec, sa, sb, sc, a.data(), b.data(), 1.0f, c.data(),
                                             [&](auto const* a_in, auto const* b_in, auto* c_out) {
+                                              ++calls;
                                               CHECK(a_in == a.data());
                                               CHECK(b_in == b.data());
                                               CHECK(c_out == c.data());
@@ -444,14 +439,23 @@ TEST_CASE("gemm on the GPU gets operands it must round as Compute temporaries, a
   std::vector<float> cf(4, 7.0f);
   mpx::detail::with_compute_operands<mpx::bfloat16>(exec, sa, sb, sc, af.data(), bf.data(), 1.0f, cf.data(),
                                                     [&](auto const* a_in, auto const*, auto* c_out) {
+                                                      ++calls;
                                                       STATIC_REQUIRE(std::is_same_v<decltype(a_in),
                                                                                     mpx::bfloat16 const*>);
                                                       CHECK(c_out == cf.data());
                                                       CHECK(mpx::cast<float>(a_in[0]) ==
                                                             mpx::cast<float>(mpx::cast<mpx::bfloat16>(af[0])));
                                                     });
+  CHECK(calls == 2);
 }
 
+// What only a GPU runs, checked on the host: the translation of mpx's row-major product
+// into cuBLASLt's column-major terms (detail::column_major_terms, after gemm_shapes and
+// fold_batch, as cuda_gemm calls them), interpreted as cuBLASLt's documentation defines
+// them: D[r + c * ldd] = sum_k op(first)[r, k] op(second)[k, c], where
+// op(X)[r, c] = X[c + r * ld] when X is transposed and X[r + c * ld] otherwise, batch
+// entry b at b * batch_stride (0: shared). Every transpose pair, batches with A, B or
+// neither shared, and the folded shared-B batch; integer operands, so the sums are exact.
 TEST_CASE("gemm's cuBLASLt terms, read column-major as cuBLASLt reads them, give the row-major product", "[gemm]") {
   using mpx::detail::column_major_matrix;
   auto const op_rows = [](column_major_matrix const& x) { return x.transposed ? x.cols : x.rows; };

@@ -10,14 +10,16 @@
 #include <mpx/kernels/gemm_problem.hpp>
 #include <mpx/kernels/gemm_resources.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <stdexcept>
-#include <utility>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -26,7 +28,22 @@ struct fake_gemm_plan {
   mpx::detail::lt_problem problem;
   void const* a_scale = nullptr;
   void const* b_scale = nullptr;
-  mutable std::mutex call_mutex;
+  //! A mutex that knows whether this thread holds it (asking a std::mutex that is
+  //! held by the asking thread is undefined).
+  struct owned_mutex {
+    std::mutex m;
+    std::atomic<std::thread::id> owner{};
+    void lock() {
+      m.lock();
+      owner = std::this_thread::get_id();
+    }
+    void unlock() {
+      owner = std::thread::id{};
+      m.unlock();
+    }
+    bool held_here() const { return owner.load() == std::this_thread::get_id(); }
+  };
+  mutable owned_mutex call_mutex;
 };
 
 //! Records what it is asked to do. Streams are addresses; ids[stream] is the stream's
@@ -93,11 +110,9 @@ struct fake_gemm_backend {
     plan->b_scale = b_scale;
     return plan;
   }
-  //! Logged with whether the plan's lock is held (a try_lock from this thread fails).
+  //! Logged with whether this thread holds the plan's lock.
   void set_scale_pointers(fake_gemm_plan const& plan, void const*, void const*) {
-    bool const locked = !plan.call_mutex.try_lock();
-    if (!locked) plan.call_mutex.unlock();
-    log.push_back(locked ? "scales under the lock" : "scales without the lock");
+    log.push_back(plan.call_mutex.held_here() ? "scales under the lock" : "scales without the lock");
   }
 
   std::size_t count(std::string const& entry) const {
@@ -289,8 +304,7 @@ TEST_CASE("gemm resources: a product asks for its workspace first, and sets its 
   p.b_cols = p.c_cols = 4;
   int launches = 0;
   auto const launch = [&](int handle, fake_gemm_plan const& plan, mpx::detail::lt_workspace ws) {
-    bool const locked = !plan.call_mutex.try_lock();
-    if (!locked) plan.call_mutex.unlock();
+    bool const locked = plan.call_mutex.held_here();
     b.log.push_back(std::string("launch with handle ") + std::to_string(handle) +
                     (ws.data ? " and a workspace" : " and no workspace") + (locked ? ", locked" : ", unlocked"));
     ++launches;
@@ -308,9 +322,11 @@ TEST_CASE("gemm resources: a product asks for its workspace first, and sets its 
   r.run(p, s1, false, scales, launch);
   CHECK(b.log == std::vector<std::string>{"scales under the lock", "launch with handle 1 and a workspace, locked"});
   // A capture on a stream that never ran a product eagerly is refused before anything is
-  // made or launched.
+  // made or launched: of a new problem too, whose plan a handle-first order would make.
   b.log.clear();
-  CHECK_THROWS_AS(r.run(p, s2, true, scales, launch), mpx::error);
+  auto q = p;
+  q.c_cols = q.b_cols = 12;
+  CHECK_THROWS_AS(r.run(q, s2, true, scales, launch), mpx::error);
   CHECK(b.log.empty());
   CHECK(launches == 2);
   // Once it has, the capture runs on what the eager product made.

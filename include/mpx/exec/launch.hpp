@@ -61,7 +61,7 @@ constexpr bool fits_32_bit_grid_stride(std::size_t total, std::size_t largest, u
 #if MPX_HAS_CUDA_RUNTIME
 //! Multiprocessors of the current device, asked once per device.
 inline int sm_count() {
-  static per_device<int> counts;
+  static per_device<int>& counts = *new per_device<int>;  // never destroyed: kernels may run at exit
   int device = 0;
   MPX_CUDA_CHECK(cudaGetDevice(&device));
   return counts.get(device, [device] {

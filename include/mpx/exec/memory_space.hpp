@@ -92,7 +92,7 @@ class buffer<T, host_space> {
 //! so is a pool installed with cudaDeviceSetMemPool; cudaMemPoolTrimTo gives the memory
 //! back on request.
 inline void keep_pool_memory(int device) {
-  static per_device<bool> kept;
+  static per_device<bool>& kept = *new per_device<bool>;  // never destroyed: buffers may be made at exit
   kept.get(device, [device] {
     cudaMemPool_t pool = nullptr;
     MPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -17,8 +18,10 @@ class per_device {
 
  public:
   //! The value of `device`, made by `make()` the first time any thread asks for it:
-  //! threads asking at once wait for that one call. A make() that throws stores nothing
-  //! (the next call tries again). Devices 0 to 63 are read without a lock once made.
+  //! threads asking at once wait for that one call (one lock serves every device, so a
+  //! device being made holds up the first asks for the others too). A make() that throws
+  //! stores nothing (the next call tries again). Devices 0 to 63 are read without a lock
+  //! once made; the others always take the lock.
   template <class Make>
   T get(int device, Make&& make) {
     bool const fast = device >= 0 && device < static_cast<int>(fast_devices);

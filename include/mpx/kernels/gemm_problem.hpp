@@ -68,7 +68,7 @@ struct lt_operand_scales {
 
 //! Which schemes cuBLASLt may sum split-K partial products with (its reduction scheme mask).
 enum class lt_split_k_sums : std::uint8_t {
-  any,           //!< every scheme (C is float: C's type is the compute type's precision)
+  any,           //!< every scheme (C is float: C's type has at least the compute type's precision)
   compute_type,  //!< none, or in the compute type (NONE | COMPUTE_TYPE)
 };
 

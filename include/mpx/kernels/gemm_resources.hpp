@@ -10,9 +10,9 @@
 // try_stream_id(stream, id&) (noexcept); workspace_bytes_for(device); allocate(bytes),
 // free(data); wait_for_device() and wait_for_stream(stream) (throw); current_device(),
 // set_device(device); make_plan(problem, handle, workspace bytes, a_scale, b_scale) (a
-// std::unique_ptr<plan_type>; a plan_type has a mutex call_mutex);
-// set_scale_pointers(plan, a_scale, b_scale); report(what, why) noexcept, for failures
-// nothing can throw.
+// std::unique_ptr<plan_type>, whose `mutable` mutex call_mutex is locked through a const
+// plan); set_scale_pointers(plan, a_scale, b_scale); report(what, why) noexcept, for
+// failures nothing can throw.
 #pragma once
 
 #include <mpx/core/error.hpp>
