@@ -19,6 +19,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <sys/resource.h>
@@ -489,6 +490,71 @@ TEMPLATE_LIST_TEST_CASE("batches: epochs through the double buffer without waiti
     REQUIRE(mpx_test::first_mismatch(mpx_test::download(exec, images), expected_images).empty());
     CHECK(mpx_test::download(exec, labels) == expected_labels);
   }
+}
+
+namespace {
+//! The host's staging, failing the stage calls it is told to (as a broken GPU would).
+template <class T>
+struct failing_staging : mpx::detail::batch_staging<mpx::host_executor, T> {
+  using mpx::detail::batch_staging<mpx::host_executor, T>::batch_staging;
+  inline static std::set<int> fail_at;  // the stage calls (counted from 0) that throw
+  inline static int calls = 0;
+  void stage(std::span<std::size_t const> samples) {
+    if (fail_at.contains(calls++)) throw mpx::cuda_error("cudaMemcpyAsync: an illegal memory access", 700);
+    mpx::detail::batch_staging<mpx::host_executor, T>::stage(samples);
+  }
+};
+}  // namespace
+
+TEST_CASE("batches: a next() or start_epoch() whose staging fails loses no batch and repeats none",
+          "[data][batches][errors]") {
+  mpx::host_executor const exec;
+  temp_dir dir("failing_stage");
+  constexpr std::int64_t n = 23, side = 3;
+  write_small_dataset(dir, n, side, side);
+  auto const data = mpx::load_idx_dataset(dir / "images", dir / "labels");
+  mpx::batch_options const options{.batch_size = 4, .seed = 5};
+  // What each batch holds when nothing fails: its index, labels and images.
+  using seen = std::tuple<std::size_t, std::vector<std::int32_t>, std::vector<float>>;
+  auto const take_all = [&](auto& loader, std::uint64_t epoch, int& failures) {
+    std::vector<seen> batches;
+    try {
+      loader.start_epoch(epoch);
+    } catch (mpx::cuda_error const&) {
+      ++failures;
+    }
+    for (;;) {
+      try {
+        auto b = loader.next();
+        if (!b) break;
+        batches.emplace_back(b->index, mpx_test::download(exec, b->labels), mpx_test::download(exec, b->images));
+      } catch (mpx::cuda_error const&) {
+        ++failures;
+      }
+    }
+    return batches;
+  };
+  mpx::batch_loader<mpx::host_executor> reference(exec, data, options);
+  int none = 0;
+  auto const expected = take_all(reference, 3, none);
+  REQUIRE(expected.size() == 6);
+  for (int fail : {0, 1, 2, 5}) {  // start_epoch's stage, then next()'s, the last one included
+    CAPTURE(fail);
+    failing_staging<float>::fail_at = {fail};
+    failing_staging<float>::calls = 0;
+    mpx::batch_loader<mpx::host_executor, float, failing_staging<float>> loader(exec, data, options);
+    int failures = 0;
+    auto const got = take_all(loader, 3, failures);
+    CHECK(failures == 1);
+    CHECK(got == expected);
+  }
+  // Two failures in a row, on the same batch.
+  failing_staging<float>::fail_at = {2, 3};
+  failing_staging<float>::calls = 0;
+  mpx::batch_loader<mpx::host_executor, float, failing_staging<float>> loader(exec, data, options);
+  int failures = 0;
+  CHECK(take_all(loader, 3, failures) == expected);
+  CHECK(failures == 2);
 }
 
 TEMPLATE_LIST_TEST_CASE("tensor_batches: views of resident tensors, in order, the last batch short", "[data][batches]",

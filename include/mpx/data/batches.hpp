@@ -332,8 +332,9 @@ class batch_staging<cuda_executor, T> : public double_buffered_staging<cuda_stag
 //! cuda_executor, work enqueued on the executor's stream before that call may still
 //! read them (the next upload into that memory waits for it), so enqueue a step's work
 //! on that stream, or order other streams before it. The data set must outlive the
-//! loader.
-template <executor Exec, class Storage = float>
+//! loader. A next() that throws returns no batch and loses none: the next call stages
+//! that batch again. (Staging, where a batch is assembled, is for tests that make it fail.)
+template <executor Exec, class Storage = float, class Staging = detail::batch_staging<Exec, Storage>>
 class batch_loader {
   static_assert(dtype<Storage>, "mpx::batch_loader stores images as mpx::half, mpx::bfloat16 or float");
 
@@ -361,7 +362,7 @@ class batch_loader {
                                                     std::to_string(data.size()) + " labels; expected [" +
                                                     std::to_string(data.size()) + ", H, W, C]");
     std::size_t const capacity = std::min(options.batch_size, data.size());
-    staging_ = std::make_unique<detail::batch_staging<Exec, Storage>>(exec, data, capacity);
+    staging_ = std::make_unique<Staging>(exec, data, capacity);
   }
   //! The loader keeps a pointer to the data set, so a temporary one is refused.
   batch_loader(Exec const&, image_dataset&&, batch_options const& = {}) = delete;
@@ -389,7 +390,8 @@ class batch_loader {
     started_ = true;
     order_ = epoch_order(data_->size(), options_.shuffle, options_.seed, epoch);
     next_batch_ = first_batch;
-    if (next_batch_ < batches_per_epoch()) staging_->stage(samples_of(next_batch_));
+    staged_ = false;
+    if (next_batch_ < batches_per_epoch()) stage(next_batch_);
   }
 
   //! The epoch's next batch, or nullopt when the epoch is over. Starts epoch 0 if no
@@ -398,8 +400,10 @@ class batch_loader {
     if (!started_) start_epoch(0);
     if (next_batch_ >= batches_per_epoch()) return std::nullopt;
     auto const samples = samples_of(next_batch_);
+    if (!staged_) stage(next_batch_);  // its staging failed (below, or in start_epoch): again
     auto const [images, labels] = staging_->take();
-    if (next_batch_ + 1 < batches_per_epoch()) staging_->stage(samples_of(next_batch_ + 1));
+    staged_ = false;  // the slot now holds nothing staged: a failure below leaves it so
+    if (next_batch_ + 1 < batches_per_epoch()) stage(next_batch_ + 1);
     auto const& s = data_->images.shape();
     auto const b = static_cast<std::int64_t>(samples.size());
     return batch{tensor_view<Storage const, space>(images, shape{b, s[1], s[2], s[3]}),
@@ -413,14 +417,19 @@ class batch_loader {
     std::size_t const begin = (k * options_.replicas + options_.replica) * options_.batch_size;
     return std::span<std::size_t const>(order_).subspan(begin, std::min(options_.batch_size, order_.size() - begin));
   }
+  void stage(std::size_t k) {
+    staging_->stage(samples_of(k));
+    staged_ = true;
+  }
 
   image_dataset const* data_;
   batch_options options_;
-  std::unique_ptr<detail::batch_staging<Exec, Storage>> staging_;
+  std::unique_ptr<Staging> staging_;
   std::vector<std::size_t> order_;
   std::uint64_t epoch_ = 0;
   std::size_t next_batch_ = 0;
   bool started_ = false;
+  bool staged_ = false;  // batch next_batch_ is staged, ready for take()
 };
 
 }  // namespace mpx
