@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -123,4 +124,18 @@ TEST_CASE("exp_float takes a low part: e^(hi + lo) keeps the bits float cannot h
   CHECK(ulps_off(got, std::exp(-zd * zd)) <= 2.0);
   // The one-float argument loses about 2^-24 * 83 of it: many ulps of the result.
   CHECK(ulps_off(mpx::exp_float(-(z * z)), std::exp(-zd * zd)) > 8.0);
+}
+
+TEST_CASE("add_rn adds a float and a double as a double, rounded once", "[elementary]") {
+  STATIC_REQUIRE(std::is_same_v<decltype(mpx::add_rn(1.0f, 2.0)), double>);
+  STATIC_REQUIRE(std::is_same_v<decltype(mpx::add_rn(2.0, 1.0f)), double>);
+  STATIC_REQUIRE(std::is_same_v<decltype(mpx::add_rn(1.0f, 2.0f)), float>);
+  // 2^-30 is lost in a float sum with 1 and kept in a double one.
+  CHECK(mpx::add_rn(1.0f, 0x1p-30) == 1.0 + 0x1p-30);
+  CHECK(mpx::add_rn(0x1p-30, 1.0f) == 1.0 + 0x1p-30);
+  CHECK(mpx::add_rn(1.0f, static_cast<float>(0x1p-30)) == 1.0f);
+  // The float widens exactly: its low bits survive.
+  float const third = 1.0f / 3.0f;
+  CHECK(mpx::add_rn(third, 0.0) == static_cast<double>(third));
+  CHECK(std::isnan(mpx::add_rn(std::numeric_limits<float>::quiet_NaN(), 1.0)));
 }

@@ -368,3 +368,21 @@ TEMPLATE_LIST_TEST_CASE("fp8_gemm refuses shapes that do not agree, null scales 
     CHECK(mpx_test::download(exec, c)[0] == 16.0f);
   }
 }
+
+TEST_CASE("the transposed fp8 cast's grid covers every tile within CUDA's limits", "[fp8]") {
+  using mpx::detail::fp8_transposed_grid_of;
+  // One block per 32 x 32 tile of out [cols, pitch] and one per batch entry.
+  auto g = fp8_transposed_grid_of(3, 33, 64);
+  CHECK(g.x == 2);
+  CHECK(g.y == 2);
+  CHECK(g.z == 3);
+  g = fp8_transposed_grid_of(1, 1, 1);
+  CHECK((g.x == 1 && g.y == 1 && g.z == 1));
+  g = fp8_transposed_grid_of(1, 32, 31);
+  CHECK((g.x == 1 && g.y == 1));
+  // Capped at 65,535 blocks a dimension; the kernel's loops reach the tiles beyond.
+  g = fp8_transposed_grid_of(70000, std::int64_t{32} * 65535 + 1, std::int64_t{32} * 70000);
+  CHECK((g.x == 65535 && g.y == 65535 && g.z == 65535));
+  g = fp8_transposed_grid_of(65534, std::int64_t{32} * 65534, 32);
+  CHECK((g.x == 65534 && g.y == 1 && g.z == 65534));
+}

@@ -60,4 +60,13 @@ MPX_HD inline T add_rn(T a, T b) noexcept {
 #endif
 }
 
+//! A float and a double: the float widens (exactly) and the sum is a double, rounded
+//! once, as a + b would be.
+template <class A, class B>
+  requires(!std::is_same_v<A, B> && (std::is_same_v<A, float> || std::is_same_v<A, double>) &&
+           (std::is_same_v<B, float> || std::is_same_v<B, double>))
+MPX_HD inline double add_rn(A a, B b) noexcept {
+  return add_rn(static_cast<double>(a), static_cast<double>(b));
+}
+
 }  // namespace mpx

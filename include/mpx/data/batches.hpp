@@ -244,27 +244,6 @@ class double_buffered_staging {
 };
 
 #if MPX_HAS_CUDA_RUNTIME
-//! Page-locked host memory, so a host-to-device copy from it is truly asynchronous.
-template <class T>
-class pinned_buffer {
- public:
-  pinned_buffer() = default;
-  explicit pinned_buffer(std::size_t size) {
-    if (size) {
-      void* p = nullptr;
-      MPX_CUDA_CHECK(cudaMallocHost(&p, size * sizeof(T)));
-      data_.reset(static_cast<T*>(p));
-    }
-  }
-  [[nodiscard]] T* data() const noexcept { return data_.get(); }
-
- private:
-  struct release {
-    void operator()(T* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost (a pinned buffer)"); }
-  };
-  std::unique_ptr<T, release> data_;
-};
-
 //! CUDA's calls for double_buffered_staging: a non-blocking copy stream, ordering
 //! events, pinned host memory and device memory on the consumer's stream.
 struct cuda_staging_backend {

@@ -130,11 +130,7 @@ struct nccl_cuda_backend {
   static device_buffer make_device_buffer(cudaStream_t stream, std::size_t words) {
     return device_buffer(cuda_executor(stream), shape{static_cast<std::int64_t>(words)});
   }
-  static std::uint64_t* allocate_pinned(std::size_t words) {
-    void* pinned = nullptr;
-    MPX_CUDA_CHECK(cudaMallocHost(&pinned, words * sizeof(std::uint64_t)));
-    return static_cast<std::uint64_t*>(pinned);
-  }
+  static std::uint64_t* allocate_pinned(std::size_t words) { return pinned_buffer<std::uint64_t>(words).release(); }
   static void free_pinned(std::uint64_t* pinned) { MPX_CUDA_CHECK(cudaFreeHost(pinned)); }
   static void copy_to_device(std::uint64_t* to, std::uint64_t const* from, std::size_t words, cudaStream_t stream) {
     MPX_CUDA_CHECK(cudaMemcpyAsync(to, from, words * sizeof(std::uint64_t), cudaMemcpyHostToDevice, stream));

@@ -1,6 +1,5 @@
-// Launch helpers shared by mpx's kernels: aligned vectors for 16-byte loads, a grid
-// sized to the device, and the split of a range into an unaligned head, a vectorised
-// body and a tail. CUDA-only by nature (the aligned_vector type is usable anywhere).
+// Launch helpers shared by mpx's kernels: aligned vectors for 16-byte loads and a grid
+// sized to the device. CUDA-only by nature (the aligned_vector type is usable anywhere).
 #pragma once
 
 #include <mpx/core/config.hpp>
@@ -23,30 +22,6 @@ struct alignas(sizeof(T) * N) aligned_vector {
 //! type sets the count, so no access exceeds 16 bytes.
 template <class... Ts>
 inline constexpr int vector_width = static_cast<int>(16 / std::max({sizeof(Ts)...}));
-
-//! How a range of n elements splits for vectorised access: `head` scalar elements until
-//! every pointer is aligned, `vectors` groups of `width`, and `tail` scalar elements.
-struct vector_split {
-  std::size_t head = 0;
-  std::size_t vectors = 0;
-  std::size_t tail = 0;
-};
-
-//! The split for pointers `ps`, or nullopt-like {0, 0, n} with `aligned == false` when
-//! their misalignments differ (then only a scalar pass can serve them all).
-template <int Width, class First, class... Rest>
-bool split_for_vectors(std::size_t n, vector_split& split, First const* first, Rest const*... rest) {
-  constexpr std::size_t first_bytes = Width * sizeof(First);
-  std::size_t const misaligned = (reinterpret_cast<std::uintptr_t>(first) % first_bytes) / sizeof(First);
-  std::size_t const head = std::min(n, misaligned ? Width - misaligned : std::size_t{0});
-  bool const aligned =
-      ((reinterpret_cast<std::uintptr_t>(rest + head) % (Width * sizeof(Rest)) == 0) && ... && true);
-  if (!aligned) return false;
-  split.head = head;
-  split.vectors = (n - head) / Width;
-  split.tail = n - head - split.vectors * Width;
-  return true;
-}
 
 inline constexpr int block_size = 256;
 

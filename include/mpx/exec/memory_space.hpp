@@ -140,9 +140,46 @@ class buffer<T, device_space> {
     }
   }
   [[nodiscard]] T* data() const noexcept { return data_.get(); }
+  //! Hands the memory to the caller, who frees it with device_release{stream}.
+  [[nodiscard]] T* release() noexcept { return data_.release(); }
 
  private:
   std::unique_ptr<T, device_release> data_;
+};
+
+//! Frees page-locked host memory (a pinned_buffer's, or one it released).
+struct pinned_release {
+  void operator()(void* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost (pinned memory)"); }
+};
+
+//! Owns `size` elements of T in page-locked host memory, uninitialised: a copy between
+//! it and the device is truly asynchronous. Mapped memory (pinned_mapping::mapped) is
+//! also addressable by the device, through device_pointer(). Move-only.
+enum class pinned_mapping { host_only, mapped };
+template <class T>
+class pinned_buffer {
+ public:
+  pinned_buffer() = default;
+  explicit pinned_buffer(std::size_t size, pinned_mapping mapping = pinned_mapping::host_only) {
+    if (size == 0) return;
+    if (size > SIZE_MAX / sizeof(T)) fail_allocation("pinned host", size, sizeof(T), "the size does not fit in size_t");
+    void* p = nullptr;
+    MPX_CUDA_CHECK(cudaHostAlloc(&p, size * sizeof(T),
+                                 mapping == pinned_mapping::mapped ? cudaHostAllocMapped : cudaHostAllocDefault));
+    data_.reset(static_cast<T*>(p));
+  }
+  [[nodiscard]] T* data() const noexcept { return data_.get(); }
+  //! Where the device reads and writes mapped memory.
+  [[nodiscard]] T* device_pointer() const {
+    void* d = nullptr;
+    MPX_CUDA_CHECK(cudaHostGetDevicePointer(&d, data_.get(), 0));
+    return static_cast<T*>(d);
+  }
+  //! Hands the memory to the caller, who frees it with pinned_release.
+  [[nodiscard]] T* release() noexcept { return data_.release(); }
+
+ private:
+  std::unique_ptr<T, pinned_release> data_;
 };
 #endif
 

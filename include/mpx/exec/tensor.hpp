@@ -178,8 +178,11 @@ template <class T, class Space>
 tensor_view<T const, Space> view(tensor<T, Space> const& t) noexcept {
   return t.view();
 }
+// By reference, not by value: GCC 12.2 at -O1 lost track of the pointer that a by-value
+// view returned through the return slot carries, and dropped the writes algorithms made
+// through it into a caller's local array (test_tensor.cpp, "writes through a view...").
 template <class T, class Space>
-tensor_view<T, Space> view(tensor_view<T, Space> v) noexcept {
+tensor_view<T, Space> view(tensor_view<T, Space> const& v) noexcept {
   return v;
 }
 

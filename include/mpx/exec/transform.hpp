@@ -1,8 +1,8 @@
 // mpx::transform, the executor's dispatch for elements of same-shaped tensors:
 // out[i] = op(ins[i]...), one MPX_HD op for both executors. The host loops over the
-// elements (or the op's whole-array host_span); the GPU reads and writes 16 bytes per
-// access where the pointers allow, with a scalar head and tail for any size and
-// alignment. The element-wise algorithms built on it (fill, cast, scale, axpy) are in
+// elements (or the op's whole-array host_span); the GPU runs CCCL's
+// cub::DeviceTransform on the executor's stream, for any size and alignment. The
+// element-wise algorithms built on it (fill, cast, scale, axpy) are in
 // kernels/elementwise.hpp.
 #pragma once
 
@@ -14,8 +14,13 @@
 #include <mpx/exec/launch.hpp>
 #include <mpx/exec/tensor.hpp>
 
+#if MPX_HAS_CUDA
+#include <cub/device/device_transform.cuh>
+#endif
+
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 namespace mpx {
@@ -50,50 +55,15 @@ void host_transform(std::size_t n, Op const& op, Out* out, Ins const*... ins) {
 }
 
 #if MPX_HAS_CUDA
-template <int Width, class Op, class Out, class... Ins>
-__device__ __forceinline__ void transform_vector(Op const& op, Out* out, Ins const*... ins) {
-  aligned_vector<Out, Width> result;
-  [&](auto const&... inputs) {
-#pragma unroll
-    for (int k = 0; k < Width; ++k) result.v[k] = op(inputs.v[k]...);
-  }(*reinterpret_cast<aligned_vector<Ins, Width> const*>(ins)...);
-  *reinterpret_cast<aligned_vector<Out, Width>*>(out) = result;
-}
-
-// One launch covers the scalar head (until every pointer is aligned), the vectorised
-// body in a grid-stride loop, and the scalar tail. mpx's own kernel, not CCCL's
-// cub::DeviceTransform (which would serve: in place allowed, no scratch, capturable):
-// DeviceTransform compiles every loading scheme it may pick at run time, and that cost
-// examples/user_kernel's unit 1.9 s of nvcc time (9.2 -> 11.1 s, over its 8 s budget);
-// bench/NOTES.md, "Thrust for the standalone checks", has the figures.
-template <int Width, class Op, class Out, class... Ins>
-__global__ void __launch_bounds__(block_size)
-    transform_kernel(vector_split split, Op op, Out* out, Ins const*... ins) {  // out may be an input
-  std::size_t const tid = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  if (tid < split.head) out[tid] = op(ins[tid]...);
-  for (std::size_t v = tid; v < split.vectors; v += stride) {
-    std::size_t const base = split.head + v * Width;
-    transform_vector<Width>(op, out + base, (ins + base)...);
-  }
-  if (tid < split.tail) {
-    std::size_t const i = split.head + split.vectors * Width + tid;
-    out[i] = op(ins[i]...);
-  }
-}
-
+// CCCL's cub::DeviceTransform, which thrust::transform also uses: it may write in place,
+// needs no scratch, can be captured in a CUDA graph, and picks its loading scheme per
+// device at run time (16-byte vector loads, or bulk copies into shared memory on Hopper).
 template <class Op, class Out, class... Ins>
 void cuda_transform(cudaStream_t stream, std::size_t n, Op const& op, Out* out, Ins const*... ins) {
-  constexpr int width = vector_width<Out, Ins...>;
-  vector_split split;
-  if (split_for_vectors<width>(n, split, out, ins...)) {
-    unsigned const grid = grid_for(std::max({split.vectors, split.head, split.tail}));
-    transform_kernel<width><<<grid, block_size, 0, stream>>>(split, op, out, ins...);
-  } else {
-    split = {0, n, 0};  // pointers misaligned relative to each other: scalar accesses
-    transform_kernel<1><<<grid_for(n), block_size, 0, stream>>>(split, op, out, ins...);
-  }
-  MPX_CUDA_CHECK_LAUNCH("mpx::transform_kernel");
+  cudaError_t const status =
+      cub::DeviceTransform::Transform(::cuda::std::make_tuple(ins...), out, static_cast<std::int64_t>(n), op, stream);
+  MPX_CUDA_CHECK_LAUNCH("cub::DeviceTransform (mpx::transform)");  // as every kernel's launch: names a missing image
+  MPX_CUDA_CHECK(status);                                           // what the launch check cannot see
 }
 #endif
 

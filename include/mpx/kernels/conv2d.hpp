@@ -558,9 +558,11 @@ void conv2d_forward(Exec const& exec, X&& x, W&& w, Y&& y, Cols&& workspace, con
   auto const plan = detail::plan_conv2d(op, xv.shape(), wv.shape(), "y", yv.shape(), cv.shape(), options, loc);
   detail::require_conv2d_disjoint(op, "y", yv, "x", xv, "w", wv, cv);
   auto const weights = wv.reshape(shape{plan.g.patch(), plan.g.cout});
-  detail::for_each_image_chunk(plan, cv, yv, [&](std::int64_t n0, std::int64_t images, auto const& columns,
-                                                 auto const& y_rows) {
-    detail::im2col(exec, op, plan.g, xv.data(), n0, images, columns.data());
+  // (The lambdas capture a binding's pointer by name: clang before 16 cannot capture a
+  // structured binding.)
+  detail::for_each_image_chunk(plan, cv, yv, [&, x_data = xv.data()](std::int64_t n0, std::int64_t images,
+                                                                     auto const& columns, auto const& y_rows) {
+    detail::im2col(exec, op, plan.g, x_data, n0, images, columns.data());
     product(exec, columns, weights, y_rows, gemm_options{}, loc);
   });
 }
@@ -585,10 +587,10 @@ void conv2d_backward_data(Exec const& exec, DY&& dy, W&& w, DX&& dx, Cols&& work
                                         {"dx", "w"});
   detail::require_conv2d_disjoint(op, "dx", dxv, "dy", dyv, "w", wv, cv);
   auto const weights = wv.reshape(shape{plan.g.patch(), plan.g.cout});
-  detail::for_each_image_chunk(plan, cv, dyv, [&](std::int64_t n0, std::int64_t images, auto const& dcolumns,
-                                                  auto const& dy_rows) {
+  detail::for_each_image_chunk(plan, cv, dyv, [&, dx_data = dxv.data()](std::int64_t n0, std::int64_t images,
+                                                                       auto const& dcolumns, auto const& dy_rows) {
     product(exec, dy_rows, weights, dcolumns, gemm_options{.transpose_b = true}, loc);
-    detail::col2im(exec, op, plan.g, dcolumns.data(), n0, images, dxv.data());
+    detail::col2im(exec, op, plan.g, dcolumns.data(), n0, images, dx_data);
   });
 }
 
@@ -627,9 +629,9 @@ void conv2d_backward_weights(Exec const& exec, X&& x, DY&& dy, DW&& dw, Cols&& w
                                        cv.shape().to_string(),
                                    loc);
   auto const dweights = dwv.reshape(shape{g.patch(), g.cout});
-  detail::for_each_image_chunk(plan, cv, dyv, [&](std::int64_t n0, std::int64_t images, auto const& cols,
-                                                  auto const& dy_rows) {
-    if (!reuse) detail::im2col(exec, op, g, xv.data(), n0, images, cols.data());
+  detail::for_each_image_chunk(plan, cv, dyv, [&, x_data = xv.data()](std::int64_t n0, std::int64_t images,
+                                                                      auto const& cols, auto const& dy_rows) {
+    if (!reuse) detail::im2col(exec, op, g, x_data, n0, images, cols.data());
     product(exec, cols, dy_rows, dweights, gemm_options{.transpose_a = true, .beta = n0 == 0 ? 0.0f : 1.0f}, loc);
   });
 }

@@ -157,10 +157,22 @@ void fp8_padded_pass(Exec const& exec, In const* x, Format* out, std::size_t row
   fp8_rows_pass<fp8_cast_pass::cast_and_record>(exec, x, out, rows, cols, pitch, state);
 }
 
-#if MPX_HAS_CUDA
 //! The side of the square tiles cast_to_fp8_transposed moves through shared memory.
 inline constexpr int fp8_transpose_tile = 32;
 
+//! The grid of fp8_cast_transposed_kernel: a block per 32 x 32 tile of out's [cols,
+//! pitch] and one per batch entry, each capped at CUDA's 65,535 blocks a dimension (the
+//! kernel's loops reach the tiles beyond).
+struct fp8_transposed_grid {
+  unsigned x, y, z;
+};
+constexpr fp8_transposed_grid fp8_transposed_grid_of(std::int64_t batch, std::int64_t cols, std::int64_t pitch) {
+  auto const capped = [](std::int64_t blocks) { return static_cast<unsigned>(blocks < 65535 ? blocks : 65535); };
+  auto const tiles = [](std::int64_t extent) { return (extent + fp8_transpose_tile - 1) / fp8_transpose_tile; };
+  return {capped(tiles(cols)), capped(tiles(pitch)), capped(batch)};
+}
+
+#if MPX_HAS_CUDA
 //! out[b][j][i] = the scaled cast of x[b][i][j] (x [batch, rows, cols], out [batch,
 //! cols, pitch] with pitch >= rows, zeros in i >= rows), recording |x|'s amax with one
 //! atomic max per block. A block of block_size threads takes 32 x 32
@@ -224,13 +236,9 @@ void fp8_transposed_pass([[maybe_unused]] Exec const& exec, In const* x, Format*
     state->step_amax_bits = state->step_amax_bits > m ? state->step_amax_bits : m;
   } else {
 #if MPX_HAS_CUDA
-    // Tiles beyond the grid's limits are reached by the kernel's loops.
-    auto const blocks = [](std::int64_t extent, std::int64_t limit) {
-      std::int64_t const tiles = (extent + fp8_transpose_tile - 1) / fp8_transpose_tile;
-      return static_cast<unsigned>(tiles < limit ? tiles : limit);
-    };
-    dim3 const grid(blocks(cols, 65535), blocks(pitch, 65535), static_cast<unsigned>(batch < 65535 ? batch : 65535));
-    fp8_cast_transposed_kernel<<<grid, block_size, 0, exec.stream()>>>(x, out, batch, rows, cols, pitch, state);
+    fp8_transposed_grid const g = fp8_transposed_grid_of(batch, cols, pitch);
+    fp8_cast_transposed_kernel<<<dim3(g.x, g.y, g.z), block_size, 0, exec.stream()>>>(x, out, batch, rows, cols, pitch,
+                                                                                   state);
     MPX_CUDA_CHECK_LAUNCH("mpx::fp8_cast_transposed_kernel");
 #else
     kernels_need_nvcc<Exec>();

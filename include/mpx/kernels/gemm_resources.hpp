@@ -21,7 +21,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -165,16 +164,14 @@ class lt_resources {
     std::lock_guard lock(mutex_);
     auto const freed = workspaces_.forget(id);
     if (freed.empty()) return;
-    try {
+    report_failure_of(backend_, "freeing a stream's cuBLASLt workspace", [&] {
       device_restorer const restore(backend_);
       backend_.wait_for_stream(stream);
       for (auto const& [device, ws] : freed) {
         backend_.set_device(device);
         backend_.free(ws.data);
       }
-    } catch (std::exception const& e) {
-      backend_.report("freeing a stream's cuBLASLt workspace", e.what());
-    }
+    });
   }
 
   //! The bytes of every workspace held now.
@@ -203,11 +200,7 @@ class lt_resources {
     device_restorer(device_restorer const&) = delete;
     device_restorer& operator=(device_restorer const&) = delete;
     ~device_restorer() {
-      try {
-        backend.set_device(device);
-      } catch (std::exception const& e) {
-        backend.report("restoring the current device", e.what());
-      }
+      report_failure_of(backend, "restoring the current device", [&] { backend.set_device(device); });
     }
   };
 

@@ -53,8 +53,9 @@ namespace detail {
 //! writes through its own pointer.
 template <class Space>
 struct signal_memory {
-  std::unique_ptr<stuck_signal> host = std::make_unique<stuck_signal>();
-  [[nodiscard]] stuck_signal* device() const noexcept { return host.get(); }
+  std::unique_ptr<stuck_signal> memory = std::make_unique<stuck_signal>();
+  [[nodiscard]] stuck_signal* host() const noexcept { return memory.get(); }
+  [[nodiscard]] stuck_signal* device() const noexcept { return memory.get(); }
 };
 
 //! A stuck_signal the device writes and the host reads without synchronising.
@@ -63,7 +64,7 @@ class signal_slot {
  public:
   template <class Exec>
   explicit signal_slot(Exec const&) {
-    *memory_.host = stuck_signal{};
+    *memory_.host() = stuck_signal{};
   }
   [[nodiscard]] stuck_signal* device() const noexcept { return memory_.device(); }
   //! The latest signal the device has written; it may lag the stream by a few steps.
@@ -71,7 +72,7 @@ class signal_slot {
   //! could mix two signals: read until two reads in a row agree (the device writes once
   //! per run of overflows, so this ends at once in practice).
   [[nodiscard]] stuck_signal read() const noexcept {
-    auto once = [signal = memory_.host.get()] {
+    auto once = [signal = memory_.host()] {
       std::array<std::uint32_t, 4> words;
       auto const* src = reinterpret_cast<std::uint32_t const volatile*>(signal);
       for (std::size_t i = 0; i < 4; ++i) words[i] = src[i];
@@ -89,23 +90,12 @@ class signal_slot {
 };
 
 #if MPX_HAS_CUDA_RUNTIME
-struct pinned_release {
-  void operator()(void* p) const noexcept { report_if_failed(cudaFreeHost(p), "cudaFreeHost"); }
-};
-
 template <>
 struct signal_memory<device_space> {
-  signal_memory() {
-    void* p = nullptr;
-    MPX_CUDA_CHECK(cudaHostAlloc(&p, sizeof(stuck_signal), cudaHostAllocMapped));
-    host.reset(static_cast<stuck_signal*>(p));
-    void* d = nullptr;
-    MPX_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
-    device_pointer = static_cast<stuck_signal*>(d);
-  }
+  pinned_buffer<stuck_signal> memory{1, pinned_mapping::mapped};
+  stuck_signal* device_pointer = memory.device_pointer();
+  [[nodiscard]] stuck_signal* host() const noexcept { return memory.data(); }
   [[nodiscard]] stuck_signal* device() const noexcept { return device_pointer; }
-  std::unique_ptr<stuck_signal, pinned_release> host;
-  stuck_signal* device_pointer = nullptr;
 };
 #endif
 
