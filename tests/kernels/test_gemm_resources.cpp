@@ -431,6 +431,25 @@ TEST_CASE("a gemm's cuBLASLt problem: the operands swapped into column-major ter
   CHECK(scaled.b_scaling == lt_operand_scaling::tile128);
   CHECK(scaled.alpha_beta_on_device);
   CHECK(((scaled < p) != (p < scaled)));  // a different key
+  CHECK_FALSE((scaled.a_scaled || scaled.b_scaled));
+  // A product whose calls give scale pointers (fp8's per-tensor scales) has its scale
+  // modes set before the heuristic: not the plan of the same product without them.
+  float const scale_values[2] = {0.5f, 2.0f};
+  mpx::detail::lt_operand_scales with_pointers;
+  with_pointers.a = &scale_values[0];
+  auto const a_pointer = mpx::detail::lt_problem_of<float>(2, d, true, false, a, b, c, with_pointers);
+  CHECK((a_pointer.a_scaled && !a_pointer.b_scaled));
+  CHECK_FALSE(a_pointer == p);
+  CHECK(((a_pointer < p) != (p < a_pointer)));
+  with_pointers.b = &scale_values[1];
+  auto const both_pointers = mpx::detail::lt_problem_of<float>(2, d, true, false, a, b, c, with_pointers);
+  CHECK((both_pointers.a_scaled && both_pointers.b_scaled));
+  CHECK_FALSE(both_pointers == a_pointer);
+  // Other pointers of the same kind: the same plan (every call sets its own).
+  float const other_values[2] = {4.0f, 8.0f};
+  with_pointers.a = &other_values[0];
+  with_pointers.b = &other_values[1];
+  CHECK(mpx::detail::lt_problem_of<float>(2, d, true, false, a, b, c, with_pointers) == both_pointers);
 
   // What a product cuBLASLt has no algorithm for says, in mpx's terms (M x N x K, mpx's A).
   CHECK(mpx::detail::lt_no_algorithm_message(scaled, "CUBLAS_STATUS_NOT_SUPPORTED") ==

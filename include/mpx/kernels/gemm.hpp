@@ -549,6 +549,8 @@ lt_problem lt_problem_of(int device, gemm_dims d, bool ta, bool tb, TA const* a,
   p.a_scaling = scales.a_scaling;
   p.b_scaling = scales.b_scaling;
   p.alpha_beta_on_device = scales.device_alpha_beta != nullptr;
+  p.a_scaled = scales.a != nullptr;
+  p.b_scaled = scales.b != nullptr;
   return p;
 }
 

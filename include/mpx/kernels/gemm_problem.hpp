@@ -44,11 +44,15 @@ struct lt_problem {
   //! alpha and beta are read from device memory (NVFP4: alpha carries the tensors'
   //! decode factors, which live on the device).
   bool alpha_beta_on_device = false;
+  //! Whether the product's calls give A's and B's scale pointers: a plan made with them
+  //! has its scale modes set before the heuristic (lt_plan_settings_of), one made without
+  //! does not, so the two are different plans.
+  bool a_scaled = false, b_scaled = false;
 
   auto tie() const {
     return std::tie(device, a_type, b_type, c_type, half_sums, transpose_a, transpose_b, a_rows, a_cols, b_rows,
                     b_cols, c_rows, c_cols, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, align_a, align_b,
-                    align_c, a_scaling, b_scaling, alpha_beta_on_device);
+                    align_c, a_scaling, b_scaling, alpha_beta_on_device, a_scaled, b_scaled);
   }
   friend bool operator<(lt_problem const& x, lt_problem const& y) { return x.tie() < y.tie(); }
   friend bool operator==(lt_problem const& x, lt_problem const& y) { return x.tie() == y.tie(); }
