@@ -25,7 +25,7 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <string>
+#include <type_traits>
 
 namespace mpx {
 
@@ -60,11 +60,14 @@ struct stream_ordered_scratch {
 template <class T, class Acc, class Map, class Combine>
 Acc cuda_transform_reduce(cudaStream_t stream, T const* x, std::size_t n, Acc identity, Map const& map,
                           Combine const& combine) {
+  MPX_CUDA_CHECK_LAUNCH("mpx::transform_reduce");  // an earlier call's error, which Thrust would drop
   try {
     return thrust::transform_reduce(thrust::cuda::par_nosync(stream_ordered_scratch{stream}).on(stream), x, x + n,
                                     map, identity, combine);
-  } catch (thrust::system_error const& e) {  // CUDA's failure, as every other in mpx
-    throw cuda_error(std::string("mpx::transform_reduce: ") + e.what(), e.code().value());
+  } catch (thrust::system_error const& e) {  // CUDA's failure, said as every other in mpx
+    check_cuda(static_cast<cudaError_t>(e.code().value()), "thrust::transform_reduce (mpx::transform_reduce)",
+               __FILE__, __LINE__);
+    throw;
   }
 }
 #endif
@@ -79,6 +82,10 @@ template <executor Exec, tensor_like X, class Acc, class Map, class Combine>
 Acc transform_reduce([[maybe_unused]] Exec const& exec, X&& x, Acc identity, Map map, Combine combine) {
   auto v = mpx::view(x);
   detail::require_access<Exec, space_t<X>>();
+  // Thrust would convert another type to Acc on the host and let CUB accumulate in a
+  // wider one on the GPU: the two executors would round differently.
+  static_assert(std::is_same_v<std::invoke_result_t<Map const&, typename decltype(v)::element_type const&>, Acc>,
+                "mpx::transform_reduce: map must return the accumulator type (the type of identity)");
   if (v.empty()) return identity;
   if constexpr (is_host_executor_v<Exec>) {
     return detail::host_transform_reduce(v.data(), v.size(), identity, map, combine);

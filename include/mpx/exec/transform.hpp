@@ -56,14 +56,14 @@ void host_transform(std::size_t n, Op const& op, Out* out, Ins const*... ins) {
 
 #if MPX_HAS_CUDA
 // CCCL's cub::DeviceTransform, which thrust::transform also uses: it may write in place,
-// needs no scratch, can be captured in a CUDA graph, and picks its loading scheme per
-// device at run time (16-byte vector loads, or bulk copies into shared memory on Hopper).
+// needs no scratch, can be captured in a CUDA graph, and picks its loading scheme at run
+// time (vector loads, or Hopper's bulk copies), once per process for the first device.
 template <class Op, class Out, class... Ins>
 void cuda_transform(cudaStream_t stream, std::size_t n, Op const& op, Out* out, Ins const*... ins) {
   cudaError_t const status =
       cub::DeviceTransform::Transform(::cuda::std::make_tuple(ins...), out, static_cast<std::int64_t>(n), op, stream);
   MPX_CUDA_CHECK_LAUNCH("cub::DeviceTransform (mpx::transform)");  // as every kernel's launch: names a missing image
-  MPX_CUDA_CHECK(status);                                           // what the launch check cannot see
+  check_cuda(status, "cub::DeviceTransform::Transform", __FILE__, __LINE__);  // its cached set-up's failure too
 }
 #endif
 

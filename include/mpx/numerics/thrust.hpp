@@ -9,9 +9,9 @@
 // executor sums in chunks). Each is a reduction whose result comes back to the host: on
 // the CUDA system it waits for the stream. thrust::device and thrust::cuda need nvcc.
 //
-// Not included by <mpx/mpx.hpp>: Thrust's headers cost a translation unit about 1.6 s
-// under nvcc on top of <mpx/mpx.hpp>, and each reduction on the CUDA system about 2 s
-// more (bench/NOTES.md); mpx's own executors need neither.
+// Not included by <mpx/mpx.hpp>, which has the same checks on its executors (they are
+// Thrust algorithms too, under the executor's policy): this header adds the forms that
+// take a Thrust policy and a range.
 #pragma once
 
 #include <mpx/core/dtype.hpp>
