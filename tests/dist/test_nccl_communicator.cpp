@@ -70,6 +70,7 @@ struct nccl_fake_world {
   nccl_fake_id id_seen{};
   bool hang = false;   // the collectives enqueued from now on never complete
   bool stuck = false;  // the communicator's stream holds one that never completes
+  bool replay_hangs = false;  // a caller's stream holds a graph replay whose collectives never complete
   bool aborted = false;
   std::string async;  // NCCL's asynchronous error, "" for none
   std::string async_once_enqueued;  // becomes `async` when the next collective is enqueued
@@ -121,7 +122,7 @@ struct nccl_fake_world {
   //! The hung collectives complete after all (a late peer).
   void complete() {
     std::lock_guard lock(mutex);
-    hang = stuck = false;
+    hang = stuck = replay_hangs = false;
     for (auto const& e : events) e->never = false;
   }
   //! Every rank's part of a collective but this one's, in rank order, for a word `i`.
@@ -243,7 +244,7 @@ struct nccl_fake_backend {
   void record(event const& e, int stream) {
     std::lock_guard lock(w->mutex);
     w->call("record e" + std::to_string(e->id) + on(stream), "record", false);
-    if (stream == w->comm_stream && w->stuck) e->never = true;
+    if ((stream == w->comm_stream && w->stuck) || (stream != w->comm_stream && w->replay_hangs)) e->never = true;
   }
   void wait(int stream, event const& e) {
     std::lock_guard lock(w->mutex);
@@ -764,6 +765,46 @@ TEST_CASE("nccl communicator: a collective captured into a CUDA graph is not wat
     w.forget_calls();
   }
   CHECK(w.calls() == log_lines{"free device buffer", "destroy comm 55", "free pinned", "destroy_stream s101"});
+}
+
+// A replayed CUDA graph's collectives cannot be watched one by one (their events were
+// recorded in the capture), so the replay is timed as a whole, on the caller's stream.
+TEST_CASE_METHOD(nccl_setup_50ms,
+                 "nccl communicator: a replay of a CUDA graph that does not complete in time aborts it, named",
+                 "[dist][nccl_fake]") {
+  w.forget_calls();
+  c.watch_replay(exec);  // #1, completes
+  CHECK(w.calls() == log_lines{"event e1", "record e1 on s7"});
+  std::this_thread::sleep_for(80ms);
+  c.poll();
+  CHECK(w.count("abort comm 55") == 0);
+
+  w.replay_hangs = true;  // the next replay's collectives wait for a peer that never comes
+  c.watch_replay(exec);   // #2
+  CHECK(eventually([&] { return w.count("abort comm 55") == 1; }));  // the watchdog, with no call made
+  std::string const why = "mpx::nccl_communicator: rank 0: a training step replayed from a CUDA graph #2: not "
+                          "complete 50 ms after it was enqueued";
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { c.poll(); }), Catch::StartsWith(why));
+  CHECK_THAT(thrown_message<mpx::collective_error>([&] { c.watch_replay(exec); }),
+             Catch::StartsWith(why) && Catch::EndsWith("(the communicator is aborted; end the job)"));
+}
+
+// The destructor waits for a replay as for a collective: one still running after the
+// timeout is aborted, not destroyed with the other ranks.
+TEST_CASE("nccl communicator: a replay still running at the end aborts it rather than wait for the other ranks",
+          "[dist][nccl_fake]") {
+  nccl_fake_executor const exec;
+  nccl_fake_world w;
+  std::optional<nccl_fake_communicator> c;
+  c.emplace(exec, nccl_fake_id{}, 0, 2, mpx::communicator_options{50ms}, nccl_fake_backend{&w});
+  c->watch_replay(exec);  // completes
+  w.replay_hangs = true;
+  c->watch_replay(exec);
+  w.forget_calls();
+  auto const start = std::chrono::steady_clock::now();
+  c.reset();  // the watchdog stops first: the choice is the destructor's
+  CHECK(std::chrono::steady_clock::now() - start >= 50ms);  // it waited for the replay first
+  CHECK(w.calls() == log_lines{"free device buffer", "abort comm 55", "free pinned", "destroy_stream s101"});
 }
 
 TEST_CASE_METHOD(nccl_setup_50ms,

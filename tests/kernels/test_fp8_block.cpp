@@ -367,6 +367,19 @@ TEMPLATE_LIST_TEST_CASE("fp8_block_gemm and quantize_fp8_blocks refuse what they
   auto c_n = mpx::make_tensor<float>(exec, {32, 24});
   CHECK_THROWS_TYPE_WITH(mpx::fp8_block_gemm(exec, op(values, scales, vec), op(values_n, scales_n, vec_n), c_n),
                          mpx::invalid_argument, Catch::Matchers::Contains("got N = 24"));
+  // On the GPU the device's checks come before the padding of an M that is not a
+  // multiple of 4 (1x128 blocks, M = 7): a C cuBLASLt could not take is refused, not
+  // padded into an aligned copy.
+  if constexpr (!mpx::is_host_executor_v<TestType>) {
+    mpx::fp8_block_scale_layout const vec_m7{mpx::fp8_block_kind::vec128, 7, 200};
+    auto values_m7 = mpx::make_tensor<e4m3>(exec, {7, 256});
+    auto scales_m7 = mpx::make_tensor<float>(exec, {vec_m7.count()});
+    auto c_m7 = mpx::make_tensor<float>(exec, {7 * 32 + 1});
+    auto const c_misaligned = mpx::view(c_m7).flat(1, 7 * 32).reshape(mpx::shape{7, 32});
+    CHECK_THROWS_TYPE_WITH(
+        mpx::fp8_block_gemm(exec, op(values_m7, scales_m7, vec_m7), op(values, scales, vec), c_misaligned),
+        mpx::invalid_argument, Catch::Matchers::Contains("must start at 16-byte aligned addresses"));
+  }
 
   // MXFP8's blocks keep E8M0 scales, multiply only their own kind, and say so.
   mpx::fp8_block_scale_layout const mx{mpx::fp8_block_kind::vec32, 32, 200};

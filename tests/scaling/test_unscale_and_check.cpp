@@ -23,7 +23,7 @@ struct mixed_gradients {
   template <class T>
   using owned = mpx::tensor<T, space>;
 
-  std::vector<std::variant<owned<mpx::half>, owned<mpx::bfloat16>, owned<float>>> storage;
+  std::vector<std::variant<owned<mpx::half>, owned<mpx::bfloat16>, owned<float>, owned<mpx::float8_e4m3>>> storage;
   std::vector<mpx::tensor_ref<space>> refs;
   std::vector<std::vector<double>> values;  // what each gradient holds, exactly
 
@@ -531,4 +531,135 @@ TEMPLATE_LIST_TEST_CASE("unscale_and_check's finishing pass folds each of 9,000 
   auto const host = finish_pass(mpx::host_executor{}, tensors, value, {});
   CHECK(here.first == host.first);  // bit for bit, on the GPU too
   CHECK(here.second.norm == host.second.norm);
+}
+
+namespace test_unscale_and_check {
+
+// The order unscale_and_check sums squares in, written out plainly (the library's is
+// exec/lanes.hpp and kernels/multi_tensor.hpp's reduce_in_chunk). A chunk of 16,384
+// elements is read by 256 lanes in columns: single elements up to the first 16-byte
+// boundary, then 16-byte vectors, then single elements. Lane l adds up columns l,
+// l + 256, ... in order, a column's squares in order, every square rounded to float
+// first. The lanes are combined as a warp's shuffles do (for offset 16, 8, 4, 2, 1: lane
+// i takes lane i + offset), then the 8 warps' results the same way. A tensor's chunk sums
+// are combined the same way by the 32 lanes of one warp.
+float rounded(float x) {
+  volatile float v = x;  // no fused multiply-add, no wider intermediate
+  return v;
+}
+float butterfly(std::vector<float> v) {
+  for (std::size_t offset = 16; offset > 0; offset /= 2)
+    for (std::size_t i = 0; i < offset; ++i) v[i] = rounded(v[i] + v[i + offset]);
+  return v[0];
+}
+float in_lanes_order(std::vector<float> const& columns, std::size_t lanes) {
+  std::vector<float> slot(lanes, 0.0f);
+  for (std::size_t c = 0; c < columns.size(); ++c) slot[c % lanes] = rounded(slot[c % lanes] + columns[c]);
+  if (lanes == 32) return butterfly(slot);
+  std::vector<float> warps(32, 0.0f);
+  for (std::size_t w = 0; w < lanes / 32; ++w)
+    warps[w] = butterfly({slot.begin() + 32 * w, slot.begin() + 32 * (w + 1)});
+  return butterfly(warps);
+}
+float tensor_sum_of_squares(std::vector<float> const& y, std::size_t head, std::size_t width) {
+  std::vector<float> chunk_sums;
+  for (std::size_t begin = 0; begin < y.size(); begin += chunk) {
+    std::size_t const n = std::min(chunk, y.size() - begin), h = std::min(head, n);
+    auto const square = [&](std::size_t i) { return rounded(y[begin + i] * y[begin + i]); };
+    std::vector<float> columns;
+    std::size_t i = 0;
+    for (; i < h; ++i) columns.push_back(square(i));
+    for (; i + width <= n; i += width) {
+      float s = square(i);
+      for (std::size_t k = 1; k < width; ++k) s = rounded(s + square(i + k));
+      columns.push_back(s);
+    }
+    for (; i < n; ++i) columns.push_back(square(i));
+    chunk_sums.push_back(in_lanes_order(columns, 256));
+  }
+  return in_lanes_order(chunk_sums, 32);
+}
+
+//! Gradients of four dtypes (float8_e4m3: 16 to a vector) and of sizes around the chunk
+//! and the vector, every other one a view one element off alignment; values of spread
+//! magnitudes, so that the order of the additions shows in the last bits. The same
+//! list, bit for bit, on any executor.
+template <class Exec>
+mixed_gradients<Exec> ordered_gradients(Exec const& exec) {
+  mixed_gradients<Exec> g(exec, 0, 0);
+  std::mt19937_64 gen(mpx_test::seed + 51);
+  std::size_t const sizes[] = {1, 7, 9, 33, 1000, chunk - 1, chunk, chunk + 1, 3 * chunk + 11, 40 * chunk + 3};
+  for (std::size_t s = 0; s < std::size(sizes); ++s) {
+    for (std::size_t d = 0; d < 4; ++d) {
+      std::vector<double> v(sizes[s]);
+      std::uniform_real_distribution<double> unit(-1, 1);
+      for (auto& x : v) {
+        double const u = unit(gen);
+        x = std::ldexp(u, static_cast<int>(gen() % 13) - 6);
+      }
+      bool const offset = (s + d) % 2 == 1;
+      if (d == 0) g.template add<mpx::half>(exec, v, offset);
+      else if (d == 1) g.template add<mpx::bfloat16>(exec, v, offset);
+      else if (d == 2) g.template add<float>(exec, v, offset);
+      else g.template add<mpx::float8_e4m3>(exec, v, offset);
+    }
+  }
+  return g;
+}
+
+}  // namespace test_unscale_and_check
+
+// One math on both executors: every chunk's sum of squares is taken in the order the
+// GPU's threads take it, so a run on the host is the GPU run's exact reference (the norm
+// and the clipping factor, to the bit).
+TEMPLATE_LIST_TEST_CASE("unscale_and_check sums in its lanes' order: the same bits on every executor", "[scaling]",
+                        mpx_test::executors) {
+  using namespace test_unscale_and_check;
+  TestType exec;
+  auto g = ordered_gradients(exec);
+  mpx::gradient_list<TestType> list(exec, g.refs);
+  auto s = scale_on(exec, 4.0f);
+  for (auto mode : {mpx::unscaling::deferred, mpx::unscaling::in_place}) {  // deferred first: same values
+    mpx::unscale_and_check(exec, list, s.data(), 0.0f, mode);
+    auto const norms = list.norms(exec);
+    std::size_t checked = 0;
+    for (std::size_t i = 0; i < g.refs.size(); ++i) {
+      mpx::visit_dtype(g.refs[i].dtype(), [&](auto t) {
+        using T = decltype(t);
+        std::vector<float> y;  // the unscaled values (by 1/4: exact)
+        for (double x : g.template contents<T>(exec, i))
+          y.push_back(static_cast<float>(x) * (mode == mpx::unscaling::deferred ? 0.25f : 1.0f));
+        std::size_t const width = 16 / sizeof(T);
+        auto const address = reinterpret_cast<std::uintptr_t>(g.refs[i].data());
+        std::size_t const misaligned = address % 16 / sizeof(T), head = misaligned ? width - misaligned : 0;
+        float const expected = std::sqrt(tensor_sum_of_squares(y, head, width));
+        INFO((mode == mpx::unscaling::deferred ? "deferred" : "in place")
+             << ", gradient " << i << " (" << mpx::to_string(g.refs[i].dtype()) << ", " << y.size()
+             << " elements, head " << head << ")");
+        CHECK(norms[i] == expected);
+        checked += norms[i] == expected;
+      });
+    }
+    CHECK(checked == g.refs.size());
+  }
+
+  // The same gradients on the host, unscaled in the other mode too: the same bits.
+  if constexpr (!mpx::is_host_executor_v<TestType>) {
+    mpx::host_executor host;
+    for (auto mode : {mpx::unscaling::deferred, mpx::unscaling::in_place}) {
+      auto here = ordered_gradients(exec);
+      auto there = ordered_gradients(host);
+      mpx::gradient_list<TestType> here_list(exec, here.refs);
+      mpx::gradient_list<mpx::host_executor> there_list(host, there.refs);
+      auto here_scale = scale_on(exec, 0.75f);  // not a power of two: the unscaled values round
+      auto there_scale = scale_on(host, 0.75f);
+      mpx::unscale_and_check(exec, here_list, here_scale.data(), 1.0f, mode);
+      mpx::unscale_and_check(host, there_list, there_scale.data(), 1.0f, mode);
+      auto const a = here_list.summary(exec), b = there_list.summary(host);
+      CHECK(a.norm == b.norm);
+      CHECK(a.clip_coefficient == b.clip_coefficient);
+      CHECK(a.gradient_factor == b.gradient_factor);
+      CHECK(here_list.norms(exec) == there_list.norms(host));
+    }
+  }
 }

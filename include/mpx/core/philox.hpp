@@ -13,6 +13,11 @@ namespace mpx {
 //! Philox's 128-bit counter, four 32-bit words (word 0 least significant).
 struct philox_counter {
   std::uint32_t v[4];
+  //! Word i (0 to 3), chosen by selects: v[i] with i known only at run time would put
+  //! the four words in local memory on the GPU (a stack frame).
+  [[nodiscard]] MPX_HD constexpr std::uint32_t word(std::uint64_t i) const noexcept {
+    return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
+  }
 };
 //! Philox's 64-bit key, two 32-bit words.
 struct philox_key {

@@ -273,6 +273,21 @@ class basic_nccl_communicator {
   //! (The watchdog thread does the same every tenth of the timeout, at most every second.)
   void poll() { supervisor_.poll(); }
 
+  //! Times a CUDA graph's replay, just enqueued on exec's stream, as one collective: the
+  //! collectives captured in it cannot be watched one by one (an event recorded in a
+  //! capture cannot be asked whether it completed), so a replay that has not completed
+  //! `timeout` after it was enqueued aborts the communicator, as a hung collective does.
+  //! data_parallel's hooks call it after each graph-mode replay (replica_hooks::step_replayed).
+  template <std::same_as<executor_type> Exec>
+  void watch_replay(Exec const& exec) {
+    supervisor_.enqueue("a training step replayed from a CUDA graph", true,
+                        [&](std::string const&) -> std::optional<event> {
+                          event done = backend_.make_event();
+                          backend_.record(done, exec.stream());
+                          return done;
+                        });
+  }
+
  private:
   using stream_type = typename Backend::stream_type;
   using unique_id = typename Backend::unique_id;

@@ -230,6 +230,8 @@ class data_parallel {
     h.count = static_cast<std::size_t>(comm_->size());
     if constexpr (requires { comm_->poll(); })  // an asynchronous transport (NCCL)
       h.before_step = [this] { comm_->poll(); };
+    if constexpr (requires(executor_type const& e) { comm_->watch_replay(e); })  // a replay's collectives timed
+      h.step_replayed = [this](step_executor at) { comm_->watch_replay(at.as<executor_type>()); };
     h.gradients_final = [this](step_executor at, std::size_t first) {
       gradients_final_from(at.as<executor_type>(), first);
     };

@@ -38,6 +38,10 @@ struct replica_hooks {
   //! for the all-reduces it started and forget them, so the next step starts its own
   //! rather than averaging what this one left on the wire. Must not throw.
   std::function<void(step_executor)> step_abandoned;
+  //! After a graph-mode replay was enqueued, on the step's executor (the stream it runs
+  //! on): the collectives it holds are timed with it as a whole, as eager ones are one by
+  //! one (a captured collective's own completion cannot be asked for).
+  std::function<void(step_executor)> step_replayed;
   //! After the optimizer step, on the caller's executor: in debug builds, check that
   //! every replica skipped alike and holds the same loss scale.
   std::function<void(step_executor)> after_step;

@@ -18,6 +18,36 @@ struct alignas(sizeof(T) * N) aligned_vector {
   T v[N];
 };
 
+//! N consecutive elements at p (aligned for an aligned_vector<T, N>), read and written in
+//! place: on the GPU through one 16-byte load into registers and, by store(), one 16-byte
+//! store; on the host straight through p. (On the host a vector assembled element by
+//! element on the stack and then stored whole waits on store forwarding: it halved the
+//! host's unscale-and-check.)
+template <class T, int N>
+struct vector_access {
+  T* p;
+  aligned_vector<T, N> v;  // the GPU's registers; not used on the host
+
+  MPX_HD explicit vector_access(T* at) noexcept : p(at) {
+#if MPX_DEVICE_PASS
+    v = *reinterpret_cast<aligned_vector<T, N> const*>(at);
+#endif
+  }
+  MPX_HD T& operator[](int k) noexcept {
+#if MPX_DEVICE_PASS
+    return v.v[k];
+#else
+    return p[k];
+#endif
+  }
+  //! Writes back what operator[] changed (on the host it was written already).
+  MPX_HD void store() const noexcept {
+#if MPX_DEVICE_PASS
+    *reinterpret_cast<aligned_vector<T, N>*>(p) = v;
+#endif
+  }
+};
+
 //! Elements per 16-byte access for a kernel that reads or writes all of Ts: the widest
 //! type sets the count, so no access exceeds 16 bytes.
 template <class... Ts>

@@ -166,7 +166,7 @@ inline bool dropout_keeps(dropout_options const& options, std::uint64_t index) {
                                    "give the options with offset_step folded into offset (offset_step null): the "
                                    "count may live in device memory");
   auto const src = detail::make_mask_source("dropout_keeps", options);
-  return src.keep(src.draw(index / 4).v[index % 4]);
+  return src.keep(src.draw(index / 4).word(index % 4));
 }
 
 //! y = x * mask / (1 - rate), mask[i] = 1 with probability 1 - rate, drawn by Philox from

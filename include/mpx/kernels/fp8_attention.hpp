@@ -96,7 +96,7 @@ struct fp8_attention_common {
   [[nodiscard]] MPX_HD float kept(dropout_mask_source const& src, std::size_t bh, std::size_t i, std::size_t j) const noexcept {
     if (keep_scale == 0.0f) return 1.0f;
     std::uint64_t const e = (static_cast<std::uint64_t>(bh) * layout.tokens + i) * layout.tokens + j;
-    return src.keep(src.draw(e / 4).v[e % 4]) ? keep_scale : 0.0f;
+    return src.keep(src.draw(e / 4).word(e % 4)) ? keep_scale : 0.0f;
   }
 };
 

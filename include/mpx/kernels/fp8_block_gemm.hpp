@@ -299,8 +299,13 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
   detail::require_disjoint("fp8_block_gemm", "C", cv, "A's scales", a.inverse_scales);
   detail::require_disjoint("fp8_block_gemm", "C", cv, "B's scales", b.inverse_scales);
   std::int64_t const m = a.layout.outer, n = b.layout.outer, k = a.layout.padded_k();
-  if constexpr (!std::is_same_v<FA, float4_e2m1x2>) {
-    if (detail::block_scaled_rows_padded(a.layout)) {
+  detail::gemm_dims const d{.batch = 1, .m = m, .n = n, .k = k, .stride_a = m * k, .stride_b = n * k, .stride_c = m * n};
+  gemm_options const o{.transpose_a = false, .transpose_b = true, .alpha = alpha, .beta = beta};
+  // 1x128 and 128x128 blocks with M not a multiple of 4: the product of zero-padded
+  // copies of A and C (after the device's checks, so nothing is copied to be refused).
+  bool const pad_rows = !std::is_same_v<FA, float4_e2m1x2> && detail::block_scaled_rows_padded(a.layout);
+  auto const padded_product = [&] {
+    if constexpr (!std::is_same_v<FA, float4_e2m1x2>) {
       using TC = std::remove_const_t<value_t<C>>;
       std::int64_t const rows = fp8_block_scale_layout::up(m, detail::block_scaled_row_multiple);
       tensor<FA, Space> values(exec, shape{rows, k});
@@ -319,12 +324,10 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
       }
       fp8_block_gemm(exec, padded, b, product, alpha, beta, loc);
       copy(exec, first_rows, cv);
-      return;
     }
-  }
-  detail::gemm_dims const d{.batch = 1, .m = m, .n = n, .k = k, .stride_a = m * k, .stride_b = n * k, .stride_c = m * n};
-  gemm_options const o{.transpose_a = false, .transpose_b = true, .alpha = alpha, .beta = beta};
+  };
   if constexpr (is_host_executor_v<Exec>) {
+    if (pad_rows) return padded_product();
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
     float const* af = detail::host_dequantize_blocks<0>(a);
     float const* bf = detail::host_dequantize_blocks<1>(b);
@@ -332,6 +335,7 @@ void fp8_block_gemm([[maybe_unused]] Exec const& exec, fp8_block_operand<FA, Spa
   } else {
 #if MPX_HAS_CUDA
     detail::check_block_gemm_device(d, o, a, b, cv.data(), detail::current_compute_capability(), loc);
+    if (pad_rows) return padded_product();
     if (cv.empty() || detail::gemm_without_products(exec, cv, d, o)) return;
     // cuBLASLt's A is our B (see cuda_gemm): its scales and mode come first.
     detail::lt_operand_scales scales{b.inverse_scales.data(), a.inverse_scales.data(),

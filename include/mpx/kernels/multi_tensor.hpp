@@ -145,4 +145,22 @@ MPX_HD inline void for_each_in_chunk(Lanes const& lanes, std::size_t count, std:
   lanes.for_each(count - scalar_from, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, scalar_from + i); });
 }
 
+//! The reduction of a chunk of `count` elements by its lanes (exec/lanes.hpp), over
+//! columns: `head` single elements up to a vector boundary, then whole vectors of Width
+//! (16-byte accesses), then the single elements left. Lane l folds columns l, l + L, ...
+//! in order, then the lanes are combined, on the GPU and in the host's emulation alike:
+//! the same partial sums, so the same bits. body(std::integral_constant<int, W>{}, i)
+//! returns what the W elements from i contribute.
+template <int Width, class Lanes, class Op, class Body>
+MPX_HD inline typename Op::value_type reduce_in_chunk(Lanes const& lanes, std::size_t count, std::size_t head, Op op,
+                                                      Body&& body) {
+  head = head < count ? head : count;
+  std::size_t const vectors = (count - head) / Width;
+  std::size_t const columns = count - vectors * (Width - 1);
+  return lanes.reduce(columns, op, [&](std::size_t c) -> typename Op::value_type {
+    if (c >= head && c - head < vectors) return body(std::integral_constant<int, Width>{}, head + (c - head) * Width);
+    return body(std::integral_constant<int, 1>{}, c < head ? c : c + vectors * (Width - 1));
+  });
+}
+
 }  // namespace mpx::detail

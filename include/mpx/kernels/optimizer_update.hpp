@@ -85,7 +85,7 @@ MPX_HD inline void update_elements(Rule const& rule, typename Rule::constants co
       if (rounding.stochastic) {
         std::uint64_t const e = at.element0 + i + static_cast<std::size_t>(k);
         if (k == 0 || e % 4 == 0) r = rounding.draws(at.step, at.stream, e / 4);
-        out.v[k] = stochastic_round<T>(w.v[k], r.v[e % 4]);
+        out.v[k] = stochastic_round<T>(w.v[k], r.word(e % 4));
         continue;
       }
     }

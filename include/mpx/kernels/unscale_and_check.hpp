@@ -1,9 +1,9 @@
 // The kernels of mpx::unscale_and_check (scaling/unscale_and_check.hpp holds the
 // gradient list and the public calls): one multi-tensor pass per dtype that unscales
 // and checks every chunk, then one small pass that folds the chunks into per-tensor
-// norms and the verdict. The host loops visit the same chunks in the same order; the
-// second pass is one body for both executors (exec/reduce_items.hpp), folded in the same
-// order on both.
+// norms and the verdict. Both passes are one body for both executors, run by a block's
+// threads on the GPU and by the host's emulation of them (exec/lanes.hpp), so every
+// chunk's sum, every norm and the verdict have the same bits on both.
 #pragma once
 
 #include <mpx/core/cast.hpp>
@@ -19,10 +19,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-
-#if MPX_HAS_CUDA
-#include <cub/block/block_reduce.cuh>
-#endif
 
 namespace mpx {
 
@@ -53,28 +49,63 @@ struct chunk_partial {
   float sum_of_squares;
   std::uint32_t nonfinite;
 };
+struct combine_partials {
+  using value_type = chunk_partial;
+  MPX_HD static chunk_partial identity() noexcept { return {0.0f, 0u}; }
+  MPX_HD chunk_partial operator()(chunk_partial a, chunk_partial b) const noexcept {
+    return {add_rn(a.sum_of_squares, b.sum_of_squares), a.nonfinite | b.nonfinite};
+  }
+};
 
-//! Unscales one element and accounts for it. Checking the unscaled value suffices: a
-//! NaN or inf stays one when multiplied by a finite nonzero factor, and a finite value
-//! that overflows when unscaled (a scale below 1) becomes one. In place, the norm is
-//! that of the values written back; deferred, that of the exact float products.
+//! Unscales one element and accounts for it in `p`. Checking the unscaled value
+//! suffices: a NaN or inf stays one when multiplied by a finite nonzero factor, and a
+//! finite value that overflows when unscaled (a scale below 1) becomes one. In place,
+//! the norm is that of the values written back; deferred, that of the exact float
+//! products. Each square is rounded before it is added (add_rn), on the GPU too.
 template <bool InPlace>
 struct unscale_element {
   float inverse_scale;
   template <class T>
-  MPX_HD T operator()(T g, float& sum_of_squares, bool& nonfinite) const noexcept {
+  MPX_HD T operator()(T g, chunk_partial& p) const noexcept {
     float const x = cast<float>(g) * inverse_scale;
     if constexpr (InPlace) {
       T const y = cast<T>(x);
       float const yf = cast<float>(y);
-      nonfinite |= !is_finite(y);
-      sum_of_squares += yf * yf;
+      p.nonfinite |= is_finite(y) ? 0u : 1u;
+      p.sum_of_squares = add_rn(p.sum_of_squares, yf * yf);
       return y;
     } else {
-      nonfinite |= !is_finite(x);
-      sum_of_squares += x * x;
+      p.nonfinite |= is_finite(x) ? 0u : 1u;
+      p.sum_of_squares = add_rn(p.sum_of_squares, x * x);
       return g;
     }
+  }
+};
+
+//! One chunk of one gradient, unscaled and checked by a block's lanes (block_size of
+//! them): each lane folds its columns (a 16-byte vector, or one element at either end),
+//! each column's squares summed in order, then the lanes are combined in the block's
+//! order (reduce_in_chunk, kernels/multi_tensor.hpp).
+template <class T, bool InPlace>
+struct unscale_chunk {
+  T* data;
+  unscale_element<InPlace> op;
+  template <class Lanes>
+  MPX_HD chunk_partial operator()(Lanes const& lanes, std::size_t count) const {
+    constexpr int width = vector_width<T>;
+    auto const column = [&](auto w, std::size_t i) {
+      constexpr int n = decltype(w)::value;
+      vector_access<T, n> v(data + i);
+      chunk_partial p{0.0f, 0u};
+      MPX_UNROLL
+      for (int k = 0; k < n; ++k) {
+        T const y = op(v[k], p);
+        if constexpr (InPlace) v[k] = y;
+      }
+      if constexpr (InPlace) v.store();
+      return p;
+    };
+    return reduce_in_chunk<width>(lanes, count, elements_to_alignment<width>(data), combine_partials{}, column);
   }
 };
 
@@ -86,43 +117,17 @@ MPX_HD inline float clip_coefficient_for(float norm, float max_norm) noexcept {
   return c < 1.0f ? c : 1.0f;
 }
 
-// Host: the same chunks in the same order, each one a left fold that unscales as it
-// reads. (A loop, not thrust::transform_reduce with the host policy, which folds the
-// same way: under nvcc Thrust's headers cost every translation unit that includes
-// this one about 2.5 s of compile time.)
-template <class T, bool InPlace>
-struct unscale_chunk_on_host {
-  T* data;
-  unscale_element<InPlace> op;
-  chunk_partial operator()(std::size_t i) const {
-    float sum = 0;
-    bool bad = false;
-    T const y = op(data[i], sum, bad);
-    if constexpr (InPlace) data[i] = y;
-    return {sum, bad ? 1u : 0u};
-  }
-};
-struct combine_partials {
-  using value_type = chunk_partial;
-  MPX_HD static chunk_partial identity() noexcept { return {0.0f, 0u}; }
-  MPX_HD chunk_partial operator()(chunk_partial a, chunk_partial b) const noexcept {
-    return {a.sum_of_squares + b.sum_of_squares, a.nonfinite | b.nonfinite};
-  }
-};
-
 template <class T, bool InPlace>
 void host_unscale_and_check(tensor_table<1> const& table, float inverse_scale, chunk_partial* partials) {
   // Chunks are independent (each writes its own partial), so they are shared between
-  // the host's threads; each chunk still folds its elements in order.
+  // the host's threads; each is folded as a GPU block folds it.
   host_parallel_ranges(table.blocks(), std::size_t{table.blocks()} * multi_tensor_chunk,
                        [&](std::size_t first, std::size_t last) {
                          for (std::size_t b = first; b < last; ++b) {
                            chunk_location const loc = locate_chunk(table, static_cast<std::uint32_t>(b));
                            T* data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-                           unscale_chunk_on_host<T, InPlace> const unscale{data, {inverse_scale}};
-                           chunk_partial partial{0, 0};
-                           for (std::size_t i = 0; i < loc.count; ++i) partial = combine_partials{}(partial, unscale(i));
-                           partials[table.first_partial + b] = partial;
+                           partials[table.first_partial + b] =
+                               unscale_chunk<T, InPlace>{data, {inverse_scale}}(host_lanes<block_size>{}, loc.count);
                          }
                        });
 }
@@ -200,26 +205,12 @@ __global__ void __launch_bounds__(block_size)
                              chunk_partial* __restrict__ partials) {
   chunk_location const loc = locate_chunk(table, blockIdx.x);
   T* const data = static_cast<T*>(table.data[0][loc.tensor]) + loc.begin;
-  unscale_element<InPlace> const op{unscaling_factor(scale, is_inverse)};
-  float sum = 0;
-  bool bad = false;
-  constexpr int width = vector_width<T>;
-  // One pointer: a misaligned tensor (a view into a packed buffer) is always brought to
-  // a vector boundary by a scalar head; chunks start at multiples of 16384 elements, so
-  // every chunk of a tensor has the same head.
+  // A misaligned tensor (a view into a packed buffer) is brought to a vector boundary by
+  // a scalar head; chunks start at multiples of 16384 elements, so every chunk of a
+  // tensor has the same head.
   device_lanes<block_size> const lanes{static_cast<int>(threadIdx.x)};
-  for_each_in_chunk<width>(lanes, loc.count, elements_to_alignment<width>(data), true, [&](auto w, std::size_t i) {
-    constexpr int n = decltype(w)::value;
-    auto v = *reinterpret_cast<aligned_vector<T, n>*>(data + i);
-#pragma unroll
-    for (int k = 0; k < n; ++k) v.v[k] = op(v.v[k], sum, bad);
-    if constexpr (InPlace) *reinterpret_cast<aligned_vector<T, n>*>(data + i) = v;
-  });
-  using block_reduce = cub::BlockReduce<float, block_size>;
-  __shared__ typename block_reduce::TempStorage temp;
-  float const block_sum = block_reduce(temp).Sum(sum);
-  int const block_bad = __syncthreads_or(bad);
-  if (threadIdx.x == 0) partials[table.first_partial + blockIdx.x] = {block_sum, block_bad ? 1u : 0u};
+  chunk_partial const p = unscale_chunk<T, InPlace>{data, {unscaling_factor(scale, is_inverse)}}(lanes, loc.count);
+  lanes.once([&] { partials[table.first_partial + blockIdx.x] = p; });
 }
 
 static_assert(sizeof(tensor_table<1>) + 3 * sizeof(void*) <= kernel_parameter_limit,
