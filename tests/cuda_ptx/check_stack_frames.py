@@ -27,5 +27,5 @@ for name, bytes_ in matched:
 if not matched:
     sys.exit(f"no kernel matching {pattern.pattern} in ptxas's report:\n{report}")
 if any(bytes_ >= limit for _, bytes_ in matched):
-    sys.exit(f"a kernel's stack frame reaches {limit} bytes: it copies a parameter (its tensor table?) into local "
-             "memory")
+    sys.exit(f"a kernel's stack frame reaches {limit} bytes: it keeps something in local memory (a parameter "
+             "whose address was taken, such as its tensor table, or an array indexed at run time)")

@@ -2,7 +2,7 @@
 // for ptxas's resource report: each must read its table where CUDA put it, in the
 // kernel's parameter space. A body that took the table's address where the compiler
 // cannot see through it would copy all of it into local memory in every thread
-// (check_no_stack_frame.py).
+// (check_stack_frames.py, which now allows no stack frame at all).
 #include <mpx/kernels/unscale_and_check.hpp>
 #include <mpx/optim/adam.hpp>
 #include <mpx/optim/sgd.hpp>

@@ -368,6 +368,25 @@ log_lines ordered_around(log_lines const& middle, bool deferred = false) {
   return out;
 }
 
+//! The calls that end a communicator (no timeout) whose work `hang(w, c)` left hanging,
+//! when that work completes 20 ms into the destructor's wait (a late peer).
+template <class Hang>
+log_lines end_after_late_completion(Hang&& hang) {
+  nccl_fake_world w;
+  std::thread late;
+  {
+    auto c = make_communicator_on(w, 0, 2, 1h);
+    hang(w, c);
+    w.forget_calls();
+    late = std::thread([&w] {
+      std::this_thread::sleep_for(20ms);
+      w.complete();
+    });
+  }
+  late.join();
+  return w.calls();
+}
+
 //! The max (or min) of two values as the communicator's must be, in float64: any NaN
 //! wins, -0 < +0.
 double nan_keeping_extreme(double a, double b, bool max) {
@@ -486,20 +505,10 @@ TEST_CASE("nccl communicator: the destructor aborts when a collective is not don
     CHECK(w.live.empty());
   }
   SECTION("done late, within the timeout: destroyed") {
-    nccl_fake_world w;
-    std::thread late;
-    {
-      auto c = make_communicator_on(w, 0, 2, 1h);
-      w.hang = true;
-      c.all_reduce(exec, x, mpx::reduce_op::sum);
-      w.forget_calls();
-      late = std::thread([&w] {
-        std::this_thread::sleep_for(20ms);
-        w.complete();
-      });
-    }
-    late.join();
-    CHECK(w.calls() == log_lines{"free device buffer", "destroy comm 55", "free pinned", "destroy_stream s101"});
+    CHECK(end_after_late_completion([&](nccl_fake_world& w, nccl_fake_communicator& c) {
+            w.hang = true;
+            c.all_reduce(exec, x, mpx::reduce_op::sum);
+          }) == log_lines{"free device buffer", "destroy comm 55", "free pinned", "destroy_stream s101"});
   }
   SECTION("aborted before: not destroyed, nor aborted again") {
     nccl_fake_world w;
@@ -791,20 +800,31 @@ TEST_CASE_METHOD(nccl_setup_50ms,
 
 // The destructor waits for a replay as for a collective: one still running after the
 // timeout is aborted, not destroyed with the other ranks.
-TEST_CASE("nccl communicator: a replay still running at the end aborts it rather than wait for the other ranks",
+TEST_CASE("nccl communicator: at the end, a replay still running past the timeout aborts it, one done late does not",
           "[dist][nccl_fake]") {
   nccl_fake_executor const exec;
-  nccl_fake_world w;
-  std::optional<nccl_fake_communicator> c;
-  c.emplace(exec, nccl_fake_id{}, 0, 2, mpx::communicator_options{50ms}, nccl_fake_backend{&w});
-  c->watch_replay(exec);  // completes
-  w.replay_hangs = true;
-  c->watch_replay(exec);
-  w.forget_calls();
-  auto const start = std::chrono::steady_clock::now();
-  c.reset();  // the watchdog stops first: the choice is the destructor's
-  CHECK(std::chrono::steady_clock::now() - start >= 50ms);  // it waited for the replay first
-  CHECK(w.calls() == log_lines{"free device buffer", "abort comm 55", "free pinned", "destroy_stream s101"});
+  SECTION("past the timeout: aborted, not destroyed") {
+    nccl_fake_world w;
+    std::optional<nccl_fake_communicator> c;
+    c.emplace(exec, nccl_fake_id{}, 0, 2, mpx::communicator_options{50ms}, nccl_fake_backend{&w});
+    c->watch_replay(exec);  // completes
+    w.replay_hangs = true;
+    c->watch_replay(exec);
+    w.forget_calls();
+    auto const start = std::chrono::steady_clock::now();
+    c.reset();  // the watchdog stops first: the choice is the destructor's
+    CHECK(std::chrono::steady_clock::now() - start >= 50ms);  // it waited for the replay first
+    CHECK(w.calls() == log_lines{"free device buffer", "abort comm 55", "free pinned", "destroy_stream s101"});
+  }
+  SECTION("done late, within the timeout, after an eager collective: destroyed") {
+    std::vector<float> data(4);
+    CHECK(end_after_late_completion([&](nccl_fake_world& w, nccl_fake_communicator& c) {
+            c.all_reduce(exec, mpx::tensor_view<float, mpx::host_space>(data.data(), mpx::shape{4}),
+                         mpx::reduce_op::sum);
+            w.replay_hangs = true;
+            c.watch_replay(exec);
+          }) == log_lines{"free device buffer", "destroy comm 55", "free pinned", "destroy_stream s101"});
+  }
 }
 
 TEST_CASE_METHOD(nccl_setup_50ms,

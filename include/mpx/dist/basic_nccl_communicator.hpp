@@ -277,10 +277,13 @@ class basic_nccl_communicator {
   //! collectives captured in it cannot be watched one by one (an event recorded in a
   //! capture cannot be asked whether it completed), so a replay that has not completed
   //! `timeout` after it was enqueued aborts the communicator, as a hung collective does.
-  //! data_parallel's hooks call it after each graph-mode replay (replica_hooks::step_replayed).
+  //! The time counts from the launch: the step's own work, and what was queued before
+  //! it, must fit in the timeout too. data_parallel's hooks call it after each launch of
+  //! a captured step (replica_hooks::step_replayed). Throws only when the communicator
+  //! was aborted (the step before it polled).
   template <std::same_as<executor_type> Exec>
   void watch_replay(Exec const& exec) {
-    supervisor_.enqueue("a training step replayed from a CUDA graph", true,
+    supervisor_.enqueue("a training step replayed from a CUDA graph", false,
                         [&](std::string const&) -> std::optional<event> {
                           event done = backend_.make_event();
                           backend_.record(done, exec.stream());

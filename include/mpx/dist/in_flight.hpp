@@ -31,8 +31,9 @@ class in_flight_collectives {
 
   //! Drops the completed collectives from the front, `is_done(handle)` saying whether
   //! one has completed (it may throw), and returns the oldest one still running, or null.
-  //! The collectives complete in the order they were enqueued (one stream), so the look
-  //! ends at the first one running.
+  //! The collectives complete in the order they were enqueued (the communicator's stream,
+  //! and graph replays on the caller's, ordered with it by events), so the look ends at
+  //! the first one running.
   template <class IsDone>
   [[nodiscard]] entry const* oldest_running(IsDone&& is_done) {
     while (!entries_.empty() && is_done(entries_.front().done)) entries_.pop_front();

@@ -119,6 +119,7 @@ struct nvfp4_block_reader {
   bool hadamard;
   std::uint32_t signs;
   MPX_HD unsigned operator()(std::size_t o, std::size_t k0, float (&v)[16]) const noexcept {
+    MPX_UNROLL
     for (std::size_t j = 0; j < 16; ++j) v[j] = k0 + j < read.k ? read(o, k0 + j) : 0.0f;
     if (hadamard) hadamard16(v, signs);
     unsigned nonfinite = 0;
@@ -231,23 +232,24 @@ struct nvfp4_quantize_items {
     for (std::size_t o = r.first; o < r.end; ++o) {
       block(o, k0, v);
       scales[items.layout.slot(o, k0)] = bad != 0 ? dtype_traits<float8_e4m3>::quiet_nan() : s.stored;
-      std::uint32_t random[16] = {};
-      if (draw != nullptr) {
-        std::uint64_t const group = (o * pitch * 2 + k0) / 4, d = *draw;
-        for (std::uint32_t j = 0; j < 4; ++j) {
-          philox_counter const c = philox4x32_10(
-              philox_counter{{static_cast<std::uint32_t>(group + j), static_cast<std::uint32_t>((group + j) >> 32),
-                              static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(d >> 32)}},
-              philox_key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}});
-          for (std::uint32_t w = 0; w < 4; ++w) random[4 * j + w] = c.v[w];
-        }
-      }
+      // Stochastic rounding: four random words per four values, drawn as they are used (16
+      // words held at once spilled registers on the GPU).
+      std::uint64_t const group = (o * pitch * 2 + k0) / 4;
+      philox_key const key{{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)}};
+      philox_counter random{};
+      MPX_UNROLL
       for (std::size_t j = 0; j < 16; j += 2) {
+        if (draw != nullptr && j % 4 == 0) {
+          std::uint64_t const g = group + j / 4, d = *draw;
+          random = philox4x32_10(philox_counter{{static_cast<std::uint32_t>(g), static_cast<std::uint32_t>(g >> 32),
+                                                 static_cast<std::uint32_t>(d), static_cast<std::uint32_t>(d >> 32)}},
+                                 key);
+        }
         std::uint8_t lo = 0, hi = 0;
         if (bad == 0) {
           float const x0 = v[j] * s.encode, x1 = v[j + 1] * s.encode;
-          lo = draw != nullptr ? e2m1_stochastic_round(x0, random[j]) : e2m1_round(x0);
-          hi = draw != nullptr ? e2m1_stochastic_round(x1, random[j + 1]) : e2m1_round(x1);
+          lo = draw != nullptr ? e2m1_stochastic_round(x0, random.v[j % 4]) : e2m1_round(x0);
+          hi = draw != nullptr ? e2m1_stochastic_round(x1, random.v[j % 4 + 1]) : e2m1_round(x1);
         }
         out[o * pitch + (k0 + j) / 2] = static_cast<std::uint8_t>(lo | hi << 4);
       }

@@ -176,7 +176,10 @@ struct first_nonfinite_scan {
   MPX_HD unsigned operator()(std::size_t c) const {
     if (record->skipped == 0) return 0u;
     unsigned const k = tensor_of_chunk(table, count, c);
-    return finite_chunk(k == 0 ? input : table[k], c) ? 0u : count - k;
+    // A copy either way (a prvalue): choosing between the parameter's address and the
+    // table's would put the parameter in local memory on the GPU.
+    watched_tensor const t = k == 0 ? watched_tensor(input) : table[k];
+    return finite_chunk(t, c) ? 0u : count - k;
   }
 };
 

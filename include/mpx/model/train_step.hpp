@@ -477,11 +477,12 @@ class classifier_trainer {
       captured_in_flight_ = model_.in_flight_state();
     }
     MPX_CUDA_CHECK(cudaGraphLaunch(graph_exec_.get(), stream));
-    if (replicas_.step_replayed) replicas_.step_replayed(step_executor(on));  // its collectives timed
     model_.restore_in_flight_state(captured_in_flight_);  // logits() and trace() see the replayed batch
     copy(on, tensor_view<step_record const, Space>(graph_record_.data(), shape{1}),
          tensor_view<step_record, Space>(record(pending_), shape{1}));
     ++pending_;
+    // Last: the step is recorded whatever it throws (an aborted communicator's reason).
+    if (replicas_.step_replayed) replicas_.step_replayed(step_executor(on));  // its collectives timed
   }
 
 #endif
