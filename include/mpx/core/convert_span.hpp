@@ -58,10 +58,12 @@ inline bool host_has_f16c() noexcept {
 using eight_halves = short __attribute__((vector_size(16)));
 using eight_floats = float __attribute__((vector_size(32)));
 
+// One unordered compare of the vector with itself and its sign mask (vcmpps, vmovmskps):
+// a loop over v[k] compiles to eight scalar compares of a copy on the stack, which was
+// most of the conversions' time (bench/NOTES.md).
 __attribute__((target("avx,f16c"))) inline bool any_nan(eight_floats const& v) noexcept {
-  bool nan = false;
-  for (int k = 0; k < 8; ++k) nan |= v[k] != v[k];
-  return nan;
+  constexpr int unordered_quiet = 3;  // _CMP_UNORD_Q: true where either operand is a NaN
+  return __builtin_ia32_movmskps256(__builtin_ia32_cmpps256(v, v, unordered_quiet)) != 0;
 }
 
 // The F16C loops convert eight at a time and hand a group holding a NaN to the
