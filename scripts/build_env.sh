@@ -34,3 +34,30 @@ mpx_configure() {
     meson setup "$dir" "$@"
   fi
 }
+
+# Meson before 1.4 records no header dependencies for nvcc's objects, so ninja alone never
+# rebuilds a CUDA object after a header (or a test file it includes) changes: a CUDA suite
+# would run code built from older headers. mpx_stale_cuda_objects BUILD SOURCE prints the
+# CUDA objects of BUILD older than the newest source under SOURCE (include/, tests/,
+# examples/, bench/), one per line; nothing under a newer Meson, which records them.
+mpx_stale_cuda_objects() {
+  local build=$1 source=$2 version newest
+  version=$(meson --version 2>/dev/null || echo 0)
+  [ "$(printf '%s\n' 1.4.0 "$version" | sort -V | head -n 1)" = 1.4.0 ] && return 0
+  newest=$(find "$source/include" "$source/tests" "$source/examples" "$source/bench" -type f \
+    \( -name '*.hpp' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.in' \) -printf '%T@ %p\n' 2>/dev/null |
+    sort -n | tail -n 1 | cut -d' ' -f2-) || true
+  [ -n "$newest" ] || return 0
+  find "$build" -name '*.cu.o' ! -newer "$newest" -print 2>/dev/null || true
+}
+
+# Deletes the stale CUDA objects of build directory $1 (sources under $2) and says how
+# many: the build that follows recompiles them, ccache hits where nothing they include
+# changed.
+mpx_drop_stale_cuda_objects() {
+  local stale
+  stale=$(mpx_stale_cuda_objects "$1" "$2")
+  [ -n "$stale" ] || return 0
+  echo "$(printf '%s\n' "$stale" | wc -l) CUDA objects of $1 are older than a source (Meson before 1.4 records no header dependencies for nvcc): rebuilding them"
+  printf '%s\n' "$stale" | xargs -r rm -f
+}

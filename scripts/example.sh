@@ -12,5 +12,6 @@ if command -v nvcc >/dev/null 2>&1 && mpx_gpu_present; then
 else
   mpx_configure build -Dcuda=disabled -Dexamples_optimization=default
 fi
+mpx_drop_stale_cuda_objects build "$PWD"
 meson compile -C build examples/fashion_mnist
 build/examples/fashion_mnist "$@"

@@ -67,18 +67,13 @@ esac
 isa=$(meson_info intro-buildoptions.json '",".join(str(o["value"]) for o in j if o["name"] == "host_isa")')
 [ -z "$isa" ] || [ "$isa" = baseline ] ||
   echo "gpu_kit: warning: $build compiles its C++ objects with host_isa=$isa (-march=native here), which the GPU machine's CPU may lack: configure it with -Dhost_isa=baseline, as .ci/run does" >&2
-# The newest source, and every CUDA object older than it: deleted and rebuilt.
-newest=$(find "$source_dir/include" "$source_dir/tests" "$source_dir/examples" "$source_dir/bench" -type f \
-  \( -name '*.hpp' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.in' \) -printf '%T@ %p\n' 2>/dev/null |
-  sort -n | tail -n 1 | cut -d' ' -f2-)
-if [ -n "$newest" ]; then
-  stale=$(find "$build" -name '*.cu.o' ! -newer "$newest" -print 2>/dev/null || true)
-  if [ -n "$stale" ]; then
-    [ -f "$build/build.ninja" ] || die "$build has CUDA objects older than $newest, and no build.ninja to rebuild them with"
-    echo "gpu_kit: $(printf '%s\n' "$stale" | wc -l) CUDA objects of $build are older than $newest (nvcc's header dependencies are not recorded): rebuilding them"
-    printf '%s\n' "$stale" | xargs -r rm -f
-    ninja -C "$build" || die "rebuilding $build failed"
-  fi
+# Every CUDA object older than the newest source: deleted and rebuilt.
+source "$(dirname "${BASH_SOURCE[0]}")/build_env.sh"
+stale=$(mpx_stale_cuda_objects "$build" "$source_dir")
+if [ -n "$stale" ]; then
+  [ -f "$build/build.ninja" ] || die "$build has CUDA objects older than a source, and no build.ninja to rebuild them with"
+  echo "gpu_kit: $(mpx_drop_stale_cuda_objects "$build" "$source_dir")"
+  ninja -C "$build" || die "rebuilding $build failed"
 fi
 
 kit=.gpu

@@ -56,6 +56,7 @@ else
 fi
 echo "== mpx test: $what"
 
+mpx_drop_stale_cuda_objects build "$PWD"
 meson compile -C build
 rc=0
 meson test -C build --print-errorlogs || rc=$?

@@ -155,7 +155,7 @@ done
 
 repo=$tmp/repo
 mkdir -p "$repo/scripts" "$repo/bench" "$repo/ignored" "$repo/tests"
-cp "$src/scripts/gpu_kit.sh" "$src/scripts/gpu_run.sh" "$repo/scripts/"
+cp "$src/scripts/gpu_kit.sh" "$src/scripts/gpu_run.sh" "$src/scripts/build_env.sh" "$repo/scripts/"
 cp "$src/tests/meson.build" "$repo/tests/"  # the suite's folders, which gpu_run.sh runs one at a time
 printf '/.gpu/\n/ignored/\n' > "$repo/.gitignore"
 cat > "$repo/bench/torch_compare.py" <<'EOF'
@@ -198,6 +198,25 @@ if "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" --only tests > "$tmp
 fi
 expect "$tmp/kit-stale.log" 'CUDA objects older than' "gpu_kit.sh names the stale CUDA objects"
 rm -f "$build/stale.cu.o"
+
+# scripts/test.sh and example.sh drop stale CUDA objects before building (build_env.sh):
+# an object older than a source goes, a newer one stays; under Meson 1.4, which records
+# nvcc's header dependencies, none goes.
+objects=$tmp/objects
+mkdir -p "$objects/sub" "$tmp/meson14"
+touch -d '2000-01-01' "$objects/sub/old.cu.o" "$objects/old.cpp.o"
+touch "$objects/new.cu.o"
+printf '#!/bin/sh\necho 1.4.0\n' > "$tmp/meson14/meson"
+chmod +x "$tmp/meson14/meson"
+(source "$repo/scripts/build_env.sh" && PATH="$tmp/meson14:$PATH" mpx_drop_stale_cuda_objects "$objects" "$src") \
+  > "$tmp/drop14.log" 2>&1 || fail "mpx_drop_stale_cuda_objects failed under Meson 1.4" "$tmp/drop14.log"
+[ -f "$objects/sub/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects deleted an object under Meson 1.4" "$tmp/drop14.log"
+(source "$repo/scripts/build_env.sh" && mpx_drop_stale_cuda_objects "$objects" "$src") > "$tmp/drop.log" 2>&1 ||
+  fail "mpx_drop_stale_cuda_objects failed" "$tmp/drop.log"
+expect "$tmp/drop.log" '^1 CUDA objects of .* older than a source' "mpx_drop_stale_cuda_objects says what it drops"
+[ ! -e "$objects/sub/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects kept a CUDA object older than the sources" "$tmp/drop.log"
+[ -f "$objects/new.cu.o" ] && [ -f "$objects/old.cpp.o" ] ||
+  fail "mpx_drop_stale_cuda_objects deleted a current CUDA object or a C++ object" "$tmp/drop.log"
 
 "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" > "$tmp/kit.log" 2>&1 || fail "gpu_kit.sh failed" "$tmp/kit.log"
 tar -tJf "$repo/.gpu/programs.tar.xz" > "$tmp/kit.list"

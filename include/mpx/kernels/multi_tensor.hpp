@@ -126,6 +126,18 @@ MPX_HD inline std::size_t elements_to_alignment(T const* p) noexcept {
   return misaligned ? Width - misaligned : 0;
 }
 
+//! A chunk of `count` elements as `head` single elements up to a vector boundary, then
+//! `vectors` whole vectors of Width elements, then single elements from tail_from().
+template <int Width>
+struct chunk_split {
+  std::size_t head;
+  std::size_t vectors;
+
+  MPX_HD chunk_split(std::size_t count, std::size_t to_boundary) noexcept
+      : head(to_boundary < count ? to_boundary : count), vectors((count - head) / Width) {}
+  [[nodiscard]] MPX_HD std::size_t tail_from() const noexcept { return head + vectors * Width; }
+};
+
 //! Calls body(std::integral_constant<int, W>{}, i) over a chunk of `count` elements,
 //! shared by the lanes (exec/lanes.hpp: a block's threads on the GPU, emulated on the
 //! host). When `aligned` (every pointer reaches a vector boundary after the same `head`
@@ -136,11 +148,11 @@ MPX_HD inline void for_each_in_chunk(Lanes const& lanes, std::size_t count, std:
                                      Body&& body) {
   std::size_t scalar_from = 0;
   if (aligned) {
-    head = head < count ? head : count;
-    lanes.for_each(head, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, i); });
-    std::size_t const vectors = (count - head) / Width;
-    lanes.for_each(vectors, [&](std::size_t v) { body(std::integral_constant<int, Width>{}, head + v * Width); });
-    scalar_from = head + vectors * Width;
+    chunk_split<Width> const split(count, head);
+    lanes.for_each(split.head, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, i); });
+    lanes.for_each(split.vectors,
+                   [&](std::size_t v) { body(std::integral_constant<int, Width>{}, split.head + v * Width); });
+    scalar_from = split.tail_from();
   }
   lanes.for_each(count - scalar_from, [&](std::size_t i) { body(std::integral_constant<int, 1>{}, scalar_from + i); });
 }
@@ -154,12 +166,12 @@ MPX_HD inline void for_each_in_chunk(Lanes const& lanes, std::size_t count, std:
 template <int Width, class Lanes, class Op, class Body>
 MPX_HD inline typename Op::value_type reduce_in_chunk(Lanes const& lanes, std::size_t count, std::size_t head, Op op,
                                                       Body&& body) {
-  head = head < count ? head : count;
-  std::size_t const vectors = (count - head) / Width;
-  std::size_t const columns = count - vectors * (Width - 1);
+  chunk_split<Width> const split(count, head);
+  std::size_t const columns = count - split.vectors * (Width - 1);
   return lanes.reduce(columns, op, [&](std::size_t c) -> typename Op::value_type {
-    if (c >= head && c - head < vectors) return body(std::integral_constant<int, Width>{}, head + (c - head) * Width);
-    return body(std::integral_constant<int, 1>{}, c < head ? c : c + vectors * (Width - 1));
+    if (c >= split.head && c - split.head < split.vectors)
+      return body(std::integral_constant<int, Width>{}, split.head + (c - split.head) * Width);
+    return body(std::integral_constant<int, 1>{}, c < split.head ? c : c + split.vectors * (Width - 1));
   });
 }
 

@@ -248,8 +248,8 @@ struct nvfp4_quantize_items {
         std::uint8_t lo = 0, hi = 0;
         if (bad == 0) {
           float const x0 = v[j] * s.encode, x1 = v[j + 1] * s.encode;
-          lo = draw != nullptr ? e2m1_stochastic_round(x0, random.v[j % 4]) : e2m1_round(x0);
-          hi = draw != nullptr ? e2m1_stochastic_round(x1, random.v[j % 4 + 1]) : e2m1_round(x1);
+          lo = draw != nullptr ? e2m1_stochastic_round(x0, random.word(j % 4)) : e2m1_round(x0);
+          hi = draw != nullptr ? e2m1_stochastic_round(x1, random.word(j % 4 + 1)) : e2m1_round(x1);
         }
         out[o * pitch + (k0 + j) / 2] = static_cast<std::uint8_t>(lo | hi << 4);
       }
