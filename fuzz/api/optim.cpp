@@ -569,8 +569,19 @@ inline void run_optimizer(draw& d, rule_kind rule) {
     return;
   }
   if (variant == 5 && !params.empty()) {  // a step with no backward since the last (model-owned gradients)
-    auto count = std::make_shared<mpx::backward_count>();
+    auto count = std::make_shared<mpx::model_history>();
     for (auto& p : params) p.written_by = count;
+    if (d.coin()) {  // or the model was built again after the optimizer was made: its tensors are freed
+      call << " after the model was built again";
+      count->passes = 1;
+      with_optimizer(exec, params, h, [&](auto& opt) {
+        count->builds = 1;
+        auto const before = m.values[0].bits();
+        require_refusal(call, {"no longer the model's", "last build"}, [&] { opt.step(exec); });
+        require_same_bits(call, "p0 after the refused step", m.values[0].bits(), before);
+      });
+      return;
+    }
     bool const second = d.coin();
     call << (second ? " a second step with no backward" : " a step before any backward");
     with_optimizer(exec, params, h, [&](auto& opt) {
@@ -614,7 +625,7 @@ inline void run_optimizer(draw& d, rule_kind rule) {
   // With a model's count attached (and the opt-out set), the refusal must not fire.
   bool const owned = variant == 7;
   if (owned) {
-    auto count = std::make_shared<mpx::backward_count>();
+    auto count = std::make_shared<mpx::model_history>();
     for (auto& p : params) p.written_by = count;
     call << " (owned, allow_step_without_backward)";
   }

@@ -278,9 +278,10 @@ TEMPLATE_LIST_TEST_CASE("docs/loss_scaling.md: the stuck loss scale's message", 
   }
   check_doc_quote("loss_scaling.md",
                   "the loss scale is at its minimum (1) and 3 step(s) in a row still produced NaN or inf gradients (the "
-                  "first the backward pass wrote: 'dense_1/bias'): they are not finite even unscaled, so the model "
-                  "itself diverged. To find the layer and the operation, run mpx::find_nonfinite(exec, model) after a "
-                  "forward and backward on such a batch. Then lower the learning rate, check the inputs, keep softmax, "
+                  "first the backward pass wrote: 'dense_1/bias'): they are not finite even unscaled, so the batches "
+                  "hold NaN or inf or the model itself diverged. To find which, and the layer and the operation, run "
+                  "mpx::find_nonfinite(exec, model) after a forward and backward on such a batch (it names \"(model "
+                  "input)\" when the input already was). Then clean the inputs, lower the learning rate, keep softmax, "
                   "norms and losses in float32",
                   message);
 }

@@ -10,6 +10,7 @@
 #include <mpx/layers/softmax_layer.hpp>
 #include <mpx/losses/cross_entropy.hpp>
 #include <mpx/model/diagnostics.hpp>
+#include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
 #include <mpx/optim/adam.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
@@ -133,6 +134,25 @@ TEMPLATE_LIST_TEST_CASE("probe_loss_scales backpropagates one batch several time
   CHECK_THROWS_WITH(model.backward_from_logits(exec, dy.view()), Contains("no forward since the previous backward"));
 }
 
+TEMPLATE_LIST_TEST_CASE("forward and probe_loss_scales take tensors as well as views", "[model][custom_loop]",
+                        mpx_test::executors) {
+  TestType exec;
+  auto model = small_model<mpx::mixed_float16>();
+  model.build(exec, {4}, 3);
+  auto const x = inputs(exec);  // a tensor of float
+  auto const from_view = mpx_test::download(exec, model.forward(exec, x.view(), false));
+  CHECK(mpx_test::download(exec, model.forward(exec, x, false)) == from_view);
+  auto const labels = mpx_test::upload(exec, std::vector<std::int32_t>{0, 1, 2, 0, 1}, mpx::shape{batch});
+  auto const with_tensors = mpx::probe_loss_scales(exec, model, x, labels, {1.0f, 256.0f});
+  auto const with_views = mpx::probe_loss_scales(exec, model, x.view(), labels.view(), {1.0f, 256.0f});
+  REQUIRE(with_tensors.rows.size() == with_views.rows.size());
+  for (std::size_t i = 0; i < with_views.rows.size(); ++i) {
+    CHECK(with_tensors.rows[i].zero_share == with_views.rows[i].zero_share);
+    CHECK(with_tensors.rows[i].nonfinite == with_views.rows[i].nonfinite);
+  }
+  CHECK(with_tensors.recommended_scale == with_views.recommended_scale);
+}
+
 TEMPLATE_LIST_TEST_CASE("an optimizer's step needs a backward since its previous step, and a refused step changes "
                         "nothing",
                         "[model][custom_loop]", mpx_test::executors) {
@@ -186,6 +206,80 @@ TEMPLATE_LIST_TEST_CASE("loss_scale_optimizer refuses a step with no backward be
   model.backward_from_logits(exec, dy.view());
   optimizer.step(exec);
   CHECK(optimizer.optimizer().steps(exec) == 1);
+}
+
+TEMPLATE_LIST_TEST_CASE("an optimizer refuses parameters a new build of the model freed, and master weights older "
+                        "than weights loaded since, before touching anything",
+                        "[model][custom_loop]", mpx_test::executors) {
+  TestType exec;
+  auto const x = inputs(exec);
+  auto const dy = logit_gradient(exec);
+  auto model = small_model<mpx::mixed_float16>();
+  model.build(exec, {4}, 3);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  float const scale = optimizer.scaler().scale(exec);
+  auto backprop = [&] {
+    model.forward(exec, x.view(), true);
+    model.backward_from_logits(exec, dy.view());
+  };
+
+  SECTION("built again: the optimizer's tensors are freed") {
+    model.build(exec, {4}, 4);
+    backprop();
+    auto const rebuilt = parameter_values(exec, model);
+    for (int plain = 0; plain < 2; ++plain)  // through the loss_scale_optimizer, and the optimizer's own step
+      CHECK_THROWS_TYPE_WITH(plain ? optimizer.optimizer().step(exec) : optimizer.step(exec), mpx::invalid_argument,
+                             Contains("adam: its parameters (e.g. 'dense/kernel') are no longer the model's") &&
+                                 Contains("after the model's last build"));
+    CHECK(optimizer.scaler().scale(exec) == scale);
+    CHECK(optimizer.optimizer().steps(exec) == 0);
+    CHECK(parameter_values(exec, model) == rebuilt);
+    // An optimizer made after the last build steps.
+    auto fresh = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
+                                           mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+    fresh.step(exec);
+    CHECK(fresh.optimizer().steps(exec) == 1);
+    CHECK(parameter_values(exec, model) != rebuilt);
+  }
+
+  SECTION("weights loaded: the master weights hold the old ones until reloaded") {
+    mpx_test::scratch_dir const dir("reload_masters");
+    auto other = small_model<mpx::mixed_float16>();
+    other.build(exec, {4}, 9);
+    mpx::save_model(exec, other, dir / "other.mpx");
+    mpx::load_model(exec, model, dir / "other.mpx");
+    auto const loaded = parameter_values(exec, model);
+    CHECK(loaded == parameter_values(exec, other));
+    backprop();
+    CHECK_THROWS_TYPE_WITH(optimizer.step(exec), mpx::invalid_argument,
+                           Contains("adam: the model's weights were replaced (load_model)") &&
+                               Contains("'dense/kernel'") && Contains("reload_master_weights(exec)"));
+    CHECK(optimizer.optimizer().steps(exec) == 0);
+    CHECK(parameter_values(exec, model) == loaded);
+    // Reloaded, the step starts from the loaded weights: Adam moves each by about its
+    // learning rate (the old masters are 0.1 to 1 away from them).
+    optimizer.optimizer().reload_master_weights(exec);
+    optimizer.step(exec);
+    CHECK(optimizer.optimizer().steps(exec) == 1);
+    auto const stepped = parameter_values(exec, model);
+    REQUIRE(stepped.size() == loaded.size());
+    for (std::size_t i = 0; i < loaded.size(); ++i)
+      for (std::size_t j = 0; j < loaded[i].size(); ++j) CHECK(std::abs(stepped[i][j] - loaded[i][j]) < 0.02f);
+  }
+
+  SECTION("an optimizer without master copies has nothing to reload") {
+    auto floats = small_model<mpx::float32>();
+    floats.build(exec, {4}, 3);
+    mpx::sgd plain(exec, floats.parameters(exec), 0.1f);
+    mpx_test::scratch_dir const dir("reload_none");
+    mpx::save_model(exec, floats, dir / "floats.mpx");
+    mpx::load_model(exec, floats, dir / "floats.mpx");
+    floats.forward(exec, x.view(), true);
+    floats.backward_from_logits(exec, dy.view());
+    plain.step(exec);
+    CHECK(plain.steps(exec) == 1);
+  }
 }
 
 TEST_CASE("a model is used where it was built: another memory space or executor is refused, naming both",

@@ -513,6 +513,109 @@ TEMPLATE_LIST_TEST_CASE("training state round trip: model, optimizer and scaler 
   fs::remove_all(dir);
 }
 
+// Every parameter's values, bit patterns as floats.
+template <class Exec, class Model>
+std::vector<std::vector<float>> weights_of(Exec const& exec, Model& model) {
+  std::vector<std::vector<float>> out;
+  for (auto const& p : model.parameters(exec))
+    mpx::visit_dtype(p.value.dtype(), [&](auto t) {
+      using T = decltype(t);
+      std::vector<float> w;
+      for (T v : mpx_test::download(exec, p.value.template as<T>())) w.push_back(static_cast<float>(v));
+      out.push_back(std::move(w));
+    });
+  return out;
+}
+
+TEMPLATE_LIST_TEST_CASE("fit resumes where load_training_state says: the uninterrupted run's epochs, batches and "
+                        "weights",
+                        "[model]", mpx_test::executors) {
+  TestType exec;
+  fs::path const dir = scratch_dir("fit_start");
+  auto const points = quadrants<TestType, mpx::half>(exec, 128, 29);
+  auto data = points.batches(32);  // 4 batches an epoch
+  auto make = [&](std::uint64_t seed) {
+    auto m = quadrant_model<mpx::mixed_float16>();
+    m.build(exec, {2}, seed);
+    return m;
+  };
+  auto optimizer_of = [&](auto& m) {
+    return mpx::loss_scale_optimizer(mpx::adam(exec, m.parameters(exec), 1e-2f),
+                                     mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  };
+  auto m1 = make(1);
+  auto o1 = optimizer_of(m1);
+  mpx::fit_options options;
+  options.epochs = 3;
+  options.quiet = true;
+  options.on_epoch_end = [&](mpx::epoch_summary const& s) {
+    if (s.epoch == 1) mpx::save_training_state(exec, m1, o1, dir, {.epoch = 1, .batch = 0, .steps = s.steps});
+  };
+  auto const whole = mpx::fit(exec, m1, o1, data, options);
+  REQUIRE(whole.size() == 3);
+  options.on_epoch_end = nullptr;
+
+  auto m2 = make(7);
+  auto o2 = optimizer_of(m2);
+  options.start = mpx::load_training_state(exec, m2, o2, dir);
+  CHECK(options.start == mpx::training_position{1, 0, 4});
+  auto const resumed = mpx::fit(exec, m2, o2, data, options);
+  REQUIRE(resumed.size() == 2);
+  CHECK(resumed[0].epoch == 2);
+  CHECK(resumed[1].epoch == 3);
+  for (std::size_t e = 0; e < 2; ++e) {
+    CHECK(resumed[e].steps == 4);
+    CHECK(resumed[e].loss == whole[e + 1].loss);
+    CHECK(resumed[e].accuracy == whole[e + 1].accuracy);
+  }
+  CHECK(weights_of(exec, m2) == weights_of(exec, m1));
+
+  // From a batch within an epoch: that epoch runs its remaining batches.
+  auto m3 = make(8);
+  auto o3 = optimizer_of(m3);
+  mpx::load_training_state(exec, m3, o3, dir);
+  options.start = {.epoch = 1, .batch = 3, .steps = 4};
+  auto const late = mpx::fit(exec, m3, o3, data, options);
+  REQUIRE(late.size() == 2);
+  CHECK(late[0].epoch == 2);
+  CHECK(late[0].steps == 1);
+  CHECK(late[1].steps == 4);
+  CHECK(weights_of(exec, m3) != weights_of(exec, m1));  // three of epoch 2's batches were never seen
+
+  // A run already finished trains nothing; one past its end is refused.
+  options.start = {.epoch = 3, .batch = 0, .steps = 12};
+  CHECK(mpx::fit(exec, m3, o3, data, options).empty());
+  options.start = {.epoch = 3, .batch = 1, .steps = 13};
+  CHECK_THROWS_TYPE_WITH(mpx::fit(exec, m3, o3, data, options), mpx::invalid_argument,
+                         Catch::Contains("the run starts at epoch 4, batch 1, after its last epoch") &&
+                             Catch::Contains("fit_options::epochs is 3"));
+  fs::remove_all(dir);
+}
+
+TEMPLATE_LIST_TEST_CASE("fit and evaluate refuse data with no samples", "[model]", mpx_test::executors) {
+  TestType exec;
+  using space = mpx::memory_space_t<TestType>;
+  auto const points = quadrants<TestType, mpx::half>(exec, 8, 31);
+  auto data = points.batches(4);
+  auto model = quadrant_model<mpx::mixed_float16>();
+  model.build(exec, {2}, 1);
+  auto optimizer = mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-2f),
+                                             mpx::dynamic_loss_scaler(exec, mpx::keras_loss_scale()));
+  mpx::tensor<mpx::half, space> no_images(exec, mpx::shape{0, 2});
+  mpx::tensor<std::int32_t, space> no_labels(exec, mpx::shape{0});
+  mpx::tensor_batches<mpx::half, space> empty(no_images, no_labels, 4);
+  mpx::fit_options options;
+  options.quiet = true;
+  CHECK_THROWS_TYPE_WITH(mpx::fit(exec, model, optimizer, empty, options), mpx::invalid_argument,
+                         Catch::Contains("mpx::fit: the training data has no batches"));
+  CHECK_THROWS_TYPE_WITH(mpx::evaluate(exec, model, empty), mpx::invalid_argument,
+                         Catch::Contains("mpx::evaluate: the data holds no samples"));
+  CHECK_THROWS_WITH(mpx::fit(exec, model, optimizer, data, options, &empty),  // once: it trains first
+                    Catch::Contains("mpx::fit: the validation data holds no samples"));
+  CHECK(optimizer.optimizer().steps(exec) == 2);  // the epoch ran; its validation was refused
+  CHECK(mpx::evaluate(exec, model, data).samples == 8);
+}
+
 TEMPLATE_LIST_TEST_CASE("model errors name the layer and the shapes", "[model]", mpx_test::executors) {
   TestType exec;
   auto model = quadrant_model<mpx::float32>();

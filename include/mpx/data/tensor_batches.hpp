@@ -82,8 +82,25 @@ class tensor_batches {
   std::size_t next_index_ = 0;
 };
 
+namespace detail {
+template <class Label>
+struct int32_labels_required {
+  static_assert(sizeof(Label) == 0, "mpx::tensor_batches(samples, labels, batch_size): the labels must be "
+                                    "std::int32_t class indices, one per sample (cast float labels first)");
+  using type = void;
+};
+}  // namespace detail
+
 template <class T, memory_space Space>
 tensor_batches(tensor<T, Space> const&, tensor<std::int32_t, Space> const&, std::size_t) -> tensor_batches<T, Space>;
+template <class T, class Label, memory_space Space>
+  requires(!std::is_same_v<std::remove_const_t<Label>, std::int32_t>)
+tensor_batches(tensor<T, Space> const&, tensor<Label, Space> const&, std::size_t)
+    -> tensor_batches<typename detail::int32_labels_required<Label>::type, Space>;
+template <class T, class Label, memory_space Space>
+  requires(!std::is_same_v<std::remove_const_t<Label>, std::int32_t>)
+tensor_batches(tensor_view<T, Space>, tensor_view<Label, Space>, std::size_t)
+    -> tensor_batches<typename detail::int32_labels_required<Label>::type, Space>;
 template <class T, memory_space Space>
 tensor_batches(tensor_view<T, Space>, tensor_view<std::int32_t, Space>, std::size_t)
     -> tensor_batches<std::remove_const_t<T>, Space>;

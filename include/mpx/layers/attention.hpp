@@ -581,8 +581,10 @@ class causal_self_attention : public layer_base,
   [[nodiscard]] float logit_scale(attention_dims const& d) const {
     return config_.scale_logits ? 1.0f / std::sqrt(static_cast<float>(d.head_width)) : 1.0f;
   }
+  // The view by reference: GCC 12 at -O1 and above can lose writes made through views
+  // that a function took by value and returned (mpx::view's note, exec/tensor.hpp).
   template <class T, class Space>
-  static auto split_qkv(tensor_view<T, Space> heads, attention_dims const& d) {
+  static auto split_qkv(tensor_view<T, Space> const& heads, attention_dims const& d) {
     std::int64_t const bh = d.batch * d.heads;
     std::size_t const n = static_cast<std::size_t>(bh * d.tokens * d.head_width);
     shape const s{bh, d.tokens, d.head_width};

@@ -407,17 +407,19 @@ loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<f
 
 //! For a classifier trained with sparse categorical cross-entropy: runs the forward pass
 //! (training mode) on a batch, takes the cross-entropy's gradient, and probes as above.
-template <executor Exec, class Model, class T, class Space = memory_space_t<Exec>>
-loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, tensor_view<T const, Space> images,
-                                   tensor_view<std::int32_t const, Space> labels,
+//! Images and labels are tensors or views.
+template <executor Exec, class Model, tensor_like Images, tensor_like Labels, class Space = memory_space_t<Exec>>
+  requires std::is_same_v<std::remove_const_t<typename view_t<Labels const>::value_type>, std::int32_t>
+loss_scale_probe probe_loss_scales(Exec const& exec, Model& model, Images const& images, Labels const& labels,
                                    std::vector<float> scales = default_probe_scales()) {
   detail::check_probe_scales(scales);
   detail::fp8_scales_kept<Exec> const kept(exec, model);  // the forward records amaxes
-  model.forward(exec, images, true);
+  model.forward(exec, mpx::view(images), true);
   auto const logits = model.template logits<Space>();
   tensor<float, Space> gradient(exec, logits.shape());
   loss_value<Space> loss(exec);
-  sparse_categorical_cross_entropy<float32>(exec, logits, labels, gradient, loss);
+  sparse_categorical_cross_entropy<float32>(exec, logits, tensor_view<std::int32_t const, Space>(mpx::view(labels)),
+                                            gradient, loss);
   static_cast<void>(loss.read(exec));  // a label outside [0, classes) throws here, naming it
   return detail::probe_at_scales(exec, model, tensor_view<float const, Space>(gradient), std::move(scales));
 }

@@ -21,6 +21,7 @@
 #include <mpx/model/progress.hpp>
 #include <mpx/model/shadow.hpp>
 #include <mpx/model/train_step.hpp>
+#include <mpx/model/training_state.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -38,7 +39,13 @@
 namespace mpx {
 
 struct fit_options {
+  //! The run's epochs in all, those done before `start` included (Keras's `epochs`).
   std::size_t epochs = 1;
+  //! Where the run starts (Keras's `initial_epoch`, and a batch within it): what
+  //! load_training_state returned. `start.epoch` epochs are done, and the first batch is
+  //! the source's `start.batch` of the next (start_epoch(start.epoch, start.batch)); the
+  //! epochs are numbered on from there, as the uninterrupted run numbered them.
+  training_position start{};
   //! 1: redraw one progress line in place; 0: print plain lines (four per epoch);
   //! -1: redraw when stdout is a terminal, else plain lines. For no output, set `quiet`.
   int progress = -1;
@@ -148,16 +155,15 @@ inline progress_fields progress_of(epoch_meter const& m, std::size_t epoch, std:
 
 }  // namespace detail
 
-//! Loss and accuracy of a classifier over every batch of `data` (inference mode:
-//! dropout off, batch norm on its running statistics). Each batch's loss and count of
-//! correct predictions stay where the executor computes until the end: one
-//! synchronisation per evaluation, not per batch.
+namespace detail {
+//! evaluate over this process's batches, which may be none (a replica's share of the
+//! validation data).
 template <executor Exec, class Model, class Source>
-evaluation evaluate(Exec const& exec, Model& model, Source& data) {
+evaluation evaluate_share(Exec const& exec, Model& model, Source& data) {
   using Space = memory_space_t<Exec>;
   using logits_type = typename Model::logits_type;
   loss_value<Space> loss(exec);
-  detail::layer_tensor<logits_type> grad;  // the loss writes its gradient; unused here
+  layer_tensor<logits_type> grad;  // the loss writes its gradient; unused here
   std::size_t const capacity = std::max<std::size_t>(1, data.batches_per_epoch());
   tensor<step_record, Space> records(exec, shape{static_cast<std::int64_t>(capacity)});
   evaluation out;
@@ -177,23 +183,38 @@ evaluation evaluate(Exec const& exec, Model& model, Source& data) {
   data.start_epoch(0);
   while (auto batch = data.next()) {
     if (pending == capacity) read_records();  // a source with more batches than it announced
-    model.forward(exec, detail::batch_inputs(*batch), false);
+    model.forward(exec, batch_inputs(*batch), false);
     auto const logits = model.template logits<Space>();
     grad.ensure(exec, logits.shape());
-    sparse_categorical_cross_entropy<float32>(exec, logits, detail::batch_targets(*batch),
+    sparse_categorical_cross_entropy<float32>(exec, logits, batch_targets(*batch),
                                               grad.template view<Space>(logits.shape()), loss);
     step_record* rec = records.data() + pending;
     fill(exec, tensor_view<std::uint8_t, Space>(reinterpret_cast<std::uint8_t*>(rec), shape{sizeof(step_record)}),
          std::uint8_t{0});
-    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(detail::batch_targets(*batch)), rec);
+    count_correct(exec, logits, tensor_view<std::int32_t const, Space>(batch_targets(*batch)), rec);
     copy(exec, tensor_view<float const, Space>(loss.data(), shape{1}), tensor_view<float, Space>(&rec->loss, shape{1}));
-    sizes[pending++] = detail::batch_targets(*batch).size();  // samples, or tokens of sequences
+    sizes[pending++] = batch_targets(*batch).size();  // samples, or tokens of sequences
   }
   read_records();
   if (out.samples) {
     out.loss = loss_sum / static_cast<double>(out.samples);
     out.accuracy = static_cast<double>(correct) / static_cast<double>(out.samples);
   }
+  return out;
+}
+}  // namespace detail
+
+//! Loss and accuracy of a classifier over every batch of `data` (inference mode:
+//! dropout off, batch norm on its running statistics). Each batch's loss and count of
+//! correct predictions stay where the executor computes until the end: one
+//! synchronisation per evaluation, not per batch.
+//! Data with no samples is refused (mpx::invalid_argument): a loss of 0 would look perfect.
+template <executor Exec, class Model, class Source>
+evaluation evaluate(Exec const& exec, Model& model, Source& data) {
+  evaluation const out = detail::evaluate_share(exec, model, data);
+  if (out.samples == 0)
+    detail::fail<invalid_argument>("evaluate", "the data holds no samples: an evaluation of nothing has no loss or "
+                                               "accuracy (an empty data set, or a batch source that yields no batch)");
   return out;
 }
 
@@ -203,6 +224,17 @@ template <executor Exec, class Model, class Optimizer, class Source, class Valid
 std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimizer, Source& train,
                                fit_options const& options = {}, ValidationSource* validation = nullptr) {
   using clock = std::chrono::steady_clock;
+  static_assert(detail::loss_scaled_optimizer<Optimizer>, MPX_FIT_NEEDS_LOSS_SCALE_OPTIMIZER);
+  training_position const& resume_at = options.start;
+  if (resume_at.epoch > options.epochs || (resume_at.epoch == options.epochs && resume_at.batch != 0))
+    detail::fail<invalid_argument>(
+        "fit", "the run starts at epoch " + std::to_string(resume_at.epoch + 1) + ", batch " +
+                   std::to_string(resume_at.batch) +
+                   ", after its last epoch: fit_options::epochs is " + std::to_string(options.epochs) +
+                   ", and it counts every epoch of the run, those done before fit_options::start included");
+  if (train.batches_per_epoch() == 0)
+    detail::fail<invalid_argument>("fit", "the training data has no batches (an empty data set, or fewer samples "
+                                          "than a batch where a short last batch is dropped): nothing to train on");
   classifier_trainer trainer(exec, model, optimizer);
   trainer.use_cuda_graph(options.cuda_graph);
   replica_hooks const& replicas = options.replicas;
@@ -230,12 +262,15 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
   std::size_t logged = 0;              // steps written to the log (a shadow report's step counts the same)
   auto const start = clock::now();
   std::vector<epoch_summary> history;
-  for (std::size_t epoch = 1; epoch <= options.epochs; ++epoch) {
+  for (std::size_t epoch = options.start.epoch + 1; epoch <= options.epochs; ++epoch) {
+    // The first epoch of a resumed run starts at the batch it stopped before.
+    std::size_t const first_batch = epoch == options.start.epoch + 1 ? options.start.batch : 0;
     auto const epoch_start = clock::now();
     auto last_shown = epoch_start;
     detail::epoch_meter meter;
     std::size_t const steps = train.batches_per_epoch();
-    std::size_t step = 0, next_plain = std::max<std::size_t>(1, steps / 4);
+    std::size_t step = first_batch, next_plain = std::max<std::size_t>(1, steps / 4);
+    while (next_plain <= first_batch) next_plain += std::max<std::size_t>(1, steps / 4);
     // Replicas update the progress together, every `shared_every` steps: the metrics
     // are summed over them, a collective every replica must call at the same step.
     std::size_t const shared_every = std::max<std::size_t>(1, steps / 50);
@@ -269,7 +304,15 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
         }
       }
     };
-    train.start_epoch(epoch - 1);
+    if (first_batch == 0) {
+      train.start_epoch(epoch - 1);
+    } else if constexpr (requires { train.start_epoch(epoch - 1, first_batch); }) {
+      train.start_epoch(epoch - 1, first_batch);
+    } else {
+      detail::fail<invalid_argument>("fit", "the run starts at batch " + std::to_string(first_batch) +
+                                                " of an epoch, and this batch source's start_epoch(epoch) cannot "
+                                                "start an epoch anywhere but at its first batch");
+    }
     std::size_t const steps_before_epoch = trainer.steps_taken();
     while (auto batch = train.next()) {
       trainer.step(exec, detail::batch_inputs(*batch), detail::batch_targets(*batch));
@@ -318,7 +361,7 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
     }
     if (validation) {
       summary.validated = true;
-      summary.validation = evaluate(exec, model, *validation);
+      summary.validation = detail::evaluate_share(exec, model, *validation);
       if (replicas.sum_values) {  // each replica evaluated its own share of the batches
         auto& v = summary.validation;
         double sums[3] = {v.loss * static_cast<double>(v.samples), v.accuracy * static_cast<double>(v.samples),
@@ -328,6 +371,9 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
         v.loss = v.samples ? sums[0] / sums[2] : 0;
         v.accuracy = v.samples ? sums[1] / sums[2] : 0;
       }
+      if (summary.validation.samples == 0)
+        detail::fail<invalid_argument>("fit", "the validation data holds no samples: its loss and accuracy would "
+                                              "be meaningless (pass no validation source to skip validation)");
       if (!quiet)
         std::printf("  val_loss %.4f  val_acc %.4f", summary.validation.loss, summary.validation.accuracy);
     }

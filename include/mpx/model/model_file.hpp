@@ -102,20 +102,14 @@ enum class model_load {
   converting,
 };
 
-//! Restores weights and state saved by save_model into a model built with the same
-//! layers. A missing or corrupt file, a tensor whose dtype or shape differs, and (unless
-//! `mode` is model_load::partial) a file that lacks a tensor of the model or holds one
-//! the model does not have, is refused with mpx::checkpoint_error naming the file and
-//! the tensors; nothing is changed then. Synchronises. An optimizer made before the load
-//! still holds float master copies of the old weights, and its next step would write
-//! them back: call its reload_master_weights(exec) (or make it after loading, or use
-//! load_training_state).
+namespace detail {
+//! load_model without telling the model's optimizers (load_training_state loads their
+//! master weights with it).
 template <executor Exec, class Model>
-void load_model(Exec const& exec, Model& model, std::filesystem::path const& path,
-                model_load mode = model_load::exact) {
+void load_model_tensors(Exec const& exec, Model& model, std::filesystem::path const& path, model_load mode) {
   using Space = memory_space_t<Exec>;
-  detail::checkpoint_reader in(path, "mpx::sequential");
-  auto const tensors = detail::model_tensors<Space>(model);
+  checkpoint_reader in(path, "mpx::sequential");
+  auto const tensors = model_tensors<Space>(model);
   std::vector<std::pair<tensor_ref<Space>, std::span<std::byte const>>> writes;
   std::vector<std::vector<std::byte>> conversions;  // the converted tensors' bytes, which writes point into
   conversions.reserve(tensors.size());
@@ -126,18 +120,18 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
       continue;
     }
     std::string const saved = in.text(name + "#type");
-    std::string const here = detail::describe_tensor(t.dtype(), t.shape());
+    std::string const here = describe_tensor(t.dtype(), t.shape());
     if (saved == here) {
       writes.emplace_back(t, in.section(name, t.size_bytes()));
       continue;
     }
-    auto const saved_dtype = detail::described_dtype(saved);
-    bool const only_dtype_differs = saved_dtype && detail::describe_tensor(*saved_dtype, t.shape()) == saved;
+    auto const saved_dtype = described_dtype(saved);
+    bool const only_dtype_differs = saved_dtype && describe_tensor(*saved_dtype, t.shape()) == saved;
     if (mode != model_load::converting || !only_dtype_differs)
       in.refuse("its '" + name + "' is " + saved + " but this model's is " + here + "; nothing was loaded" +
                 (only_dtype_differs ? " (mpx::model_load::converting converts a tensor saved in another dtype)" : ""));
     auto const bytes = in.section(name, t.size() * size_of(*saved_dtype));
-    conversions.push_back(detail::converted_tensor(in, name, bytes, *saved_dtype, t.dtype()));
+    conversions.push_back(converted_tensor(in, name, bytes, *saved_dtype, t.dtype()));
     writes.emplace_back(t, std::span<std::byte const>(conversions.back()));
   }
   std::vector<std::string> extra;
@@ -145,8 +139,9 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
     if (!s.ends_with("#type") || !in.contains(s.substr(0, s.size() - 5))) extra.push_back(s);
   if (mode != model_load::partial && (!missing.empty() || !extra.empty()))
     in.refuse("it does not describe this model (one with other layers?):" +
-              (missing.empty() ? std::string() : " it lacks this model's " + detail::quoted_list(missing) + ";") +
-              (extra.empty() ? std::string() : " it holds " + detail::quoted_list(extra) + ", which this model does not have;") +
+              (missing.empty() ? std::string() : " it lacks this model's " + quoted_list(missing) + ";") +
+              (extra.empty() ? std::string()
+                             : " it holds " + quoted_list(extra) + ", which this model does not have;") +
               " nothing was loaded (mpx::model_load::partial loads only the tensors both have)");
   if (writes.empty() && !tensors.empty())
     in.refuse("it holds none of this model's tensors, so even a partial load would load nothing");
@@ -155,6 +150,22 @@ void load_model(Exec const& exec, Model& model, std::filesystem::path const& pat
     copy(exec, src, tensor_view<std::byte, Space>(static_cast<std::byte*>(t.data()), src.shape()));
   }
   exec.synchronize();
+}
+}  // namespace detail
+
+//! Restores weights and state saved by save_model into a model built with the same
+//! layers. A missing or corrupt file, a tensor whose dtype or shape differs, and (unless
+//! `mode` is model_load::partial) a file that lacks a tensor of the model or holds one
+//! the model does not have, is refused with mpx::checkpoint_error naming the file and
+//! the tensors; nothing is changed then. Synchronises. An optimizer made before the load
+//! still holds float master copies of the old weights, and its next step would write
+//! them back: it refuses that step until its reload_master_weights(exec) runs (or make
+//! it after loading, or use load_training_state).
+template <executor Exec, class Model>
+void load_model(Exec const& exec, Model& model, std::filesystem::path const& path,
+                model_load mode = model_load::exact) {
+  detail::load_model_tensors(exec, model, path, mode);
+  if constexpr (requires { model.weights_replaced(); }) model.weights_replaced();
 }
 
 }  // namespace mpx

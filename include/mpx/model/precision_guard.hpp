@@ -767,11 +767,12 @@ class precision_guard {
     // Forward tensors already watched (or the caller's batch, tensor 0): a residual block
     // re-reads its input, which is not the block's to answer for.
     std::vector<void const*> seen{caller_input};
-    auto watched = [](auto view, std::uint32_t owner, bool in_backward) {
+    auto watched = [](auto const& view, std::uint32_t owner, bool in_backward) {
       detail::watched_tensor w;
       w.data = view.data();
       w.size = view.size();
-      w.dtype = static_cast<std::uint32_t>(dtype_id_of<std::remove_const_t<typename decltype(view)::value_type>>);
+      using value_type = typename std::remove_cvref_t<decltype(view)>::value_type;
+      w.dtype = static_cast<std::uint32_t>(dtype_id_of<std::remove_const_t<value_type>>);
       w.owner = owner;
       w.backward = in_backward ? 1u : 0u;
       return w;

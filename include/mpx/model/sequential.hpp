@@ -211,7 +211,14 @@ class sequential_model {
     built_ = true;
     batch_ = 0;
     ++buffer_generation_;
+    ++history_->builds;  // parameters handed out before are the freed tensors now
   }
+
+  //! Tells the optimizers made from this model's parameters that its weights were written
+  //! from outside them (load_model calls it; call it after writing weights yourself): an
+  //! optimizer that keeps float master copies then refuses its next step until its
+  //! reload_master_weights(exec) copies the new weights.
+  void weights_replaced() noexcept { ++history_->weight_loads; }
 
   //! Allocates activations, gradients and every layer's workspace for batches of up to
   //! `batch` samples. Called by forward when a larger batch arrives; call it yourself
@@ -283,6 +290,10 @@ class sequential_model {
   //! next forward. `training` selects dropout's and batch norm's training behaviour.
   template <executor Exec, class T, class Space = memory_space_t<Exec>>
   tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T const, Space> x, bool training) {
+    static_assert(std::is_same_v<T, input_type> || (dtype<T> && dtype<input_type>),
+                  "mpx::sequential::forward: the input's element type is neither the first layer's input type nor "
+                  "a float type the model can cast to it (float, half, bfloat16, fp8): cast integer data to float "
+                  "first, scaled as the model expects (e.g. pixels / 255); an embedding takes std::int32_t ids");
     require_built_for<Exec>("forward");
     detail::require_batch_shape("sequential", "the model's input", x.shape(), input_shape_);
     std::int64_t const batch = x.shape()[0];
@@ -298,6 +309,10 @@ class sequential_model {
     requires(!std::is_const_v<T>)
   tensor_view<output_type const, Space> forward(Exec const& exec, tensor_view<T, Space> x, bool training) {
     return forward(exec, tensor_view<T const, Space>(x), training);
+  }
+  template <executor Exec, class T, class Space>
+  tensor_view<output_type const, Space> forward(Exec const& exec, tensor<T, Space> const& x, bool training) {
+    return forward(exec, x.view(), training);
   }
 
   //! The logits of the latest forward: the softmax's input when the model ends in a
@@ -397,7 +412,10 @@ class sequential_model {
     require_built_in<Space>("parameters");
     std::vector<parameter<Space>> out;
     boost::hana::for_each(nodes_, [&](auto& node) { node.layer.template append_parameters<Space>(out); });
-    for (auto& p : out) p.written_by = backward_passes_;  // an optimizer's step checks a backward ran
+    for (auto& p : out) {  // an optimizer's step checks a backward ran, and these are still the model's
+      p.written_by = history_;
+      p.build = history_->builds;
+    }
     return out;
   }
   template <executor Exec>
@@ -644,7 +662,7 @@ class sequential_model {
               "again. Call forward(exec, x, true) on the next batch first, or allow_backward_without_forward(true) "
               "if backpropagating the same batch again is what you mean");
     backward_top_ = top;
-    ++backward_passes_->passes;
+    ++history_->passes;
   }
 
   //! The input layer I read in the latest forward (a view of the cast buffer when it
@@ -772,7 +790,7 @@ class sequential_model {
   void* kept_input_gradient_ = nullptr;                // where the latest backward_to_input wrote it, if kept
   std::vector<std::size_t> layer_first_parameter_;
   detail::layer_tensor<float> logits_gradient_;  // see logits_gradient
-  std::shared_ptr<backward_count> backward_passes_ = std::make_shared<backward_count>();  // see parameter::written_by
+  std::shared_ptr<model_history> history_ = std::make_shared<model_history>();  // see parameter::written_by
   bool repeat_backward_allowed_ = false;
   std::string_view built_with_, built_in_;  // the executor build was given and its memory space
   bool built_ = false;

@@ -311,7 +311,7 @@ class model_shadow {
   //! The typed view of a tensor as the twin reads it: itself when the dtypes agree, else
   //! cast into the twin's buffer.
   template <class To, class Exec, class From>
-  static tensor_view<To const, Space> as_twin_reads(Exec const& exec, tensor_view<From const, Space> v,
+  static tensor_view<To const, Space> as_twin_reads(Exec const& exec, tensor_view<From const, Space> const& v,
                                                     detail::layer_tensor<To>& buffer) {
     if constexpr (std::is_same_v<From, To>) {
       return v;

@@ -99,8 +99,21 @@ void count_correct(Exec const& exec, tensor_view<T const, Space> logits, tensor_
 //! executor for up to `capacity` steps between calls to history().
 //! On a cuda_executor, give every call the same stream: the model's and the trainer's
 //! buffers are freed in order on the stream they were made on.
+namespace detail {
+template <class O>
+concept loss_scaled_optimizer = requires(O& o) {
+  o.optimizer();
+  o.scaler();
+};
+}  // namespace detail
+#define MPX_FIT_NEEDS_LOSS_SCALE_OPTIMIZER                                                                             \
+  "mpx::fit and mpx::classifier_trainer take a loss_scale_optimizer, which checks each step's gradients: wrap the "   \
+  "optimizer, e.g. mpx::loss_scale_optimizer(mpx::adam(exec, model.parameters(exec), 1e-3f), "                        \
+  "mpx::loss_scaler_for<Policy>(exec)) (a static scale of 1 where the policy needs none)"
+
 template <class Exec, class Model, class LossScaleOptimizer>
 class classifier_trainer {
+  static_assert(detail::loss_scaled_optimizer<LossScaleOptimizer>, MPX_FIT_NEEDS_LOSS_SCALE_OPTIMIZER);
   using Space = memory_space_t<Exec>;
   using logits_type = typename Model::logits_type;
 

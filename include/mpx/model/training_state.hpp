@@ -297,7 +297,7 @@ training_position load_training_state_with(Exec const& exec, Model& model, Optim
   }
   auto const before = detail::snapshot_model(exec, model);
   try {
-    load_model(exec, model, directory / model_name);
+    detail::load_model_tensors(exec, model, directory / model_name, model_load::exact);
   } catch (...) {
     undo_fp8();
     throw;

@@ -81,6 +81,7 @@ template <class O>
 concept optimizer_like = requires(O& o) {
   o.gradients();
   o.steps_data();
+  o.require_current_parameters();
   typename O::rule_type;
 };
 template <class S>
@@ -124,6 +125,7 @@ class loss_scale_optimizer {
   //! Enqueued only on a cuda_executor; a stuck scale is reported (see loss_scaler).
   template <class Exec>
   void step(Exec const& exec) {
+    optimizer_.require_current_parameters();  // before the check reads gradients a new build freed
     auto& gradients = optimizer_.gradients();
     // Deferred: the optimizer unscales as it reads, in float, so a 16-bit gradient
     // never underflows on the way back (and this pass only reads).

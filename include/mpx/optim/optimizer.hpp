@@ -30,6 +30,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -113,6 +114,7 @@ class optimizer_core {
       slots_.push_back(std::move(s));
     }
     plan();
+    watch_models();
   }
 
   //! The gradients, planned for unscale_and_check (loss_scale_optimizer uses them).
@@ -140,6 +142,7 @@ class optimizer_core {
   //! when it found a non-finite gradient, gradients multiplied by its gradient_factor
   //! (unscaling and clipping) otherwise. Does not advance the step count (the caller does, when applied).
   void apply(Exec const& exec, gradient_summary const* verdict) {
+    require_current_parameters();
     require_slots();
     require_backward_since_last_step();
     for (std::size_t d = 0; d < all_dtypes.size(); ++d) {
@@ -160,6 +163,29 @@ class optimizer_core {
   //! setting. By default such a step is refused with mpx::invalid_argument.
   bool allow_step_without_backward(bool allow) noexcept { return std::exchange(step_without_backward_allowed_, allow); }
 
+  //! Refuses a step, with mpx::invalid_argument and before anything runs, on parameters
+  //! whose model was built again since it handed them out (the build allocated new tensors
+  //! and freed these), or on float master weights older than weights the model has loaded
+  //! since (load_model; the step would write the old weights back). Every step checks it;
+  //! loss_scale_optimizer checks it before it reads the gradients. Host only: no executor.
+  void require_current_parameters() const {
+    for (auto const& w : watched_) {
+      if (w.count->builds != w.build)
+        fail<invalid_argument>("mpx::" + kind_,
+                               "its parameters (e.g. '" + w.first_parameter +
+                                   "') are no longer the model's: the model was built again after this optimizer was "
+                                   "made, and the build allocated new tensors and freed these. Make the optimizer "
+                                   "(and its loss_scale_optimizer) after the model's last build");
+      if (w.first_master && w.count->weight_loads != w.loads_seen)
+        fail<invalid_argument>("mpx::" + kind_,
+                               "the model's weights were replaced (load_model) after this optimizer copied them into "
+                               "its float master weights (e.g. '" + *w.first_master +
+                                   "'): this step would write the old weights back over them. Call the optimizer's "
+                                   "reload_master_weights(exec) after loading, make the optimizer after loading, or "
+                                   "use load_training_state");
+    }
+  }
+
   //! Copies the parameters' current values into the float master weights (after you
   //! changed the parameters yourself, e.g. re-initialised them).
   void reload_master_weights(Exec const& exec) {
@@ -171,6 +197,7 @@ class optimizer_core {
           mpx::cast(exec, params_[i].value.template as<T>().reshape(masters_[i].shape()), masters_[i]);
       });
     }
+    masters_match_weights();
   }
 
   //! Adds the optimizer's state to a checkpoint: the parameter list (checked on load),
@@ -251,6 +278,7 @@ class optimizer_core {
     for (auto const& w : writes) upload_bytes(exec, w.to, w.from);
     steps_.write(exec, steps);
     master_options_.seed = seed;
+    masters_match_weights();
     exec.synchronize();
   }
 
@@ -357,7 +385,6 @@ class optimizer_core {
   //! since the previous step, before anything is changed; then remembers the counts.
   void require_backward_since_last_step() {
     if (step_without_backward_allowed_) return;
-    if (!models_found_) watch_models();
     for (auto const& w : watched_)
       if (w.count->passes == w.seen)
         fail<invalid_argument>(
@@ -370,27 +397,38 @@ class optimizer_core {
     for (auto& w : watched_) w.seen = w.count->passes;
   }
 
-  //! Each distinct model (backward-pass counter) among the parameters, found once, so a
-  //! step checks a handful of counters, not every parameter.
+  //! Each distinct model (history) among the parameters, and the build it handed them out
+  //! from, found once, so a step checks a handful of counters, not every parameter.
   void watch_models() {
-    for (auto const& p : params_) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      auto const& p = params_[i];
       if (!p.written_by) continue;
-      bool const known = std::any_of(watched_.begin(), watched_.end(),
-                                     [&](watched_model const& w) { return w.count == p.written_by; });
-      if (!known) watched_.push_back({p.written_by, 0, p.name});
+      auto w = std::find_if(watched_.begin(), watched_.end(),
+                            [&](watched_model const& m) { return m.count == p.written_by && m.build == p.build; });
+      if (w == watched_.end())
+        w = watched_.insert(watched_.end(),
+                            watched_model{p.written_by, 0, p.name, p.build, p.written_by->weight_loads, {}});
+      if (!masters_[i].empty() && !w->first_master) w->first_master = p.name;
     }
-    models_found_ = true;
+  }
+
+  //! The master weights were copied from the weights (or loaded with them): what the
+  //! models have loaded so far is in them.
+  void masters_match_weights() noexcept {
+    for (auto& w : watched_) w.loads_seen = w.count->weight_loads;
   }
 
   std::string kind_;  // "sgd", "adam", "adamw": names errors and checkpoints
   std::vector<parameter<space>> params_;
   struct watched_model {
-    std::shared_ptr<backward_count const> count;
+    std::shared_ptr<model_history const> count;
     std::uint64_t seen = 0;  // the model's backward passes at this optimizer's last step
     std::string first_parameter;
+    std::uint64_t build = 0;       // the model's build the parameters came from
+    std::uint64_t loads_seen = 0;  // the model's weight loads the master weights hold
+    std::optional<std::string> first_master;  // a parameter with a float master copy, if any
   };
   std::vector<watched_model> watched_;
-  bool models_found_ = false;
   bool step_without_backward_allowed_ = false;
   Rule rule_;
   master_weight_options master_options_;

@@ -12,22 +12,31 @@
 
 namespace mpx {
 
-//! How many backward passes have written a model's gradients. A model hands its count
-//! out with its parameters; an optimizer remembers the count at each step and refuses a
-//! step when no backward ran since its last one, which would apply the previous step's
-//! gradients a second time (or, before any backward, the zeros the model was built with).
-struct backward_count {
-  std::uint64_t passes = 0;
-};
+struct model_history;  // below: what the model a parameter belongs to tells its optimizers
 
 template <memory_space Space>
 struct parameter {
   std::string name;           //!< how reports and checkpoints refer to it ("dense_1/kernel")
   tensor_ref<Space> value;    //!< the trainable values, in the storage dtype
   tensor_ref<Space> gradient; //!< d loss / d value, same dtype and shape
-  //! The backward passes of the model the gradient belongs to; empty for a tensor that
-  //! no model owns (an optimizer then cannot tell whether a backward ran, and does not ask).
-  std::shared_ptr<backward_count const> written_by{};
+  //! The history of the model the parameter belongs to; empty for a tensor that no model
+  //! owns (an optimizer then cannot tell whether a backward ran, and does not ask).
+  std::shared_ptr<model_history const> written_by{};
+  //! The model's `builds` when it handed this parameter out.
+  std::uint64_t build = 0;
+};
+
+//! What a model tells the optimizers made from its parameters (it hands this out with
+//! them). Each count is one reason an optimizer refuses a step, before changing anything.
+struct model_history {
+  //! Backward passes: with none since the optimizer's last step, the step would apply the
+  //! previous step's gradients again (or, before any backward, the zeros of the build).
+  std::uint64_t passes = 0;
+  //! Builds: one after the optimizer was made allocated new tensors and freed its ones.
+  std::uint64_t builds = 0;
+  //! Weights written from outside the optimizers (load_model, weights_replaced): a step
+  //! would write the float master copies of the old weights back over them.
+  std::uint64_t weight_loads = 0;
 };
 
 namespace detail {

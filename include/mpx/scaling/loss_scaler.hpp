@@ -189,9 +189,10 @@ class loss_scaler {
                      " step(s) in a row still produced NaN or inf gradients" +
                      (report.gradient.empty() ? std::string()
                                               : " (the first the backward pass wrote: '" + report.gradient + "')") +
-                     ": they are not finite even unscaled, so the model itself diverged. To find the layer and "
-                     "the operation, run mpx::find_nonfinite(exec, model) after a forward and backward on such a "
-                     "batch. Then lower the learning rate, check the inputs, keep softmax, norms and losses in "
+                     ": they are not finite even unscaled, so the batches hold NaN or inf or the model itself "
+                     "diverged. To find which, and the layer and the operation, run mpx::find_nonfinite(exec, model) "
+                     "after a forward and backward on such a batch (it names \"(model input)\" when the input "
+                     "already was). Then clean the inputs, lower the learning rate, keep softmax, norms and losses in "
                      "float32";
     if (on_stuck_) on_stuck_(report);
     else detail::fail<loss_scale_error>("loss_scaler", report.message);
