@@ -39,10 +39,13 @@ mpx_configure() {
 # rebuilds a CUDA object after a header (or a test file it includes) changes: a CUDA suite
 # would run code built from older headers. mpx_stale_cuda_objects BUILD SOURCE prints the
 # CUDA objects of BUILD older than the newest source under SOURCE (include/, tests/,
-# examples/, bench/), one per line; nothing under a newer Meson, which records them.
+# examples/, bench/), one per line; nothing when the Meson that generated BUILD (its
+# meson-info.json; else the one on PATH; MPX_MESON_VERSION overrides both, for tests)
+# records them.
 mpx_stale_cuda_objects() {
   local build=$1 source=$2 version newest
-  version=$(meson --version 2>/dev/null || echo 0)
+  version=${MPX_MESON_VERSION:-$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["meson_version"]["full"])' \
+    "$build/meson-info/meson-info.json" 2>/dev/null || meson --version 2>/dev/null || echo 0)}
   [ "$(printf '%s\n' 1.4.0 "$version" | sort -V | head -n 1)" = 1.4.0 ] && return 0
   newest=$(find "$source/include" "$source/tests" "$source/examples" "$source/bench" -type f \
     \( -name '*.hpp' -o -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.in' \) -printf '%T@ %p\n' 2>/dev/null |
@@ -59,5 +62,5 @@ mpx_drop_stale_cuda_objects() {
   stale=$(mpx_stale_cuda_objects "$1" "$2")
   [ -n "$stale" ] || return 0
   echo "$(printf '%s\n' "$stale" | wc -l) CUDA objects of $1 are older than a source (Meson before 1.4 records no header dependencies for nvcc): rebuilding them"
-  printf '%s\n' "$stale" | xargs -r rm -f
+  printf '%s\n' "$stale" | xargs -r -d '\n' rm -f --
 }

@@ -12,6 +12,7 @@
 #include <mpx/model/diagnostics.hpp>
 #include <mpx/model/model_file.hpp>
 #include <mpx/model/sequential.hpp>
+#include <mpx/model/train_step.hpp>
 #include <mpx/optim/adam.hpp>
 #include <mpx/optim/loss_scale_optimizer.hpp>
 #include <mpx/optim/sgd.hpp>
@@ -232,6 +233,10 @@ TEMPLATE_LIST_TEST_CASE("an optimizer refuses parameters a new build of the mode
       CHECK_THROWS_TYPE_WITH(plain ? optimizer.optimizer().step(exec) : optimizer.step(exec), mpx::invalid_argument,
                              Contains("adam: its parameters (e.g. 'dense/kernel') are no longer the model's") &&
                                  Contains("after the model's last build"));
+    // Nothing else of the optimizer's reaches the freed tensors either.
+    CHECK_THROWS_WITH(optimizer.optimizer().reload_master_weights(exec), Contains("no longer the model's"));
+    mpx::detail::checkpoint_writer out("mpx::optimizer");
+    CHECK_THROWS_WITH(optimizer.optimizer().save(exec, out), Contains("no longer the model's"));
     CHECK(optimizer.scaler().scale(exec) == scale);
     CHECK(optimizer.optimizer().steps(exec) == 0);
     CHECK(parameter_values(exec, model) == rebuilt);
@@ -257,6 +262,12 @@ TEMPLATE_LIST_TEST_CASE("an optimizer refuses parameters a new build of the mode
                                Contains("'dense/kernel'") && Contains("reload_master_weights(exec)"));
     CHECK(optimizer.optimizer().steps(exec) == 0);
     CHECK(parameter_values(exec, model) == loaded);
+    {  // a trainer checks before its step, which in graph mode runs no host code of the optimizer's
+      mpx::classifier_trainer trainer(exec, model, optimizer);
+      auto const labels = mpx_test::upload(exec, std::vector<std::int32_t>{0, 1, 2, 0, 1}, mpx::shape{batch});
+      CHECK_THROWS_WITH(trainer.step(exec, x.view(), labels.view()), Contains("weights were replaced"));
+      CHECK(trainer.steps_taken() == 0);
+    }
     // Reloaded, the step starts from the loaded weights: Adam moves each by about its
     // learning rate (the old masters are 0.1 to 1 away from them).
     optimizer.optimizer().reload_master_weights(exec);
@@ -266,6 +277,13 @@ TEMPLATE_LIST_TEST_CASE("an optimizer refuses parameters a new build of the mode
     REQUIRE(stepped.size() == loaded.size());
     for (std::size_t i = 0; i < loaded.size(); ++i)
       for (std::size_t j = 0; j < loaded[i].size(); ++j) CHECK(std::abs(stepped[i][j] - loaded[i][j]) < 0.02f);
+  }
+
+  SECTION("a build that fails partway counts: its first layers were allocated anew") {
+    CHECK_THROWS_AS(model.build(exec, mpx::shape{}, 4), mpx::error);
+    model.build(exec, {4}, 3);
+    backprop();
+    CHECK_THROWS_WITH(optimizer.step(exec), Contains("no longer the model's"));
   }
 
   SECTION("an optimizer without master copies has nothing to reload") {

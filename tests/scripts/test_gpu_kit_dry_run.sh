@@ -193,7 +193,7 @@ expect_not "$tmp/kit-tests.list" 'binary_classifier|_bench' "--only tests packs 
 # A CUDA object older than a source (nvcc's header dependencies are not recorded) is
 # rebuilt, or, with nothing to rebuild it with, refused.
 touch -d '2000-01-01' "$build/stale.cu.o"
-if "${kit_env[@]}" bash "$repo/scripts/gpu_kit.sh" "$build" --only tests > "$tmp/kit-stale.log" 2>&1; then
+if "${kit_env[@]}" MPX_MESON_VERSION=1.0.1 bash "$repo/scripts/gpu_kit.sh" "$build" --only tests > "$tmp/kit-stale.log" 2>&1; then
   fail "gpu_kit.sh packed a build with a stale CUDA object" "$tmp/kit-stale.log"
 fi
 expect "$tmp/kit-stale.log" 'CUDA objects older than' "gpu_kit.sh names the stale CUDA objects"
@@ -203,18 +203,19 @@ rm -f "$build/stale.cu.o"
 # an object older than a source goes, a newer one stays; under Meson 1.4, which records
 # nvcc's header dependencies, none goes.
 objects=$tmp/objects
-mkdir -p "$objects/sub" "$tmp/meson14"
-touch -d '2000-01-01' "$objects/sub/old.cu.o" "$objects/old.cpp.o"
+mkdir -p "$objects/sub dir" "$objects/meson-info"
+touch -d '2000-01-01' "$objects/sub dir/old.cu.o" "$objects/old.cpp.o"
 touch "$objects/new.cu.o"
-printf '#!/bin/sh\necho 1.4.0\n' > "$tmp/meson14/meson"
-chmod +x "$tmp/meson14/meson"
-(source "$repo/scripts/build_env.sh" && PATH="$tmp/meson14:$PATH" mpx_drop_stale_cuda_objects "$objects" "$src") \
-  > "$tmp/drop14.log" 2>&1 || fail "mpx_drop_stale_cuda_objects failed under Meson 1.4" "$tmp/drop14.log"
-[ -f "$objects/sub/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects deleted an object under Meson 1.4" "$tmp/drop14.log"
+# The Meson that generated the build directory decides (its meson-info.json), not the one on PATH.
+printf '{"meson_version": {"full": "1.4.0"}}\n' > "$objects/meson-info/meson-info.json"
+(source "$repo/scripts/build_env.sh" && mpx_drop_stale_cuda_objects "$objects" "$src") > "$tmp/drop14.log" 2>&1 ||
+  fail "mpx_drop_stale_cuda_objects failed under Meson 1.4" "$tmp/drop14.log"
+[ -f "$objects/sub dir/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects deleted an object under Meson 1.4" "$tmp/drop14.log"
+printf '{"meson_version": {"full": "1.0.1"}}\n' > "$objects/meson-info/meson-info.json"
 (source "$repo/scripts/build_env.sh" && mpx_drop_stale_cuda_objects "$objects" "$src") > "$tmp/drop.log" 2>&1 ||
   fail "mpx_drop_stale_cuda_objects failed" "$tmp/drop.log"
 expect "$tmp/drop.log" '^1 CUDA objects of .* older than a source' "mpx_drop_stale_cuda_objects says what it drops"
-[ ! -e "$objects/sub/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects kept a CUDA object older than the sources" "$tmp/drop.log"
+[ ! -e "$objects/sub dir/old.cu.o" ] || fail "mpx_drop_stale_cuda_objects kept a CUDA object older than the sources" "$tmp/drop.log"
 [ -f "$objects/new.cu.o" ] && [ -f "$objects/old.cpp.o" ] ||
   fail "mpx_drop_stale_cuda_objects deleted a current CUDA object or a C++ object" "$tmp/drop.log"
 

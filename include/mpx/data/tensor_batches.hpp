@@ -83,26 +83,28 @@ class tensor_batches {
 };
 
 namespace detail {
-template <class Label>
-struct int32_labels_required {
-  static_assert(sizeof(Label) == 0, "mpx::tensor_batches(samples, labels, batch_size): the labels must be "
-                                    "std::int32_t class indices, one per sample (cast float labels first)");
-  using type = void;
+// The sample type of a tensor_batches whose labels are Label: refused with the reason
+// unless they are std::int32_t.
+template <class Label, class T>
+struct samples_with_int32_labels {
+  static_assert(std::is_same_v<std::remove_const_t<Label>, std::int32_t>,
+                "mpx::tensor_batches(samples, labels, batch_size): the labels must be std::int32_t class indices, "
+                "one per sample (cast float labels first)");
+  using type = std::remove_const_t<T>;
 };
 }  // namespace detail
 
 template <class T, memory_space Space>
 tensor_batches(tensor<T, Space> const&, tensor<std::int32_t, Space> const&, std::size_t) -> tensor_batches<T, Space>;
-template <class T, class Label, memory_space Space>
-  requires(!std::is_same_v<std::remove_const_t<Label>, std::int32_t>)
-tensor_batches(tensor<T, Space> const&, tensor<Label, Space> const&, std::size_t)
-    -> tensor_batches<typename detail::int32_labels_required<Label>::type, Space>;
-template <class T, class Label, memory_space Space>
-  requires(!std::is_same_v<std::remove_const_t<Label>, std::int32_t>)
-tensor_batches(tensor_view<T, Space>, tensor_view<Label, Space>, std::size_t)
-    -> tensor_batches<typename detail::int32_labels_required<Label>::type, Space>;
 template <class T, memory_space Space>
 tensor_batches(tensor_view<T, Space>, tensor_view<std::int32_t, Space>, std::size_t)
     -> tensor_batches<std::remove_const_t<T>, Space>;
+// Labels of any other type: the guide that says why they are refused.
+template <class T, class Label, memory_space Space>
+tensor_batches(tensor<T, Space> const&, tensor<Label, Space> const&, std::size_t)
+    -> tensor_batches<typename detail::samples_with_int32_labels<Label, T>::type, Space>;
+template <class T, class Label, memory_space Space>
+tensor_batches(tensor_view<T, Space>, tensor_view<Label, Space>, std::size_t)
+    -> tensor_batches<typename detail::samples_with_int32_labels<Label, T>::type, Space>;
 
 }  // namespace mpx

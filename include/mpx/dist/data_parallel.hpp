@@ -98,6 +98,7 @@ class data_parallel {
   data_parallel(executor_type const& exec, Comm& comm, Optimizer& optimizer, data_parallel_options options = {})
       : comm_(&comm), options_(options) {
     auto& core = inner(optimizer);
+    core.require_parameters_alive();  // before the broadcast writes into them
     params_ = core.parameters();
     gradients_ = &core.gradients();
     if constexpr (requires { optimizer.scaler().scale(exec); }) {

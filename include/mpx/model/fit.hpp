@@ -44,7 +44,9 @@ struct fit_options {
   //! Where the run starts (Keras's `initial_epoch`, and a batch within it): what
   //! load_training_state returned. `start.epoch` epochs are done, and the first batch is
   //! the source's `start.batch` of the next (start_epoch(start.epoch, start.batch)); the
-  //! epochs are numbered on from there, as the uninterrupted run numbered them.
+  //! epochs are numbered on from there, as the uninterrupted run numbered them. The
+  //! trainer fit makes counts its own steps from 0, so shadow steps and the guard's
+  //! reviews keep their cadence from the resume, not from the run's start.
   training_position start{};
   //! 1: redraw one progress line in place; 0: print plain lines (four per epoch);
   //! -1: redraw when stdout is a terminal, else plain lines. For no output, set `quiet`.
@@ -232,6 +234,11 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
                    std::to_string(resume_at.batch) +
                    ", after its last epoch: fit_options::epochs is " + std::to_string(options.epochs) +
                    ", and it counts every epoch of the run, those done before fit_options::start included");
+  if constexpr (!requires { train.start_epoch(std::size_t{}, std::size_t{}); })
+    if (resume_at.batch != 0)
+      detail::fail<invalid_argument>("fit", "the run starts at batch " + std::to_string(resume_at.batch) +
+                                                " of an epoch, and this batch source's start_epoch(epoch) cannot "
+                                                "start an epoch anywhere but at its first batch");
   if (train.batches_per_epoch() == 0)
     detail::fail<invalid_argument>("fit", "the training data has no batches (an empty data set, or fewer samples "
                                           "than a batch where a short last batch is dropped): nothing to train on");
@@ -304,15 +311,8 @@ std::vector<epoch_summary> fit(Exec const& exec, Model& model, Optimizer& optimi
         }
       }
     };
-    if (first_batch == 0) {
-      train.start_epoch(epoch - 1);
-    } else if constexpr (requires { train.start_epoch(epoch - 1, first_batch); }) {
-      train.start_epoch(epoch - 1, first_batch);
-    } else {
-      detail::fail<invalid_argument>("fit", "the run starts at batch " + std::to_string(first_batch) +
-                                                " of an epoch, and this batch source's start_epoch(epoch) cannot "
-                                                "start an epoch anywhere but at its first batch");
-    }
+    if constexpr (requires { train.start_epoch(epoch - 1, first_batch); }) train.start_epoch(epoch - 1, first_batch);
+    else train.start_epoch(epoch - 1);  // first_batch is 0 (refused above otherwise)
     std::size_t const steps_before_epoch = trainer.steps_taken();
     while (auto batch = train.next()) {
       trainer.step(exec, detail::batch_inputs(*batch), detail::batch_targets(*batch));

@@ -192,6 +192,9 @@ class sequential_model {
   //! take throws mpx::shape_error naming the layer and the shape.
   template <executor Exec>
   void build(Exec const& exec, shape const& sample_input, std::uint64_t seed) {
+    // Counted first: a layer that throws leaves the layers before it allocated anew.
+    ++history_->builds;  // parameters handed out before are freed tensors now
+    ++buffer_generation_;
     std::vector<std::string> used;
     shape in = sample_input;
     std::size_t i = 0;
@@ -210,15 +213,16 @@ class sequential_model {
     built_in_ = memory_space_t<Exec>::name;
     built_ = true;
     batch_ = 0;
-    ++buffer_generation_;
-    ++history_->builds;  // parameters handed out before are the freed tensors now
   }
 
   //! Tells the optimizers made from this model's parameters that its weights were written
   //! from outside them (load_model calls it; call it after writing weights yourself): an
   //! optimizer that keeps float master copies then refuses its next step until its
   //! reload_master_weights(exec) copies the new weights.
-  void weights_replaced() noexcept { ++history_->weight_loads; }
+  void weights_replaced() noexcept {
+    ++history_->weight_loads;
+    for_each_part_model([](auto& part) { part.weights_replaced(); });  // optimizers made from a part's parameters
+  }
 
   //! Allocates activations, gradients and every layer's workspace for batches of up to
   //! `batch` samples. Called by forward when a larger batch arrives; call it yourself

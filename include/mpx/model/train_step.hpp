@@ -132,6 +132,8 @@ class classifier_trainer {
       detail::fail<invalid_argument>("mpx::classifier_trainer::step",
                                      "the step log is full (" + std::to_string(capacity_) +
                                          " steps): read history() at least that often");
+    // Every step, a graph's replay included: a replay runs no host code of the optimizer's.
+    optimizer_.optimizer().require_current_parameters();
     if (replicas_.before_step) replicas_.before_step();
     bool const shadow = shadow_every_ && (steps_ + 1) % shadow_every_ == 0;
     ++steps_;

@@ -169,26 +169,35 @@ class optimizer_core {
   //! since (load_model; the step would write the old weights back). Every step checks it;
   //! loss_scale_optimizer checks it before it reads the gradients. Host only: no executor.
   void require_current_parameters() const {
+    require_parameters_alive();
     for (auto const& w : watched_) {
-      if (w.count->builds != w.build)
-        fail<invalid_argument>("mpx::" + kind_,
-                               "its parameters (e.g. '" + w.first_parameter +
-                                   "') are no longer the model's: the model was built again after this optimizer was "
-                                   "made, and the build allocated new tensors and freed these. Make the optimizer "
-                                   "(and its loss_scale_optimizer) after the model's last build");
       if (w.first_master && w.count->weight_loads != w.loads_seen)
         fail<invalid_argument>("mpx::" + kind_,
                                "the model's weights were replaced (load_model) after this optimizer copied them into "
                                "its float master weights (e.g. '" + *w.first_master +
                                    "'): this step would write the old weights back over them. Call the optimizer's "
                                    "reload_master_weights(exec) after loading, make the optimizer after loading, or "
-                                   "use load_training_state");
+                                   "use load_training_state (an optimizer's own load restores its master weights: "
+                                   "load it after the model)");
     }
+  }
+
+  //! Refuses (mpx::invalid_argument) any use of parameters whose model was built again
+  //! since it handed them out: the build allocated new tensors and freed these.
+  void require_parameters_alive() const {
+    for (auto const& w : watched_)
+      if (w.count->builds != w.build)
+        fail<invalid_argument>("mpx::" + kind_,
+                               "its parameters (e.g. '" + w.first_parameter +
+                                   "') are no longer the model's: the model was built again after this optimizer was "
+                                   "made, and the build allocated new tensors and freed these. Make the optimizer "
+                                   "(and its loss_scale_optimizer) after the model's last build");
   }
 
   //! Copies the parameters' current values into the float master weights (after you
   //! changed the parameters yourself, e.g. re-initialised them).
   void reload_master_weights(Exec const& exec) {
+    require_parameters_alive();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (masters_[i].empty()) continue;
       visit_dtype(params_[i].value.dtype(), [&](auto t) {
@@ -204,6 +213,7 @@ class optimizer_core {
   //! step count, values, master weights (when kept), the rounding and its seed, and
   //! slots. Synchronises a cuda_executor.
   void save(Exec const& exec, checkpoint_writer& out) const {
+    require_parameters_alive();
     out.add("optimizer/kind", text_bytes("mpx::" + kind_));
     std::string const listing = parameter_listing();
     out.add("optimizer/parameters", text_bytes(listing));
@@ -243,6 +253,7 @@ class optimizer_core {
   //! rounding seed is restored from the file, so the resumed run draws as the saved one would.
   template <class LastCheck>
   void load(Exec const& exec, checkpoint_reader const& in, LastCheck&& last_check) {
+    require_parameters_alive();
     in.require_text("optimizer/kind", "mpx::" + kind_, "optimizer");
     in.require_text("optimizer/parameters", parameter_listing(), "parameter list");
     in.require_text("optimizer/state", state_listing(), "state kept per parameter");
