@@ -559,17 +559,24 @@ void fp8_block_case_with(draw& d, mpx::fp8_block_kind a_kind, mpx::fp8_block_kin
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
       auto const at = static_cast<std::size_t>(i * n + j);
-      double exact = 0, finite = 0;
+      double exact = 0, finite = 0, operands = 0;
       if (alpha != 0 && kp != 0) {
         double raw = 0;
         for (std::int64_t kk = 0; kk < kp; ++kk) {
-          double const t = ad[static_cast<std::size_t>(i * kp + kk)] * bd[static_cast<std::size_t>(j * kp + kk)];
+          double const x = ad[static_cast<std::size_t>(i * kp + kk)], y = bd[static_cast<std::size_t>(j * kp + kk)];
+          double const t = x * y;
           exact += t;
           if (std::isfinite(t)) raw += std::fabs(t);
+          if (std::isfinite(x) && std::isfinite(y)) operands += std::fabs(x) + std::fabs(y);
         }
         exact *= alpha;
         finite = std::max(raw, std::fabs(alpha) * raw);
       }
+      // What underflow loses in float, alpha times: half a subnormal step per product or
+      // sum, and per dequantised operand that lands in float's subnormal range, times the
+      // other operand (bounded by the sum of both operands' magnitudes).
+      double const underflow =
+          std::max(1.0, std::fabs(static_cast<double>(alpha))) * (static_cast<double>(kp) + operands) * float_underflow;
       if (beta != 0) {
         double const old = mpx::detail::to_double(c_old[at]);
         exact += beta * old;
@@ -578,8 +585,8 @@ void fp8_block_case_with(draw& d, mpx::fp8_block_kind a_kind, mpx::fp8_block_kin
       // Dequantised values are exact with power-of-two scales, one float rounding
       // (2^-24) each otherwise.
       double const dequant = pow2 || mx ? 0.0 : 0x1p-23;
-      double const tolerance = (u_out + static_cast<double>(kp + 4) * 0x1p-24 + dequant) * finite +
-                               min_subnormal<TC>() + static_cast<double>(kp) * float_underflow;
+      double const tolerance =
+          (u_out + static_cast<double>(kp + 4) * 0x1p-24 + dequant) * finite + min_subnormal<TC>() + underflow;
       check_element(call, "C", at, c.data()[at], exact, tolerance, finite, float_max, true);
     }
 }
@@ -694,25 +701,32 @@ void nvfp4_case(draw& d, std::int64_t m, std::int64_t k, std::int64_t n) {
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
       auto const idx = static_cast<std::size_t>(i * n + j);
-      double exact = 0, finite = 0;
+      double exact = 0, finite = 0, operands = 0;
       if (alpha != 0 && kp != 0) {
         double raw = 0;
         for (std::int64_t kk = 0; kk < kp; ++kk) {
-          double const t = ad[static_cast<std::size_t>(i * kp + kk)] * bd[static_cast<std::size_t>(j * kp + kk)];
+          double const x = ad[static_cast<std::size_t>(i * kp + kk)], y = bd[static_cast<std::size_t>(j * kp + kk)];
+          double const t = x * y;
           exact += t;
           if (std::isfinite(t)) raw += std::fabs(t);
+          if (std::isfinite(x) && std::isfinite(y)) operands += std::fabs(x) + std::fabs(y);
         }
         exact *= alpha;
         finite = std::max(raw, std::fabs(alpha) * raw);
       }
+      // What underflow loses in float, alpha times: half a subnormal step per product or
+      // sum, and per dequantised operand that lands in float's subnormal range, times the
+      // other operand (bounded by the sum of both operands' magnitudes).
+      double const underflow =
+          std::max(1.0, std::fabs(static_cast<double>(alpha))) * (static_cast<double>(kp) + operands) * float_underflow;
       if (beta != 0) {
         double const old = mpx::detail::to_double(c_old[idx]);
         exact += beta * old;
         if (std::isfinite(old)) finite += std::fabs(beta * old);
       }
       // Each dequantised value: the block scale times the decode factor, one more 2^-24.
-      double const tolerance = (u_out + static_cast<double>(kp + 6) * 0x1p-24) * finite + min_subnormal<TC>() +
-                               static_cast<double>(kp) * float_underflow;
+      double const tolerance =
+          (u_out + static_cast<double>(kp + 6) * 0x1p-24) * finite + min_subnormal<TC>() + underflow;
       check_element(call, "C", idx, c.data()[idx], exact, tolerance, finite, float_max, true);
     }
 }
